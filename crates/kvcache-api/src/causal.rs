@@ -1,0 +1,164 @@
+//! The causal-cache interface: one cache of cells shared by many sequences,
+//! driven once per forward pass (the design of Ollama's ggml runner).
+
+use std::ops::{Range, RangeFrom, RangeFull};
+
+use crate::{Batch, CausalConfig, Pos, Result, SeqId};
+
+/// Whether a forward pass computes or only sizes the graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardMode {
+    /// A real pass: tokens are placed in cells and the mask reflects them.
+    #[default]
+    Compute,
+    /// A worst-case pass for measuring memory: every cell is in range, the mask is
+    /// fully masked, and neither metadata nor stored keys/values change.
+    Reserve,
+}
+
+/// A half-open range of positions to remove; an open end removes to the end of
+/// the sequence without shifting anything.
+///
+/// ```
+/// use kvcache_api::PosRange;
+///
+/// assert_eq!(PosRange::from(4..8), PosRange { start: 4, end: Some(8) });
+/// assert_eq!(PosRange::from(4..), PosRange { start: 4, end: None });
+/// assert_eq!(PosRange::from(..), PosRange { start: 0, end: None });
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PosRange {
+    /// First position removed.
+    pub start: Pos,
+    /// One past the last position removed, or `None` for "to the end".
+    pub end: Option<Pos>,
+}
+
+impl PosRange {
+    /// Whether `pos` is removed by this range.
+    pub fn contains(&self, pos: Pos) -> bool {
+        pos >= self.start && self.end.is_none_or(|e| pos < e)
+    }
+
+    /// How far later positions move: `start - end` for a closed range, else 0.
+    pub fn shift(&self) -> Pos {
+        self.end.map_or(0, |e| self.start - e)
+    }
+}
+
+impl From<Range<Pos>> for PosRange {
+    fn from(r: Range<Pos>) -> Self {
+        PosRange {
+            start: r.start,
+            end: Some(r.end),
+        }
+    }
+}
+
+impl From<RangeFrom<Pos>> for PosRange {
+    fn from(r: RangeFrom<Pos>) -> Self {
+        PosRange {
+            start: r.start,
+            end: None,
+        }
+    }
+}
+
+impl From<RangeFull> for PosRange {
+    fn from(_: RangeFull) -> Self {
+        PosRange { start: 0, end: None }
+    }
+}
+
+/// What [`CausalCache::get`] returns for the current layer and forward pass.
+///
+/// All three are views into cache-owned storage (no copies); they stay valid
+/// until the next `start_forward` or `put` on the same layer.
+#[derive(Debug, Clone)]
+pub struct KvView<T> {
+    /// Keys of the pass's cell range: `[cells, kv_heads, head_dim]`.
+    pub keys: T,
+    /// Values of the pass's cell range: `[cells, kv_heads, head_dim_v]`, or
+    /// `[kv_heads, head_dim_v, cells]` with [`crate::VLayout::Permuted`].
+    pub values: T,
+    /// Attention mask `[batch_padded, cells]`: `0` where token `i` may attend to
+    /// cell `j`, `-inf` where not, in the configured mask dtype.
+    pub mask: T,
+}
+
+/// Re-rotates stored keys after their positions moved (RoPE shift).
+///
+/// Called by a shifting removal with a view of `n` consecutive cells of one
+/// layer, `keys: [n, kv_heads, head_dim]`, and `shifts: [n]`, the position delta of
+/// each cell (0 for cells that do not move). Returns the new keys, same shape.
+/// Closures with this signature implement it.
+pub trait KeyShift<T>: Send + Sync {
+    /// Returns `keys` rotated by `shifts` positions.
+    fn shift(&self, layer: usize, keys: &T, shifts: &[Pos]) -> Result<T>;
+}
+
+impl<T, F> KeyShift<T> for F
+where
+    F: Fn(usize, &T, &[Pos]) -> Result<T> + Send + Sync,
+{
+    fn shift(&self, layer: usize, keys: &T, shifts: &[Pos]) -> Result<T> {
+        self(layer, keys, shifts)
+    }
+}
+
+/// A KV cache whose cells are shared by several sequences, driven one forward
+/// pass at a time.
+///
+/// Per forward pass an engine calls [`start_forward`](Self::start_forward) once,
+/// then for each layer [`set_layer`](Self::set_layer), [`put`](Self::put) with the
+/// batch's new keys/values, and [`get`](Self::get) for everything the batch may
+/// attend to. Between passes it edits sequences with
+/// [`remove`](Self::remove) and [`copy_prefix`](Self::copy_prefix).
+///
+/// Every method that takes caller input validates it first: on error the cache is
+/// exactly as it was.
+///
+/// Tensor shapes (row-major, outermost first): `put` takes
+/// `keys: [batch, kv_heads, head_dim]` and `values: [batch, kv_heads, head_dim_v]`;
+/// `get` returns a [`KvView`].
+pub trait CausalCache {
+    /// The backend's tensor type.
+    type Tensor;
+
+    /// The configuration in force.
+    fn config(&self) -> &CausalConfig;
+
+    /// Replaces the configuration, dropping every stored token.
+    fn configure(&mut self, config: CausalConfig) -> Result<()>;
+
+    /// Begins a forward pass over `batch`: trims sliding windows, places the
+    /// batch's tokens in free cells (compacting if needed) and builds the mask.
+    fn start_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()>;
+
+    /// Selects the layer that `put` and `get` address.
+    fn set_layer(&mut self, layer: usize);
+
+    /// Exempts batch tokens `except` (indices into the batch) from causality for
+    /// the rest of this pass: they see later positions of their sequence too (e.g.
+    /// image tokens attending bidirectionally). An empty slice restores causality.
+    fn set_causal(&mut self, except: &[usize]) -> Result<()>;
+
+    /// Stores the current layer's keys `[batch, kv_heads, head_dim]` and values
+    /// `[batch, kv_heads, head_dim_v]` for the batch's tokens.
+    fn put(&mut self, keys: &Self::Tensor, values: &Self::Tensor) -> Result<()>;
+
+    /// Keys, values and mask of the current layer for this pass.
+    fn get(&self) -> Result<KvView<Self::Tensor>>;
+
+    /// Makes `dst` share the first `len` positions of `src` (metadata only, no
+    /// tensor copy); `dst`'s previous tokens are dropped.
+    fn copy_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) -> Result<()>;
+
+    /// Whether `seq` can continue at `pos` with every position its window needs
+    /// still stored. Always true without a bounded sliding-window memory.
+    fn can_resume(&self, seq: SeqId, pos: Pos) -> bool;
+
+    /// Removes `range` from `seq`. A closed range shifts later positions down by
+    /// its length and re-rotates their keys through the cache's [`KeyShift`].
+    fn remove(&mut self, seq: SeqId, range: PosRange) -> Result<()>;
+}

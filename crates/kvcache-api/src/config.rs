@@ -1,0 +1,336 @@
+//! Configuration of a causal cache: sizes, attention pattern, storage layout.
+
+use crate::{CacheError, Result};
+
+/// Element type of stored keys/values or of the mask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DType {
+    /// 32-bit float.
+    #[default]
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        })
+    }
+}
+
+/// A sliding-window attention pattern.
+///
+/// **Convention:** a window of `W` lets a query at position `p` see keys at
+/// positions `p - W + 1 ..= p`: exactly `W` positions, itself included (Hugging
+/// Face's `sliding_window`, llama.cpp, MLX). Ollama's `causal.go` counts one less:
+/// its window `w` is our `W = w + 1` (see [`SlidingWindow::from_ollama`]).
+///
+/// **Memory** `M >= W` is how much of each sequence the cache keeps so that a
+/// conversation can resume a little behind its end. Before each forward pass a
+/// sequence whose next position is `n` drops the cells with `pos < n - M + 1`.
+///
+/// ```
+/// use kvcache_api::SlidingWindow;
+///
+/// let w = SlidingWindow::new(4096);
+/// assert_eq!((w.window(), w.memory()), (4096, None));
+/// let ollama = SlidingWindow::from_ollama(4096);
+/// assert_eq!(ollama.window(), 4097);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlidingWindow {
+    window: usize,
+    memory: Option<usize>,
+}
+
+impl SlidingWindow {
+    /// A window of exactly `window` positions; memory equals the window.
+    pub fn new(window: usize) -> Self {
+        SlidingWindow { window, memory: None }
+    }
+
+    /// A window of `window` positions that keeps `memory >= window` positions of
+    /// each sequence for resuming.
+    pub fn with_memory(window: usize, memory: usize) -> Self {
+        SlidingWindow {
+            window,
+            memory: Some(memory),
+        }
+    }
+
+    /// Translates Ollama's `NewSWACache(w)`, whose window shows `w + 1` positions.
+    pub fn from_ollama(window: usize) -> Self {
+        SlidingWindow::new(window + 1)
+    }
+
+    /// Translates Ollama's `NewSWAMemCache(w, m)`.
+    pub fn from_ollama_with_memory(window: usize, memory: usize) -> Self {
+        SlidingWindow::with_memory(window + 1, memory + 1)
+    }
+
+    /// Positions a query sees, itself included.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Positions kept per sequence, if set apart from the window.
+    pub fn memory(&self) -> Option<usize> {
+        self.memory
+    }
+}
+
+/// How the value tensor is laid out in storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum VLayout {
+    /// Values stored like keys: `[cells, kv_heads, head_dim_v]`.
+    #[default]
+    Normal,
+    /// Values stored transposed: `[kv_heads, head_dim_v, cells]`, so that
+    /// `softmax(QK^T) @ V` reads V without a transpose (ggml's permuted V).
+    Permuted,
+}
+
+/// Where a forward pass's tokens are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Placement {
+    /// The first free cells, wherever they are (writes may scatter).
+    #[default]
+    Scattered,
+    /// One contiguous run of free cells; the cache compacts itself when no run
+    /// is long enough.
+    Contiguous,
+}
+
+/// Everything a causal cache needs to know before its first forward pass.
+///
+/// Built with [`CausalConfig::new`] and the `with_*` methods; checked by
+/// [`CausalConfig::validate`] when a cache is created or reconfigured.
+///
+/// ```
+/// use kvcache_api::{CausalConfig, DType, SlidingWindow};
+///
+/// let config = CausalConfig::new(4, 8192, 512)
+///     .with_window(SlidingWindow::new(1024))
+///     .with_dtype(DType::F16);
+/// config.validate()?;
+/// // Several sequences keep one spare token each: memory = window + 1.
+/// assert_eq!(config.effective_memory(), Some(1025));
+/// assert_eq!(config.num_cells(), 4 * 1024 + 512);
+/// # Ok::<(), kvcache_api::CacheError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct CausalConfig {
+    /// Number of sequences; valid ids are `0..max_sequences`.
+    pub max_sequences: usize,
+    /// Longest context of one sequence, in tokens.
+    pub capacity: usize,
+    /// Most tokens in one forward pass.
+    pub max_batch: usize,
+    /// Sliding-window attention, if any.
+    pub window: Option<SlidingWindow>,
+    /// Chunked attention: a query at `p` sees positions `p - p % c ..= p`.
+    pub chunk_size: Option<usize>,
+    /// Storage type of keys and values.
+    pub dtype: DType,
+    /// Element type of the mask.
+    pub mask_dtype: DType,
+    /// Mask rows are padded to a multiple of this (fully masked rows).
+    pub batch_padding: usize,
+    /// The cell range (mask columns, K/V views) is aligned to a multiple of this.
+    pub cache_padding: usize,
+    /// Storage layout of values.
+    pub v_layout: VLayout,
+    /// Where new tokens go.
+    pub placement: Placement,
+    /// Compact the cache before a forward pass when free cells make up more than
+    /// this fraction of the pass's cell range (holes cost attention work).
+    /// `None` compacts only when contiguous placement finds no room.
+    pub compact_threshold: Option<f32>,
+}
+
+impl CausalConfig {
+    /// A full-attention cache for `max_sequences` sequences of up to `capacity`
+    /// tokens each, in f32, with batches of up to `max_batch` tokens.
+    pub fn new(max_sequences: usize, capacity: usize, max_batch: usize) -> Self {
+        CausalConfig {
+            max_sequences,
+            capacity,
+            max_batch,
+            window: None,
+            chunk_size: None,
+            dtype: DType::F32,
+            mask_dtype: DType::F32,
+            batch_padding: 1,
+            cache_padding: 1,
+            v_layout: VLayout::Normal,
+            placement: Placement::Scattered,
+            compact_threshold: None,
+        }
+    }
+
+    /// Sets a sliding window.
+    pub fn with_window(mut self, window: SlidingWindow) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// Sets chunked attention.
+    pub fn with_chunk_size(mut self, chunk: usize) -> Self {
+        self.chunk_size = Some(chunk);
+        self
+    }
+
+    /// Sets the key/value storage type.
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Sets the mask element type.
+    pub fn with_mask_dtype(mut self, dtype: DType) -> Self {
+        self.mask_dtype = dtype;
+        self
+    }
+
+    /// Sets batch (mask row) and cache (mask column) padding.
+    pub fn with_padding(mut self, batch_padding: usize, cache_padding: usize) -> Self {
+        self.batch_padding = batch_padding;
+        self.cache_padding = cache_padding;
+        self
+    }
+
+    /// Sets the value layout.
+    pub fn with_v_layout(mut self, layout: VLayout) -> Self {
+        self.v_layout = layout;
+        self
+    }
+
+    /// Sets the placement policy.
+    pub fn with_placement(mut self, placement: Placement) -> Self {
+        self.placement = placement;
+        self
+    }
+
+    /// Sets the hole fraction above which the cache compacts itself.
+    pub fn with_compact_threshold(mut self, threshold: Option<f32>) -> Self {
+        self.compact_threshold = threshold;
+        self
+    }
+
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(CacheError::InvalidArgument(msg));
+        if self.max_sequences == 0 || self.capacity == 0 || self.max_batch == 0 {
+            return bad(format!(
+                "max_sequences ({}), capacity ({}) and max_batch ({}) must all be at least 1",
+                self.max_sequences, self.capacity, self.max_batch
+            ));
+        }
+        if self.batch_padding == 0 || self.cache_padding == 0 {
+            return bad("paddings must be at least 1".into());
+        }
+        if self.capacity > i32::MAX as usize {
+            return bad(format!("capacity {} exceeds the position range", self.capacity));
+        }
+        if let Some(w) = self.window {
+            if w.window == 0 {
+                return bad("a sliding window must be at least 1 position".into());
+            }
+            if let Some(m) = w.memory {
+                if m < w.window {
+                    return bad(format!(
+                        "sliding-window memory ({m}) must be at least the window ({})",
+                        w.window
+                    ));
+                }
+            }
+        }
+        if self.chunk_size == Some(0) {
+            return bad("chunk size must be at least 1".into());
+        }
+        if let Some(t) = self.compact_threshold {
+            if !(0.0..=1.0).contains(&t) {
+                return bad(format!("compact threshold {t} must lie in 0..=1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Positions kept per sequence, or `None` when the cache keeps everything.
+    ///
+    /// Memory is the window's memory (or the window); with several sequences it is
+    /// at least `window + 1`, one spare token per sequence; a memory that would
+    /// reach `capacity` means unbounded.
+    pub fn effective_memory(&self) -> Option<usize> {
+        let w = self.window?;
+        let mut memory = w.memory.unwrap_or(w.window);
+        if self.max_sequences > 1 {
+            memory = memory.max(w.window + 1);
+        }
+        // Ollama compares its memory (ours minus one) with the capacity.
+        (memory - 1 < self.capacity).then_some(memory)
+    }
+
+    /// Number of cells the cache allocates: `max_sequences * (M - 1) + max_batch`
+    /// with bounded memory `M`, else `max_sequences * capacity`, rounded up to the
+    /// cache padding.
+    pub fn num_cells(&self) -> usize {
+        let cells = match self.effective_memory() {
+            Some(m) => self.max_sequences * (m - 1) + self.max_batch,
+            None => self.max_sequences * self.capacity,
+        };
+        cells.div_ceil(self.cache_padding) * self.cache_padding
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizing_matches_the_conventions() {
+        // SCENARIOS S2: window 2, one sequence, capacity 16, batch 16 -> 17 cells.
+        let s2 = CausalConfig::new(1, 16, 16).with_window(SlidingWindow::new(2));
+        assert_eq!(s2.effective_memory(), Some(2));
+        assert_eq!(s2.num_cells(), 17);
+        // BENCHMARKS W3: Ollama window 4096, 16 sequences, capacity 32768, batch 512.
+        let w3 = CausalConfig::new(16, 32768, 512).with_window(SlidingWindow::from_ollama(4096));
+        assert_eq!(w3.num_cells(), 66064);
+        // Memory reaching capacity means unbounded.
+        let big = CausalConfig::new(2, 100, 8).with_window(SlidingWindow::new(200));
+        assert_eq!(big.effective_memory(), None);
+        assert_eq!(big.num_cells(), 200);
+        assert_eq!(CausalConfig::new(3, 10, 4).with_padding(1, 8).num_cells(), 32);
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let e = CausalConfig::new(1, 16, 16)
+            .with_window(SlidingWindow::with_memory(8, 4))
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("memory (4)"));
+        assert!(CausalConfig::new(0, 16, 16).validate().is_err());
+        assert!(CausalConfig::new(1, 16, 16)
+            .with_chunk_size(0)
+            .validate()
+            .is_err());
+        assert!(CausalConfig::new(1, 16, 16).validate().is_ok());
+    }
+}

@@ -1,0 +1,38 @@
+//! The contract between LLM inference engines and the kvcache-rs backends.
+//!
+//! Two cache designs, one per trait family:
+//!
+//! - [`CausalCache`]: one pool of *cells* shared by many sequences (continuous
+//!   batching, sliding windows, chunked attention, prefix sharing). Implemented on
+//!   candle by `kvcache-causal`.
+//! - [`SnapshotCache`] / [`LayerCache`]: per-layer caches of one live sequence whose
+//!   state pages out to [`Snapshot`]s, so a prefix trie can switch conversations.
+//!   Implemented on mlx-rs by `kvcache-mlx`.
+//!
+//! This crate has no tensor dependency: tensors appear as associated types.
+//! Every fallible operation returns [`CacheError`]; bad input leaves the cache
+//! unchanged.
+//!
+//! ```
+//! use kvcache_api::{Batch, CausalConfig, SlidingWindow};
+//!
+//! // Two sequences decoding together in a cache with a 4096-position window.
+//! let config = CausalConfig::new(2, 8192, 512).with_window(SlidingWindow::new(4096));
+//! config.validate()?;
+//! let step = Batch::from_tokens([(0, 100), (1, 37)])?;
+//! assert_eq!(step.sequences(), &[0, 1]);
+//! # Ok::<(), kvcache_api::CacheError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod batch;
+mod causal;
+mod config;
+mod error;
+mod snapshot;
+
+pub use batch::{Batch, Pos, SeqId};
+pub use causal::{CausalCache, ForwardMode, KeyShift, KvView, PosRange};
+pub use config::{CausalConfig, DType, Placement, SlidingWindow, VLayout};
+pub use error::{CacheError, Result};
+pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};
