@@ -1,0 +1,1 @@
+//! Layer caches on mlx-rs arrays.
