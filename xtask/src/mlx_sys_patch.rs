@@ -1,0 +1,339 @@
+//! Step 3 of `prepare` on Linux: a patched copy of mlx-sys 0.7.0 that builds
+//! against the MLX wheel, generated from the pristine crates.io source.
+//!
+//! Published mlx-sys builds only on Apple targets. The copy differs in four
+//! places, each an edit whose anchor must be found exactly once so that a
+//! changed upstream fails here, loudly, instead of building something else:
+//! - `build.rs`: off Apple, configure mlx-c with `MLX_C_USE_SYSTEM_MLX=ON` and
+//!   the wheel's CMake package (no download of MLX), and link `static=mlxc`,
+//!   `dylib=mlx` and `stdc++` instead of Apple frameworks;
+//! - `mlx/c/half.h`: 16-bit `float16_t` / `bfloat16_t` off aarch64, so that the
+//!   bindings mlx-rs imports exist (`__fp16` for bindgen: libclang 14 rejects
+//!   `_Float16` on x86-64);
+//! - `mlx/c/private/io.h`: no `std::format` (GCC 12 has no `<format>`);
+//! - `src/lib.rs`: a `mach_approximate_time` stand-in (mlx-rs calls it to seed
+//!   its random state; it exists only on Apple systems).
+//!
+//! The copy lives in `target/xtask/` (git-ignored) and the main workspace uses it
+//! through `--config patch.crates-io.mlx-sys.path=...` on each cargo command.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::error::{bail, Result};
+use crate::layout::Layout;
+use crate::mlx_wheel::{MlxWheel, MLX_VERSION};
+use crate::{files, shell};
+
+pub const MLX_SYS: &str = "mlx-sys-0.7.0";
+/// Raise when the generated copy must change for a reason the inputs do not show.
+const PATCH_VERSION: u32 = 1;
+/// This file's source is part of the stamp: editing the patch regenerates the copy.
+const PATCH_SOURCE: &str = include_str!("mlx_sys_patch.rs");
+const STAMP: &str = ".kvcache-patch-stamp";
+
+/// Returns the directory of the patched copy, generating it when its inputs
+/// (pristine source, wheel location, this patch) changed.
+pub fn ensure(layout: &Layout, wheel: &MlxWheel) -> Result<PathBuf> {
+    const STEP: &str = "prepare: patched mlx-sys";
+    let pristine = pristine_source(layout)?;
+    let stamp = stamp(&pristine, wheel)?;
+    let dest = layout.generated().join(MLX_SYS);
+    let current = std::fs::read_to_string(dest.join(STAMP)).unwrap_or_default();
+    if current.trim() == stamp {
+        println!("{STEP}: already done ({})", dest.display());
+        return Ok(dest);
+    }
+
+    let staging = layout.generated().join(format!("{MLX_SYS}.tmp"));
+    files::remove_all(&staging)?;
+    files::copy_tree(&pristine, &staging)?;
+    apply(&staging, &wheel.prefix)?;
+    files::write(&staging.join(STAMP), format!("{stamp}\n"))?;
+    files::remove_all(&dest)?;
+    files::rename(&staging, &dest)?;
+    println!("{STEP}: done ({} from {})", dest.display(), pristine.display());
+    Ok(dest)
+}
+
+/// The crates.io source that cargo unpacked, fetching it first when missing.
+fn pristine_source(layout: &Layout) -> Result<PathBuf> {
+    if let Some(found) = find_in_registry() {
+        return Ok(found);
+    }
+    shell::run(
+        Command::new(crate::cargo::program())
+            .arg("fetch")
+            .current_dir(&layout.root),
+    )?;
+    match find_in_registry() {
+        Some(found) => Ok(found),
+        None => bail!(
+            "`cargo fetch` did not unpack {MLX_SYS} under {}/registry/src: does Cargo.lock still pin mlx-sys 0.7.0?",
+            cargo_home().display()
+        ),
+    }
+}
+
+fn cargo_home() -> PathBuf {
+    if let Some(home) = std::env::var_os("CARGO_HOME").filter(|home| !home.is_empty()) {
+        return PathBuf::from(home);
+    }
+    let home = std::env::var_os("HOME").unwrap_or_default();
+    PathBuf::from(home).join(".cargo")
+}
+
+fn find_in_registry() -> Option<PathBuf> {
+    let registries = std::fs::read_dir(cargo_home().join("registry").join("src")).ok()?;
+    let mut found: Vec<PathBuf> = registries
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join(MLX_SYS))
+        // `.cargo-ok` is written by cargo once a crate is fully unpacked.
+        .filter(|dir| dir.join(".cargo-ok").is_file() && dir.join("build.rs").is_file())
+        .collect();
+    found.sort();
+    found.into_iter().next()
+}
+
+fn stamp(pristine: &Path, wheel: &MlxWheel) -> Result<String> {
+    let tree = files::sha256_tree(pristine, |name| name == ".cargo-ok")?;
+    Ok(files::sha256_bytes(&[
+        format!("kvcache-rs mlx-sys patch v{PATCH_VERSION}").as_bytes(),
+        PATCH_SOURCE.as_bytes(),
+        tree.as_bytes(),
+        wheel.prefix.to_string_lossy().as_bytes(),
+    ]))
+}
+
+/// Applies every edit to the copy in `dir`.
+fn apply(dir: &Path, mlx_prefix: &Path) -> Result<()> {
+    edit(&dir.join("build.rs"), |text| patch_build_rs(text, mlx_prefix))?;
+    edit(&dir.join("src/mlx-c/mlx/c/half.h"), patch_half_h)?;
+    edit(&dir.join("src/mlx-c/mlx/c/private/io.h"), patch_io_h)?;
+    edit(&dir.join("src/lib.rs"), patch_lib_rs)?;
+    files::write(
+        &dir.join("KVCACHE-PATCHED.md"),
+        "Generated by `cargo xtask prepare` from the crates.io source of mlx-sys 0.7.0 \
+         (see xtask/src/mlx_sys_patch.rs). Do not edit: it is regenerated.\n",
+    )
+}
+
+fn edit(path: &Path, patch: impl FnOnce(&str) -> Result<String>) -> Result<()> {
+    let text = files::read_to_string(path)?;
+    let patched = patch(&text).map_err(|err| {
+        crate::error::Error::new(format!(
+            "patching {}: {err}; mlx-sys upstream changed, update xtask/src/mlx_sys_patch.rs",
+            path.display()
+        ))
+    })?;
+    files::write(path, patched)
+}
+
+/// Replaces the single occurrence of `anchor`.
+fn replace_once(text: &str, anchor: &str, replacement: &str) -> Result<String> {
+    match text.matches(anchor).count() {
+        1 => Ok(text.replacen(anchor, replacement, 1)),
+        n => bail!("expected `{anchor}` exactly once, found it {n} times"),
+    }
+}
+
+fn require(text: &str, anchor: &str) -> Result<()> {
+    if !text.contains(anchor) {
+        bail!("expected `{anchor}`, not found");
+    }
+    Ok(())
+}
+
+fn patch_build_rs(text: &str, mlx_prefix: &Path) -> Result<String> {
+    let text = replace_once(
+        text,
+        "    build_and_link_mlx_c();\n",
+        "    if env::var(\"CARGO_CFG_TARGET_VENDOR\").as_deref() == Ok(\"apple\") {\n\
+         \x20       build_and_link_mlx_c();\n\
+         \x20   } else {\n\
+         \x20       kvcache_build_and_link_system_mlx();\n\
+         \x20   }\n",
+    )?;
+    require(&text, "fn publish_native_sources(")?;
+    let prefix = format!("{:?}", mlx_prefix.to_string_lossy());
+    Ok(format!(
+        "{text}{}",
+        SYSTEM_MLX_BUILD
+            .replace("@MLX_PREFIX@", &prefix)
+            .replace("@MLX_VERSION@", MLX_VERSION)
+    ))
+}
+
+/// Appended to mlx-sys's build.rs.
+const SYSTEM_MLX_BUILD: &str = r#"
+// ---- kvcache-rs patch: build off Apple against the MLX of the mlx-cpu wheel ----
+
+/// `mlx/` of the extracted mlx-cpu wheel (lib/libmlx.so, include/, share/cmake/MLX).
+const KVCACHE_MLX_PREFIX: &str = @MLX_PREFIX@;
+
+/// Builds only mlx-c, against the prebuilt MLX, and links it dynamically.
+/// Executables find libmlx.so through the rpath that `cargo xtask` adds.
+/// mlx-c is thin glue over libmlx: debug and test builds compile it at -O0
+/// (about half the compile time), release and bench builds at -O3.
+fn kvcache_build_and_link_system_mlx() {
+    let mlx_c_root = Path::new("src/mlx-c");
+    let mlx_prefix = Path::new(KVCACHE_MLX_PREFIX);
+    let release = env::var("PROFILE").as_deref() == Ok("release");
+    let dst = Config::new(mlx_c_root)
+        .profile(if release { "Release" } else { "Debug" })
+        .define("CMAKE_C_FLAGS_DEBUG", "-O0")
+        .define("CMAKE_CXX_FLAGS_DEBUG", "-O0")
+        .define("MLX_C_USE_SYSTEM_MLX", "ON")
+        .define("MLX_DIR", mlx_prefix.join("share/cmake/MLX"))
+        .define("MLX_C_BUILD_EXAMPLES", "OFF")
+        .define("CMAKE_INSTALL_LIBDIR", "lib")
+        .build();
+
+    println!("cargo:rustc-link-search=native={}/lib", dst.display());
+    println!("cargo:rustc-link-search=native={}/lib", mlx_prefix.display());
+    println!("cargo:rustc-link-lib=static=mlxc");
+    println!("cargo:rustc-link-lib=dylib=mlx");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let include = env::join_paths([mlx_prefix.join("include"), manifest.join(mlx_c_root)])
+        .expect("MLX include directories must not contain the path-list separator");
+    println!("cargo::metadata=include={}", include.display());
+    println!("cargo::metadata=version=@MLX_VERSION@");
+}
+"#;
+
+fn patch_half_h(text: &str) -> Result<String> {
+    require(text, "typedef __fp16 float16_t;")?;
+    require(text, "typedef __bf16 bfloat16_t;")?;
+    replace_once(
+        text,
+        "#ifdef __cplusplus\n}\n#endif",
+        "/* kvcache-rs patch: 16-bit types off aarch64. bindgen (clang, C) sees the\n\
+         \x20  storage-only __fp16 that clang accepts on every target, bound as the\n\
+         \x20  __BindgenFloat16 mlx-rs expects; mlx-c's C++ only copies the bits. */\n\
+         #ifndef HAS_FLOAT16\n\
+         #define HAS_FLOAT16\n\
+         #if defined(__clang__) && !defined(__cplusplus)\n\
+         typedef __fp16 float16_t;\n\
+         #else\n\
+         #include <stdint.h>\n\
+         typedef uint16_t float16_t;\n\
+         #endif\n\
+         #endif\n\
+         \n\
+         #ifndef HAS_BFLOAT16\n\
+         #define HAS_BFLOAT16\n\
+         #include <stdint.h>\n\
+         typedef uint16_t bfloat16_t;\n\
+         #endif\n\
+         \n\
+         #ifdef __cplusplus\n}\n#endif",
+    )
+}
+
+fn patch_io_h(text: &str) -> Result<String> {
+    if !text.contains("std::format(") {
+        bail!("expected `std::format(` (the reason for this patch), not found");
+    }
+    let text = replace_once(
+        text,
+        "#include <streambuf>\n",
+        "#include <streambuf>\n\
+         #include <sstream>\n\
+         #include <string>\n\
+         \n\
+         // kvcache-rs patch: GCC 12 has no C++20 formatting library; these messages only use `{}`.\n\
+         namespace {\n\
+         inline void kvcache_format_to(std::ostringstream& out, const char* fmt) {\n\
+         \x20 out << fmt;\n\
+         }\n\
+         template <typename T, typename... Rest>\n\
+         inline void kvcache_format_to(\n\
+         \x20   std::ostringstream& out,\n\
+         \x20   const char* fmt,\n\
+         \x20   const T& value,\n\
+         \x20   const Rest&... rest) {\n\
+         \x20 for (; *fmt != '\\0'; ++fmt) {\n\
+         \x20   if (fmt[0] == '{' && fmt[1] == '}') {\n\
+         \x20     out << value;\n\
+         \x20     kvcache_format_to(out, fmt + 2, rest...);\n\
+         \x20     return;\n\
+         \x20   }\n\
+         \x20   out << *fmt;\n\
+         \x20 }\n\
+         }\n\
+         template <typename... Args>\n\
+         inline std::string kvcache_format(const char* fmt, const Args&... args) {\n\
+         \x20 std::ostringstream out;\n\
+         \x20 kvcache_format_to(out, fmt, args...);\n\
+         \x20 return out.str();\n\
+         }\n\
+         } // namespace\n",
+    )?;
+    let text = text.replace("std::format(", "kvcache_format(");
+    if text.contains("std::format") || text.contains("<format>") {
+        bail!("`std::format` is still used after the patch");
+    }
+    Ok(text)
+}
+
+fn patch_lib_rs(text: &str) -> Result<String> {
+    require(text, "include!(concat!(env!(\"OUT_DIR\"), \"/bindings.rs\"));")?;
+    if text.contains("mach_approximate_time") {
+        bail!("upstream now mentions `mach_approximate_time`: check whether the stand-in is still needed");
+    }
+    Ok(format!("{text}{MACH_TIME_STAND_IN}"))
+}
+
+/// Appended to mlx-sys's lib.rs.
+const MACH_TIME_STAND_IN: &str = r#"
+// ---- kvcache-rs patch ----
+/// Stand-in for macOS's `mach_approximate_time`, which mlx-rs calls to seed its
+/// random state: nanoseconds since the Unix epoch.
+#[cfg(not(target_vendor = "apple"))]
+#[no_mangle]
+pub extern "C" fn mach_approximate_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos() as u64)
+}
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replace_once_demands_exactly_one_anchor() {
+        assert_eq!(replace_once("a b c", "b", "x").unwrap(), "a x c");
+        assert!(replace_once("a c", "b", "x").is_err());
+        assert!(replace_once("b b", "b", "x").is_err());
+    }
+
+    #[test]
+    fn io_h_loses_std_format() {
+        let text = "#include <streambuf>\n  f(std::format(\"{} in {}\", a, b));\n";
+        let patched = patch_io_h(text).unwrap();
+        assert!(patched.contains("f(kvcache_format(\"{} in {}\", a, b));"));
+        assert!(!patched.contains("std::format"));
+    }
+
+    #[test]
+    fn half_h_gains_fallback_types() {
+        let text = "typedef __fp16 float16_t;\ntypedef __bf16 bfloat16_t;\n#ifdef __cplusplus\n}\n#endif\n";
+        let patched = patch_half_h(text).unwrap();
+        assert!(patched.contains("typedef __fp16 float16_t;\n#else"));
+        assert!(patched.contains("typedef uint16_t bfloat16_t;"));
+        assert!(patched.ends_with("#ifdef __cplusplus\n}\n#endif\n"));
+    }
+
+    #[test]
+    fn build_rs_dispatches_on_target_vendor() {
+        let text = "fn publish_native_sources() {}\nfn main() {\n    build_and_link_mlx_c();\n}\n";
+        let patched = patch_build_rs(text, Path::new("/c/mlx")).unwrap();
+        assert!(patched.contains("kvcache_build_and_link_system_mlx();"));
+        assert!(patched.contains("const KVCACHE_MLX_PREFIX: &str = \"/c/mlx\";"));
+        assert!(!patched.contains('@'));
+    }
+}

@@ -1,0 +1,169 @@
+//! The commands that run cargo on the main workspace. Each is one function:
+//! prepare what it needs, then run cargo with the prepared flags.
+
+use crate::error::{bail, Result};
+use crate::layout::Layout;
+use crate::prepare::{prepare, prepare_model_only, Model};
+use crate::shell;
+
+/// Every test of the workspace (all targets, then doc tests), kvcache-mlx included.
+/// `--no-fail-fast`: report every failing test binary, not only the first.
+pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
+    let cargo = prepare(layout, Model::Needed)?;
+    let chosen = Chosen::scan(args);
+    if chosen.targets {
+        return cargo.run(&chosen.command(&["test", "--no-fail-fast"], args));
+    }
+    cargo.run(&chosen.command(&["test", "--no-fail-fast", "--all-targets"], args))?;
+    // `--all-targets` leaves out doc tests.
+    cargo.run(&chosen.command(&["test", "--no-fail-fast", "--doc"], args))
+}
+
+/// Formatting, clippy (with the MLX code on) and rustdoc, all warnings denied.
+pub fn lint(layout: &Layout, args: &[String]) -> Result<()> {
+    if !args.is_empty() {
+        bail!("lint takes no arguments");
+    }
+    let cargo = prepare(layout, Model::NotNeeded)?;
+    cargo.run_plain(&["fmt", "--all", "--check"])?;
+    cargo.run(&strings(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    cargo.run_with_rustdocflags(
+        &strings(&["doc", "--workspace", "--no-deps"]),
+        &["-D", "warnings"],
+    )?;
+    Ok(())
+}
+
+/// `cargo bench` over the workspace; extra arguments go to cargo.
+pub fn bench(layout: &Layout, args: &[String]) -> Result<()> {
+    let cargo = prepare(layout, Model::Needed)?;
+    cargo.run(&Chosen::scan(args).command(&["bench"], args))
+}
+
+/// The demo program (crates/kvcache-demo); extra arguments go to the demo.
+pub fn demo(layout: &Layout, args: &[String]) -> Result<()> {
+    const DEMO: &str = "kvcache-demo";
+    let dir = layout.root.join("crates").join(DEMO);
+    let has_binary = dir.join("src/main.rs").is_file()
+        || dir.join("src/bin").is_dir()
+        || std::fs::read_to_string(dir.join("Cargo.toml")).is_ok_and(|toml| toml.contains("[[bin]]"));
+    if !has_binary {
+        bail!("the demo is not built yet: crates/{DEMO} has no binary");
+    }
+    let cargo = prepare(layout, Model::Needed)?;
+    let mut run = strings(&["run", "--release", "-p", DEMO, "--"]);
+    run.extend_from_slice(args);
+    cargo.run(&run)
+}
+
+/// The candle-backed tests on Apple's Metal device (macOS only).
+pub fn test_metal(layout: &Layout, args: &[String]) -> Result<()> {
+    if !cfg!(target_os = "macos") {
+        bail!(
+            "test-metal needs macOS (Metal); this machine runs {}",
+            std::env::consts::OS
+        );
+    }
+    device_tests(layout, "metal", &[], args)
+}
+
+/// The candle-backed tests on an NVIDIA GPU (needs the CUDA toolkit).
+pub fn test_cuda(layout: &Layout, args: &[String]) -> Result<()> {
+    if !shell::on_path("nvcc") {
+        bail!("test-cuda needs the CUDA toolkit: nvcc is not on PATH");
+    }
+    device_tests(layout, "cuda", &["--features", "cuda"], args)
+}
+
+/// kvcache-causal's tests with `KVCACHE_DEVICE` set, which they read to pick the device.
+fn device_tests(layout: &Layout, device: &str, features: &[&str], args: &[String]) -> Result<()> {
+    let mut cargo = prepare_model_only(layout)?;
+    cargo.set_env("KVCACHE_DEVICE", device);
+    let mut run = strings(&["test", "-p", "kvcache-causal"]);
+    run.extend(strings(features));
+    run.extend_from_slice(args);
+    cargo.run(&run)
+}
+
+fn strings(words: &[&str]) -> Vec<String> {
+    words.iter().map(|word| word.to_string()).collect()
+}
+
+/// Which selections the caller's cargo arguments already make.
+struct Chosen {
+    /// `-p`, `--package`, `--workspace`, `--exclude`: leave out our `--workspace`.
+    packages: bool,
+    /// `--lib`, `--test NAME`, `--doc`, ...: leave out `--all-targets` and the doc-test run.
+    targets: bool,
+}
+
+impl Chosen {
+    fn scan(args: &[String]) -> Self {
+        // Arguments after `--` belong to the test harness, not to cargo.
+        let cargo_args = args.iter().take_while(|arg| arg.as_str() != "--");
+        let mut chosen = Self {
+            packages: false,
+            targets: false,
+        };
+        for arg in cargo_args {
+            let arg = arg.as_str();
+            let flag = arg.split('=').next().unwrap_or(arg);
+            if arg.starts_with("-p") || matches!(flag, "--package" | "--workspace" | "--all" | "--exclude") {
+                chosen.packages = true;
+            }
+            if matches!(
+                flag,
+                "--lib"
+                    | "--bin"
+                    | "--bins"
+                    | "--test"
+                    | "--tests"
+                    | "--example"
+                    | "--examples"
+                    | "--bench"
+                    | "--benches"
+                    | "--all-targets"
+                    | "--doc"
+            ) {
+                chosen.targets = true;
+            }
+        }
+        chosen
+    }
+
+    /// `words`, then `--workspace` unless the caller chose packages, then `args`.
+    fn command(&self, words: &[&str], args: &[String]) -> Vec<String> {
+        let mut command = strings(words);
+        if !self.packages {
+            command.push("--workspace".to_owned());
+        }
+        command.extend_from_slice(args);
+        command
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(args: &[&str]) -> (bool, bool) {
+        let chosen = Chosen::scan(&strings(args));
+        (chosen.packages, chosen.targets)
+    }
+
+    #[test]
+    fn selections_are_detected() {
+        assert_eq!(scan(&[]), (false, false));
+        assert_eq!(scan(&["-p", "kvcache-mlx", "--test", "mlx_link"]), (true, true));
+        assert_eq!(scan(&["--package=kvcache-api"]), (true, false));
+        assert_eq!(scan(&["--release", "--", "--test", "-p"]), (false, false));
+        assert_eq!(scan(&["--doc"]), (false, true));
+    }
+}
