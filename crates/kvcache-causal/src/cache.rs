@@ -1,0 +1,475 @@
+//! [`CausalKvCache`]: the causal cache on candle tensors, bookkeeping plus storage.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use half::{bf16, f16};
+use kvcache_api::{
+    Batch, CacheError, CausalCache, CausalConfig, DType, ForwardMode, KeyShift, KvView, Pos, PosRange,
+    Result, SeqId,
+};
+
+use crate::book::{Book, RemovePlan};
+use crate::inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
+use crate::storage::{same_storage, Storage};
+
+/// A shift function as the cache keeps it: shared by deep clones, never mutated.
+pub type SharedKeyShift = Arc<dyn KeyShift<Tensor>>;
+
+/// A multi-sequence causal KV cache whose keys and values are candle tensors.
+///
+/// Cells (one token's keys and values for every layer) are shared by up to
+/// `max_sequences` sequences; each forward pass places its tokens in free cells,
+/// trims sliding windows and builds the attention mask. See [`CausalCache`] for the
+/// call protocol and the crate documentation for the design.
+///
+/// Shapes: `put` takes keys `[batch, kv_heads, head_dim]` and values
+/// `[batch, kv_heads, head_dim_v]` in the configured dtype, on the cache's device.
+/// `get` returns views of the pass's cell range: keys `[cells, kv_heads, head_dim]`,
+/// values `[cells, kv_heads, head_dim_v]` (or `[kv_heads, head_dim_v, cells]` with
+/// [`kvcache_api::VLayout::Permuted`]) and the mask `[batch_padded, cells]`.
+///
+/// Metadata changes ([`remove`](CausalCache::remove),
+/// [`copy_prefix`](CausalCache::copy_prefix), [`configure`](CausalCache::configure))
+/// end the pass in progress: `put` and `get` then need a new `start_forward`.
+///
+/// The cache is deliberately not `Clone`: a shallow clone would share the stored
+/// tensors and let one copy overwrite the other's cells. [`CausalKvCache::try_clone`]
+/// makes a deep copy.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode};
+/// use kvcache_causal::CausalKvCache;
+///
+/// let mut cache = CausalKvCache::new(CausalConfig::new(2, 64, 8), Device::Cpu, None)?;
+/// // Sequence 0 prefills 3 tokens while sequence 1 starts with 1.
+/// let batch = Batch::from_tokens([(0, 0), (0, 1), (0, 2), (1, 0)])?;
+/// cache.start_forward(&batch, ForwardMode::Compute)?;
+/// cache.set_layer(0);
+/// let keys = Tensor::ones((4, 2, 16), DType::F32, &Device::Cpu).unwrap(); // [batch, kv_heads, head_dim]
+/// cache.put(&keys, &keys)?;
+/// let view = cache.get()?;
+/// assert_eq!(view.keys.dims(), &[4, 2, 16]); // [cells, kv_heads, head_dim]
+/// assert_eq!(view.mask.dims(), &[4, 4]); // [batch, cells]
+/// # Ok::<(), kvcache_api::CacheError>(())
+/// ```
+pub struct CausalKvCache {
+    book: Book,
+    storage: Storage,
+    shift: Option<SharedKeyShift>,
+    layer: usize,
+    /// The pass's mask `[batch_padded, range]`; `None` between passes.
+    mask: Option<Tensor>,
+}
+
+impl std::fmt::Debug for CausalKvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CausalKvCache")
+            .field("config", self.book.config())
+            .field("device", self.storage.device())
+            .field("used_cells", &self.used_cells())
+            .field("layers", &self.storage.layers().count())
+            .field("has_shift", &self.shift.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Keys a removal rewrote: `keys` replace cells `first..` of `layer`.
+struct ShiftedKeys {
+    layer: usize,
+    first: usize,
+    keys: Tensor,
+}
+
+/// A removal that passed validation, with its re-rotated keys computed.
+pub(crate) struct PreparedRemove {
+    plan: RemovePlan,
+    shifted: Vec<ShiftedKeys>,
+}
+
+impl CausalKvCache {
+    /// An empty cache for `config` whose tensors live on `device`; `shift`
+    /// re-rotates keys when a removal moves positions (see [`crate::RopeShift`]).
+    pub fn new(
+        config: CausalConfig,
+        device: Device,
+        shift: Option<Box<dyn KeyShift<Tensor>>>,
+    ) -> Result<Self> {
+        Self::with_shared_shift(config, device, shift.map(SharedKeyShift::from))
+    }
+
+    /// Like [`CausalKvCache::new`] with a shift function shared with other caches
+    /// (for example every group of a [`crate::LayerGroupCache`]).
+    pub fn with_shared_shift(
+        config: CausalConfig,
+        device: Device,
+        shift: Option<SharedKeyShift>,
+    ) -> Result<Self> {
+        let storage = Storage::new(&config, device);
+        Ok(CausalKvCache {
+            book: Book::new(config)?,
+            storage,
+            shift,
+            layer: 0,
+            mask: None,
+        })
+    }
+
+    /// The device the tensors live on.
+    pub fn device(&self) -> &Device {
+        self.storage.device()
+    }
+
+    /// Number of cells.
+    pub fn num_cells(&self) -> usize {
+        self.book.cells().len()
+    }
+
+    /// Cells held by at least one sequence.
+    pub fn used_cells(&self) -> usize {
+        self.book.cells().occupancy().used()
+    }
+
+    /// The layer `put` and `get` address.
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// The position and sequences of `cell`, or `None` when it is free (or past
+    /// the last cell).
+    pub fn cell(&self, cell: usize) -> Option<CellInfo> {
+        let cells = self.book.cells();
+        (cell < cells.len() && cells.occupancy().is_used(cell)).then(|| CellInfo {
+            pos: cells.pos(cell),
+            sequences: cells.sequences(cell).collect(),
+        })
+    }
+
+    /// The positions `seq` holds, ascending, each with its cell. Empty for an
+    /// unknown sequence.
+    pub fn positions(&self, seq: SeqId) -> Vec<(Pos, usize)> {
+        if seq >= self.book.cells().max_sequences() {
+            return Vec::new();
+        }
+        let index = self.book.cells().index(seq);
+        let mut out = Vec::with_capacity(index.len());
+        for r in index.runs() {
+            out.extend((0..r.len).map(|k| (r.pos + k as Pos, (r.cell + k) as usize)));
+        }
+        out
+    }
+
+    /// The cell of each token of the pass in progress, in batch order (empty
+    /// between passes and in reserve passes).
+    pub fn pass_cells(&self) -> &[u32] {
+        match self.book.pass().mode() {
+            Some(_) => self.book.pass().cells(),
+            None => &[],
+        }
+    }
+
+    /// The cell range the pass in progress attends to (mask columns, views).
+    pub fn pass_range(&self) -> Option<Range<usize>> {
+        self.book.pass().mode().map(|_| self.book.pass().range())
+    }
+
+    /// The stored keys and values of `cell` in `layer`, as f32.
+    pub fn read_cell(&self, layer: usize, cell: usize) -> Result<CellData> {
+        let (keys, values) = self.storage.read_cell(layer, cell)?;
+        Ok(CellData { keys, values })
+    }
+
+    /// Everything observable about the cache (metadata, pass, mask, stored data),
+    /// for comparing states. Copies every tensor to the host: meant for tests.
+    pub fn state(&self) -> Result<CacheState> {
+        let cells = self.book.cells();
+        let pass = match self.book.pass().mode() {
+            None => None,
+            Some(mode) => {
+                let p = self.book.pass();
+                let mask = match &self.mask {
+                    Some(m) => m
+                        .to_dtype(candle_core::DType::F32)
+                        .and_then(|m| m.flatten_all()?.to_vec1::<f32>())
+                        .map_err(CacheError::backend)?,
+                    None => Vec::new(),
+                };
+                Some(PassState {
+                    mode,
+                    cells: p.cells().iter().map(|&c| c as usize).collect(),
+                    exempt: p
+                        .exempt()
+                        .iter()
+                        .enumerate()
+                        .filter(|e| *e.1)
+                        .map(|e| e.0)
+                        .collect(),
+                    range: p.range(),
+                    mask,
+                })
+            }
+        };
+        let mut layers = Vec::new();
+        for layer in 0..self.storage.layer_slots() {
+            layers.push(match self.storage.layer(layer) {
+                None => None,
+                Some(store) => Some(LayerData::read(&store.keys, &store.values)?),
+            });
+        }
+        Ok(CacheState {
+            config: self.book.config().clone(),
+            cells: (0..cells.len()).map(|c| self.cell(c)).collect(),
+            pass,
+            layer: self.layer,
+            layers,
+            exact: (cells.clone(), self.book.pass().clone()),
+        })
+    }
+
+    /// Panics with a precise message unless every bookkeeping invariant holds and
+    /// the stored tensors match the configuration.
+    pub fn check(&self) {
+        self.book.check();
+        let config = self.book.config();
+        for (layer, store) in self.storage.layers() {
+            assert_eq!(
+                store.keys.dims()[0],
+                self.num_cells(),
+                "layer {layer}: keys have {} cells",
+                store.keys.dims()[0]
+            );
+            let v_cells = match config.v_layout {
+                kvcache_api::VLayout::Normal => store.values.dims()[0],
+                kvcache_api::VLayout::Permuted => store.values.dims()[2],
+            };
+            assert_eq!(
+                v_cells,
+                self.num_cells(),
+                "layer {layer}: values have {v_cells} cells"
+            );
+        }
+        match (&self.mask, self.book.pass().mode()) {
+            (Some(mask), Some(_)) => assert_eq!(
+                mask.dims(),
+                &[self.book.mask_rows(), self.book.pass().range().len()],
+                "mask shape disagrees with the pass"
+            ),
+            (None, None) => {}
+            (mask, mode) => panic!("mask present: {}, pass mode: {mode:?}", mask.is_some()),
+        }
+    }
+
+    /// A deep copy: new tensors on the same device, the same shift function.
+    pub fn try_clone(&self) -> Result<Self> {
+        Ok(CausalKvCache {
+            book: self.book.clone(),
+            storage: self.storage.try_clone()?,
+            shift: self.shift.clone(),
+            layer: self.layer,
+            mask: self.mask.clone(),
+        })
+    }
+
+    /// Bytes of heap memory held by the bookkeeping (not the tensors); it does not
+    /// grow with the number of passes.
+    pub fn metadata_bytes(&self) -> usize {
+        self.book.capacity_bytes()
+    }
+
+    /// Bytes of key/value tensors allocated.
+    pub fn storage_bytes(&self) -> usize {
+        self.storage.bytes()
+    }
+
+    // ---- two-phase operations, shared with the layer-group wrapper ----
+
+    pub(crate) fn prepare_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()> {
+        self.book.prepare_forward(batch, mode)
+    }
+
+    pub(crate) fn commit_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()> {
+        let moves = self.book.commit_forward(batch, mode);
+        self.mask = None;
+        self.storage.apply_moves(&moves)?;
+        self.mask = Some(self.build_mask()?);
+        Ok(())
+    }
+
+    fn build_mask(&mut self) -> Result<Tensor> {
+        let shape = (self.book.mask_rows(), self.book.pass().range().len());
+        let device = self.storage.device();
+        let tensor = match self.book.config().mask_dtype {
+            DType::F32 => Tensor::from_vec(self.book.build_mask::<f32>(), shape, device),
+            DType::F16 => Tensor::from_vec(self.book.build_mask::<f16>(), shape, device),
+            DType::BF16 => Tensor::from_vec(self.book.build_mask::<bf16>(), shape, device),
+        };
+        tensor.map_err(CacheError::backend)
+    }
+
+    pub(crate) fn prepare_set_causal(&self, except: &[usize]) -> Result<bool> {
+        self.book.prepare_set_causal(except)
+    }
+
+    pub(crate) fn commit_set_causal(&mut self, except: &[usize], changed: bool) -> Result<()> {
+        if changed {
+            self.book.commit_set_causal(except);
+            self.mask = Some(self.build_mask()?);
+        }
+        Ok(())
+    }
+
+    /// Validates a removal and computes every re-rotated key, changing nothing.
+    pub(crate) fn prepare_remove(&self, seq: SeqId, range: PosRange) -> Result<PreparedRemove> {
+        let plan = self.book.prepare_remove(seq, range, self.shift.is_some())?;
+        let mut shifted = Vec::new();
+        if plan.chunks.is_empty() {
+            return Ok(PreparedRemove { plan, shifted });
+        }
+        let shift = self.shift.as_ref().expect("validated: a shift function exists");
+        for (layer, store) in self.storage.layers() {
+            for chunk in &plan.chunks {
+                let view = self
+                    .storage
+                    .key_view(store, chunk.first..chunk.first + chunk.offsets.len())?;
+                let keys = shift.shift(layer, &view, &chunk.offsets)?;
+                if keys.id() == view.id() {
+                    continue; // returned unchanged: nothing to write
+                }
+                if keys.dims() != view.dims() {
+                    return Err(CacheError::ShapeMismatch {
+                        what: "shifted keys",
+                        expected: view.dims().to_vec(),
+                        got: keys.dims().to_vec(),
+                    });
+                }
+                if keys.dtype() != view.dtype() || !keys.device().same_device(view.device()) {
+                    return Err(CacheError::DTypeMismatch {
+                        what: "shifted keys",
+                        expected: format!("{:?} on {:?}", view.dtype(), view.device().location()),
+                        got: format!("{:?} on {:?}", keys.dtype(), keys.device().location()),
+                    });
+                }
+                // A result aliasing the cache must not be read while it is overwritten.
+                let keys = if same_storage(&keys, &store.keys) {
+                    keys.force_contiguous().map_err(CacheError::backend)?
+                } else {
+                    keys
+                };
+                shifted.push(ShiftedKeys {
+                    layer,
+                    first: chunk.first,
+                    keys,
+                });
+            }
+        }
+        Ok(PreparedRemove { plan, shifted })
+    }
+
+    pub(crate) fn commit_remove(&mut self, prepared: PreparedRemove) -> Result<()> {
+        self.book.commit_remove(&prepared.plan);
+        self.mask = None;
+        for s in &prepared.shifted {
+            self.storage.write_keys(s.layer, s.first, &s.keys)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn prepare_copy_prefix(&self, src: SeqId, dst: SeqId, len: Pos) -> Result<()> {
+        self.book.prepare_copy_prefix(src, dst, len)
+    }
+
+    pub(crate) fn commit_copy_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) {
+        self.book.commit_copy_prefix(src, dst, len);
+        self.mask = None;
+    }
+
+    pub(crate) fn shared_shift(&self) -> Option<&SharedKeyShift> {
+        self.shift.as_ref()
+    }
+}
+
+impl CausalCache for CausalKvCache {
+    type Tensor = Tensor;
+
+    fn config(&self) -> &CausalConfig {
+        self.book.config()
+    }
+
+    /// Replaces the configuration; every stored token and tensor is dropped (the
+    /// device and shift function stay).
+    fn configure(&mut self, config: CausalConfig) -> Result<()> {
+        let book = Book::new(config)?;
+        self.storage = Storage::new(book.config(), self.storage.device().clone());
+        self.book = book;
+        self.mask = None;
+        Ok(())
+    }
+
+    fn start_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()> {
+        self.prepare_forward(batch, mode)?;
+        self.commit_forward(batch, mode)
+    }
+
+    fn set_layer(&mut self, layer: usize) {
+        self.layer = layer;
+    }
+
+    fn set_causal(&mut self, except: &[usize]) -> Result<()> {
+        let changed = self.prepare_set_causal(except)?;
+        self.commit_set_causal(except, changed)
+    }
+
+    fn put(&mut self, keys: &Tensor, values: &Tensor) -> Result<()> {
+        let Some(mode) = self.book.pass().mode() else {
+            return Err(CacheError::InvalidState(
+                "put needs a forward pass in progress: call start_forward first".into(),
+            ));
+        };
+        let dims = self
+            .storage
+            .check_put(self.layer, keys, values, self.book.pass().len())?;
+        self.storage.ensure_layer(self.layer, dims)?;
+        if mode == ForwardMode::Compute {
+            self.storage
+                .write(self.layer, keys, values, self.book.pass().cells())?;
+        }
+        Ok(())
+    }
+
+    fn get(&self) -> Result<KvView<Tensor>> {
+        let (Some(_), Some(mask)) = (self.book.pass().mode(), &self.mask) else {
+            return Err(CacheError::InvalidState(
+                "get needs a forward pass in progress: call start_forward first".into(),
+            ));
+        };
+        let store = self.storage.layer(self.layer).ok_or_else(|| {
+            CacheError::InvalidState(format!(
+                "layer {} has no keys or values yet: put them before get",
+                self.layer
+            ))
+        })?;
+        let (keys, values) = self.storage.views(store, self.book.pass().range())?;
+        Ok(KvView {
+            keys,
+            values,
+            mask: mask.clone(),
+        })
+    }
+
+    fn copy_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) -> Result<()> {
+        self.prepare_copy_prefix(src, dst, len)?;
+        self.commit_copy_prefix(src, dst, len);
+        Ok(())
+    }
+
+    fn can_resume(&self, seq: SeqId, pos: Pos) -> bool {
+        self.book.can_resume(seq, pos)
+    }
+
+    fn remove(&mut self, seq: SeqId, range: PosRange) -> Result<()> {
+        let prepared = self.prepare_remove(seq, range)?;
+        self.commit_remove(prepared)
+    }
+}

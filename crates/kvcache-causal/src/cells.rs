@@ -1,0 +1,283 @@
+//! The cells of a causal cache: each cell's position and sequence set, which cells
+//! are used, and every sequence's sorted position index.
+//!
+//! Every mutation keeps four views in step: per-cell positions, per-cell sequence
+//! sets, the occupancy bitset and the per-sequence run index. [`Cells::check`]
+//! verifies that they agree.
+
+use kvcache_api::{Pos, SeqId};
+
+use crate::occupancy::Occupancy;
+use crate::placement::Move;
+use crate::seq_index::{Run, SeqIndex};
+use crate::seq_set::SeqSets;
+
+/// Position recorded for a free cell.
+pub(crate) const FREE_POS: Pos = -1;
+
+/// All cell metadata of one cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Cells {
+    /// Position of the token each cell holds ([`FREE_POS`] when free).
+    pos: Vec<Pos>,
+    /// Sequences holding each cell.
+    seqs: SeqSets,
+    /// Used/free bitset.
+    occupancy: Occupancy,
+    /// Per sequence, its positions and their cells.
+    index: Vec<SeqIndex>,
+}
+
+/// Frees `seq`'s hold on each cell of `run`; cells nobody else holds become free.
+fn release(pos: &mut [Pos], seqs: &mut SeqSets, occupancy: &mut Occupancy, seq: SeqId, run: Run) {
+    for cell in run.cells() {
+        if seqs.remove(cell, seq) == 0 {
+            occupancy.mark_free(cell);
+            pos[cell] = FREE_POS;
+        }
+    }
+}
+
+impl Cells {
+    /// `cells` free cells for sequences `0..max_sequences`.
+    pub(crate) fn new(cells: usize, max_sequences: usize) -> Self {
+        Cells {
+            pos: vec![FREE_POS; cells],
+            seqs: SeqSets::new(cells, max_sequences),
+            occupancy: Occupancy::new(cells),
+            index: vec![SeqIndex::default(); max_sequences],
+        }
+    }
+
+    /// Number of cells.
+    pub(crate) fn len(&self) -> usize {
+        self.pos.len()
+    }
+
+    /// Number of sequence ids.
+    pub(crate) fn max_sequences(&self) -> usize {
+        self.index.len()
+    }
+
+    /// The used/free bitset.
+    pub(crate) fn occupancy(&self) -> &Occupancy {
+        &self.occupancy
+    }
+
+    /// The used/free bitset, for searches that advance its hint.
+    pub(crate) fn occupancy_mut(&mut self) -> &mut Occupancy {
+        &mut self.occupancy
+    }
+
+    /// Position held by `cell` ([`FREE_POS`] when free).
+    pub(crate) fn pos(&self, cell: usize) -> Pos {
+        self.pos[cell]
+    }
+
+    /// Sequences holding `cell`.
+    pub(crate) fn sequences(&self, cell: usize) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.iter(cell)
+    }
+
+    /// Whether more than one sequence holds `cell`.
+    pub(crate) fn is_shared(&self, cell: usize) -> bool {
+        self.seqs.count(cell) > 1
+    }
+
+    /// Whether any cell is held by more than one sequence.
+    pub(crate) fn any_shared(&self) -> bool {
+        self.seqs.shared() > 0
+    }
+
+    /// `seq`'s position index.
+    pub(crate) fn index(&self, seq: SeqId) -> &SeqIndex {
+        &self.index[seq]
+    }
+
+    /// Stores position `pos` of `seq` in the free `cell`.
+    pub(crate) fn place(&mut self, cell: usize, seq: SeqId, pos: Pos) {
+        assert!(
+            !self.occupancy.is_used(cell),
+            "placing sequence {seq} in used cell {cell}"
+        );
+        self.pos[cell] = pos;
+        self.seqs.insert(cell, seq);
+        self.occupancy.mark_used(cell);
+        self.index[seq].insert(pos, cell as u32);
+    }
+
+    /// Drops `seq`'s positions below `lo`.
+    pub(crate) fn drop_below(&mut self, seq: SeqId, lo: Pos) {
+        let Cells {
+            pos,
+            seqs,
+            occupancy,
+            index,
+        } = self;
+        index[seq].drop_below(lo, |run| release(pos, seqs, occupancy, seq, run));
+    }
+
+    /// Drops `seq`'s positions `start..end` (to the end when `end` is `None`) and
+    /// moves its later positions down by `end - start`. The caller has checked that
+    /// no moved cell is shared.
+    pub(crate) fn remove(&mut self, seq: SeqId, start: Pos, end: Option<Pos>) {
+        let Cells {
+            pos,
+            seqs,
+            occupancy,
+            index,
+        } = self;
+        index[seq].remove(start, end, |run| release(pos, seqs, occupancy, seq, run));
+        if let Some(end) = end.filter(|&e| e != start) {
+            let delta = start - end;
+            for run in index[seq].visible(start, Pos::MAX) {
+                for p in &mut pos[run.cells()] {
+                    *p += delta;
+                }
+            }
+        }
+    }
+
+    /// Drops every position of `seq`.
+    pub(crate) fn clear(&mut self, seq: SeqId) {
+        let Cells {
+            pos,
+            seqs,
+            occupancy,
+            index,
+        } = self;
+        index[seq].clear(|run| release(pos, seqs, occupancy, seq, run));
+    }
+
+    /// Makes empty sequence `dst` hold `src`'s positions below `len`, in the same cells.
+    pub(crate) fn share_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) {
+        assert!(
+            self.index[dst].is_empty(),
+            "sharing into non-empty sequence {dst}"
+        );
+        let prefix = self.index[src].prefix(len);
+        for run in prefix.runs() {
+            for cell in run.cells() {
+                self.seqs.insert(cell, dst);
+            }
+        }
+        self.index[dst] = prefix;
+    }
+
+    /// Applies compaction `moves` (ascending, memmove semantics) to the metadata:
+    /// `used_runs` lists every maximal run of used cells as `(src, dst, len)`, moved
+    /// or not, so each index run can find its new cells.
+    pub(crate) fn compact(&mut self, moves: &[Move], used_runs: &[Move]) {
+        for m in moves {
+            let (src, dst, len) = (m.src as usize, m.dst as usize, m.len as usize);
+            self.pos.copy_within(src..src + len, dst);
+            self.seqs.copy_within(src, dst, len);
+        }
+        let used = self.occupancy.used();
+        self.pos[used..].fill(FREE_POS);
+        self.seqs.clear_from(used);
+        self.occupancy.set_prefix_used(used);
+        for index in &mut self.index {
+            index.remap_cells(|cell| {
+                let i = used_runs.partition_point(|r| r.src + r.len <= cell);
+                let r = &used_runs[i];
+                debug_assert!(r.src <= cell, "cell {cell} is in no used run");
+                r.dst + (cell - r.src)
+            });
+        }
+    }
+
+    /// Bytes of heap memory held by the metadata.
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.pos.capacity() * std::mem::size_of::<Pos>()
+            + self.seqs.capacity_bytes()
+            + self.occupancy.capacity_bytes()
+            + self.index.capacity() * std::mem::size_of::<SeqIndex>()
+            + self.index.iter().map(SeqIndex::capacity_bytes).sum::<usize>()
+    }
+
+    /// Panics with a precise message unless every view of the cells agrees.
+    pub(crate) fn check(&self) {
+        self.occupancy.check();
+        let cells = self.len();
+        let mut holders = vec![0usize; cells];
+        for (seq, index) in self.index.iter().enumerate() {
+            index.check(seq);
+            for run in index.runs() {
+                assert!(
+                    run.end_cell() as usize <= cells,
+                    "sequence {seq}: run {run:?} goes past the last cell {cells}"
+                );
+                for (k, cell) in run.cells().enumerate() {
+                    let p = run.pos + k as Pos;
+                    assert!(
+                        self.seqs.contains(cell, seq),
+                        "sequence {seq} indexes position {p} in cell {cell}, whose set lacks it"
+                    );
+                    assert_eq!(
+                        self.pos[cell], p,
+                        "sequence {seq} indexes position {p} in cell {cell}, which records {}",
+                        self.pos[cell]
+                    );
+                    holders[cell] += 1;
+                }
+            }
+        }
+        let shared = holders.iter().filter(|&&h| h > 1).count();
+        assert_eq!(
+            self.seqs.shared(),
+            shared,
+            "{} cells counted as shared, {shared} are",
+            self.seqs.shared()
+        );
+        for (cell, &held) in holders.iter().enumerate() {
+            let members = self.seqs.count(cell);
+            assert_eq!(
+                members, held,
+                "cell {cell}: {members} sequences in its set but {held} indexes point at it"
+            );
+            assert_eq!(
+                self.occupancy.is_used(cell),
+                members > 0,
+                "cell {cell}: used bit disagrees with its {members} sequences"
+            );
+            if members == 0 {
+                assert_eq!(
+                    self.pos[cell], FREE_POS,
+                    "free cell {cell} records position {}",
+                    self.pos[cell]
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn place_remove_share_keep_views_in_step() {
+        let mut c = Cells::new(8, 2);
+        for (i, p) in (0..4).enumerate() {
+            c.place(i, 0, p);
+        }
+        c.check();
+        c.share_prefix(0, 1, 2);
+        c.check();
+        assert!(c.is_shared(1) && !c.is_shared(2));
+        c.remove(0, 1, Some(2));
+        c.check();
+        // Cell 1 stays for sequence 1; sequence 0's positions 2, 3 became 1, 2.
+        assert_eq!(c.sequences(1).collect::<Vec<_>>(), vec![1]);
+        assert_eq!((c.pos(2), c.pos(3)), (1, 2));
+        c.drop_below(0, 2);
+        c.check();
+        assert_eq!(c.occupancy().used(), 3);
+        assert_eq!(c.pos(2), FREE_POS);
+        c.clear(1);
+        c.check();
+        assert_eq!(c.occupancy().used(), 1);
+        assert_eq!(c.index(0).cell_of(2), Some(3));
+    }
+}

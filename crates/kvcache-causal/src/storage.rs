@@ -1,0 +1,329 @@
+//! The stored keys and values: one pair of tensors per layer, created on the first
+//! `put` of that layer and written in place.
+//!
+//! Keys are `[cells, kv_heads, head_dim]`; values `[cells, kv_heads, head_dim_v]`,
+//! or `[kv_heads, head_dim_v, cells]` with [`VLayout::Permuted`]. A batch is written
+//! with one `slice_set` per run of consecutive cells; reads are `narrow` views.
+
+use std::ops::Range;
+
+use candle_core::{DType as CandleDType, Device, Storage as CandleStorage, Tensor};
+use kvcache_api::{CacheError, CausalConfig, DType, Result, VLayout};
+
+use crate::placement::Move;
+
+/// The candle element type for a kvcache dtype.
+pub(crate) fn candle_dtype(dtype: DType) -> CandleDType {
+    match dtype {
+        DType::F32 => CandleDType::F32,
+        DType::F16 => CandleDType::F16,
+        DType::BF16 => CandleDType::BF16,
+    }
+}
+
+/// Whether two tensors are views of the same allocation.
+pub(crate) fn same_storage(a: &Tensor, b: &Tensor) -> bool {
+    let address = |t: &Tensor| {
+        let (storage, _) = t.storage_and_layout();
+        std::ptr::from_ref::<CandleStorage>(&storage).addr()
+    };
+    address(a) == address(b)
+}
+
+/// The key and value tensors of one layer.
+#[derive(Debug)]
+pub(crate) struct LayerStore {
+    /// `[cells, kv_heads, head_dim]`.
+    pub keys: Tensor,
+    /// `[cells, kv_heads, head_dim_v]` or `[kv_heads, head_dim_v, cells]`.
+    pub values: Tensor,
+}
+
+/// Per-layer key/value storage on one device.
+#[derive(Debug)]
+pub(crate) struct Storage {
+    device: Device,
+    dtype: CandleDType,
+    layout: VLayout,
+    cells: usize,
+    layers: Vec<Option<LayerStore>>,
+}
+
+/// Dimensions of a `put`: `(kv_heads, head_dim, head_dim_v)`.
+pub(crate) type HeadDims = (usize, usize, usize);
+
+impl Storage {
+    /// Empty storage for `config` on `device`.
+    pub(crate) fn new(config: &CausalConfig, device: Device) -> Self {
+        Storage {
+            device,
+            dtype: candle_dtype(config.dtype),
+            layout: config.v_layout,
+            cells: config.num_cells(),
+            layers: Vec::new(),
+        }
+    }
+
+    /// The device tensors live on.
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The storage of `layer`, if it was created.
+    pub(crate) fn layer(&self, layer: usize) -> Option<&LayerStore> {
+        self.layers.get(layer).and_then(Option::as_ref)
+    }
+
+    /// Layers that have storage, with their index.
+    pub(crate) fn layers(&self) -> impl Iterator<Item = (usize, &LayerStore)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.as_ref().map(|l| (i, l)))
+    }
+
+    /// Number of layer slots (layers with storage are below this).
+    pub(crate) fn layer_slots(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn dims_of(&self, layer: &LayerStore) -> HeadDims {
+        let k = layer.keys.dims();
+        let v = layer.values.dims();
+        match self.layout {
+            VLayout::Normal => (k[1], k[2], v[2]),
+            VLayout::Permuted => (k[1], k[2], v[1]),
+        }
+    }
+
+    /// Checks `put`'s keys `[batch, kv_heads, head_dim]` and values
+    /// `[batch, kv_heads, head_dim_v]` against the pass and the layer's storage.
+    pub(crate) fn check_put(
+        &self,
+        layer: usize,
+        keys: &Tensor,
+        values: &Tensor,
+        batch: usize,
+    ) -> Result<HeadDims> {
+        for (what, t) in [("keys", keys), ("values", values)] {
+            if t.dtype() != self.dtype {
+                return Err(CacheError::DTypeMismatch {
+                    what,
+                    expected: format!("{:?}", self.dtype).to_lowercase(),
+                    got: format!("{:?}", t.dtype()).to_lowercase(),
+                });
+            }
+            if !t.device().same_device(&self.device) {
+                return Err(CacheError::InvalidArgument(format!(
+                    "{what} are on {:?} but the cache lives on {:?}",
+                    t.device().location(),
+                    self.device.location()
+                )));
+            }
+        }
+        let dim = |t: &Tensor, i: usize| t.dims().get(i).copied().unwrap_or(0);
+        let expect = |what: &'static str, t: &Tensor, expected: [usize; 3]| {
+            if t.dims() == expected {
+                Ok(())
+            } else {
+                Err(CacheError::ShapeMismatch {
+                    what,
+                    expected: expected.to_vec(),
+                    got: t.dims().to_vec(),
+                })
+            }
+        };
+        let stored = self.layer(layer).map(|l| self.dims_of(l));
+        let (kv_heads, head_dim) = stored.map_or((dim(keys, 1), dim(keys, 2)), |(h, d, _)| (h, d));
+        expect("keys", keys, [batch, kv_heads, head_dim])?;
+        let head_dim_v = stored.map_or(dim(values, 2), |s| s.2);
+        expect("values", values, [batch, kv_heads, head_dim_v])?;
+        if kv_heads == 0 || head_dim == 0 || head_dim_v == 0 {
+            return Err(CacheError::InvalidArgument(format!(
+                "keys {:?} and values {:?} must have at least one head and one dimension",
+                keys.dims(),
+                values.dims()
+            )));
+        }
+        Ok((kv_heads, head_dim, head_dim_v))
+    }
+
+    /// Creates `layer`'s zeroed tensors if they do not exist yet.
+    pub(crate) fn ensure_layer(
+        &mut self,
+        layer: usize,
+        (kv_heads, head_dim, head_dim_v): HeadDims,
+    ) -> Result<()> {
+        if self.layer(layer).is_some() {
+            return Ok(());
+        }
+        let keys = Tensor::zeros((self.cells, kv_heads, head_dim), self.dtype, &self.device);
+        let values = match self.layout {
+            VLayout::Normal => Tensor::zeros((self.cells, kv_heads, head_dim_v), self.dtype, &self.device),
+            VLayout::Permuted => Tensor::zeros((kv_heads, head_dim_v, self.cells), self.dtype, &self.device),
+        };
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, || None);
+        }
+        self.layers[layer] = Some(LayerStore {
+            keys: keys.map_err(CacheError::backend)?,
+            values: values.map_err(CacheError::backend)?,
+        });
+        Ok(())
+    }
+
+    /// Writes token `i` of checked `keys`/`values` into cell `cells[i]` of `layer`.
+    pub(crate) fn write(&self, layer: usize, keys: &Tensor, values: &Tensor, cells: &[u32]) -> Result<()> {
+        let store = self.layer(layer).expect("ensure_layer before write");
+        // A tensor that aliases the destination (a view from `get`) is copied first.
+        let private = |t: &Tensor, dst: &Tensor| {
+            if same_storage(t, dst) {
+                t.force_contiguous()
+            } else {
+                Ok(t.clone())
+            }
+        };
+        let run = || -> candle_core::Result<()> {
+            let keys = private(keys, &store.keys)?;
+            let values = private(values, &store.values)?;
+            let mut i = 0;
+            while i < cells.len() {
+                let first = cells[i] as usize;
+                let mut len = 1;
+                while i + len < cells.len() && cells[i + len] as usize == first + len {
+                    len += 1;
+                }
+                let k = keys.narrow(0, i, len)?.contiguous()?;
+                store.keys.slice_set(&k, 0, first)?;
+                let v = values.narrow(0, i, len)?;
+                match self.layout {
+                    VLayout::Normal => store.values.slice_set(&v.contiguous()?, 0, first)?,
+                    VLayout::Permuted => {
+                        store
+                            .values
+                            .slice_set(&v.permute((1, 2, 0))?.contiguous()?, 2, first)?
+                    }
+                }
+                i += len;
+            }
+            Ok(())
+        };
+        run().map_err(CacheError::backend)
+    }
+
+    /// Applies compaction `moves` to every layer: the cells from the first move's
+    /// source on are gathered in one pass and written back from its destination.
+    pub(crate) fn apply_moves(&self, moves: &[Move]) -> Result<()> {
+        let Some(first) = moves.first() else {
+            return Ok(());
+        };
+        debug_assert!(
+            moves.windows(2).all(|w| w[0].dst + w[0].len == w[1].dst),
+            "after the first move every used run moves, back to back"
+        );
+        let sources: Vec<u32> = moves.iter().flat_map(|m| m.src..m.src + m.len).collect();
+        let count = sources.len();
+        let run = || -> candle_core::Result<()> {
+            let index = Tensor::from_vec(sources, count, &self.device)?;
+            for (_, store) in self.layers() {
+                let keys = store.keys.index_select(&index, 0)?;
+                store.keys.slice_set(&keys, 0, first.dst as usize)?;
+                let dim = match self.layout {
+                    VLayout::Normal => 0,
+                    VLayout::Permuted => 2,
+                };
+                let values = store.values.index_select(&index, dim)?;
+                store.values.slice_set(&values, dim, first.dst as usize)?;
+            }
+            Ok(())
+        };
+        run().map_err(CacheError::backend)
+    }
+
+    /// Keys of cells `range` of `layer`: a view `[range.len(), kv_heads, head_dim]`.
+    pub(crate) fn key_view(&self, layer: &LayerStore, range: Range<usize>) -> Result<Tensor> {
+        layer
+            .keys
+            .narrow(0, range.start, range.len())
+            .map_err(CacheError::backend)
+    }
+
+    /// Keys and values of cells `range` of `layer`, as views.
+    pub(crate) fn views(&self, layer: &LayerStore, range: Range<usize>) -> Result<(Tensor, Tensor)> {
+        let keys = self.key_view(layer, range.clone())?;
+        let dim = match self.layout {
+            VLayout::Normal => 0,
+            VLayout::Permuted => 2,
+        };
+        let values = layer
+            .values
+            .narrow(dim, range.start, range.len())
+            .map_err(CacheError::backend)?;
+        Ok((keys, values))
+    }
+
+    /// Overwrites the keys of cells `first..` of `layer` with `keys`
+    /// `[n, kv_heads, head_dim]`.
+    pub(crate) fn write_keys(&self, layer: usize, first: usize, keys: &Tensor) -> Result<()> {
+        let store = self.layer(layer).expect("shifted layers have storage");
+        let keys = keys.contiguous().map_err(CacheError::backend)?;
+        store.keys.slice_set(&keys, 0, first).map_err(CacheError::backend)
+    }
+
+    /// Keys and values of one cell as f32, each `[kv_heads * head_dim]` in
+    /// `(head, dim)` order whatever the layout.
+    pub(crate) fn read_cell(&self, layer: usize, cell: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let store = self
+            .layer(layer)
+            .ok_or_else(|| CacheError::InvalidArgument(format!("layer {layer} has no storage")))?;
+        if cell >= self.cells {
+            return Err(CacheError::InvalidArgument(format!(
+                "cell {cell} is past the last of {} cells",
+                self.cells
+            )));
+        }
+        let flat = |t: candle_core::Result<Tensor>| -> Result<Vec<f32>> {
+            t.and_then(|t| t.to_dtype(CandleDType::F32)?.flatten_all()?.to_vec1::<f32>())
+                .map_err(CacheError::backend)
+        };
+        let keys = flat(store.keys.narrow(0, cell, 1))?;
+        let values = match self.layout {
+            VLayout::Normal => flat(store.values.narrow(0, cell, 1))?,
+            VLayout::Permuted => flat(store.values.narrow(2, cell, 1))?,
+        };
+        Ok((keys, values))
+    }
+
+    /// A deep copy (new tensors, same device).
+    pub(crate) fn try_clone(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref()
+                    .map(|l| {
+                        Ok(LayerStore {
+                            keys: l.keys.copy()?,
+                            values: l.values.copy()?,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(CacheError::backend)?;
+        Ok(Storage {
+            device: self.device.clone(),
+            dtype: self.dtype,
+            layout: self.layout,
+            cells: self.cells,
+            layers,
+        })
+    }
+
+    /// Bytes of key/value storage allocated.
+    pub(crate) fn bytes(&self) -> usize {
+        self.layers()
+            .map(|(_, l)| (l.keys.elem_count() + l.values.elem_count()) * self.dtype.size_in_bytes())
+            .sum()
+    }
+}

@@ -1,0 +1,144 @@
+//! Helpers shared by the integration tests: the device under test, tensors filled
+//! with one number per token, and readings of masks and visible cells.
+#![allow(dead_code)]
+
+pub mod fixture;
+pub mod reference;
+
+use candle_core::{DType as CandleDType, Device, Tensor};
+use kvcache_api::{CacheError, CausalCache, DType, Pos, Result, SeqId, VLayout};
+use kvcache_causal::CausalKvCache;
+
+/// The device tests run on: `KVCACHE_DEVICE` = `cpu` (default), `cuda` or `metal`.
+pub fn device() -> Device {
+    match std::env::var("KVCACHE_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).expect("KVCACHE_DEVICE=cuda needs `--features cuda` and a GPU"),
+        Ok("metal") => Device::new_metal(0).expect("KVCACHE_DEVICE=metal needs macOS with Metal"),
+        Ok(other) => panic!("KVCACHE_DEVICE must be cpu, cuda or metal, not {other:?}"),
+    }
+}
+
+/// The candle dtype of a kvcache dtype.
+pub fn candle(dtype: DType) -> CandleDType {
+    match dtype {
+        DType::F32 => CandleDType::F32,
+        DType::F16 => CandleDType::F16,
+        DType::BF16 => CandleDType::BF16,
+    }
+}
+
+/// `[tokens, heads, dim]` where every element of token `i` is `vals[i]`.
+pub fn filled(vals: &[f32], heads: usize, dim: usize, dtype: DType, device: &Device) -> Tensor {
+    let data: Vec<f32> = vals
+        .iter()
+        .flat_map(|&v| std::iter::repeat_n(v, heads * dim))
+        .collect();
+    Tensor::from_vec(data, (vals.len(), heads, dim), device)
+        .and_then(|t| t.to_dtype(candle(dtype)))
+        .unwrap()
+}
+
+/// A shift function that adds each cell's shift to every element of its key, so
+/// shifted keys are visible in tests.
+pub fn add_shift() -> Box<dyn kvcache_api::KeyShift<Tensor>> {
+    Box::new(|_layer: usize, keys: &Tensor, shifts: &[Pos]| -> Result<Tensor> {
+        let n = shifts.len();
+        let deltas: Vec<f32> = shifts.iter().map(|&s| s as f32).collect();
+        Tensor::from_vec(deltas, (n, 1, 1), keys.device())
+            .and_then(|d| d.to_dtype(keys.dtype()))
+            .and_then(|d| keys.broadcast_add(&d))
+            .map_err(CacheError::backend)
+    })
+}
+
+/// A tensor as f32 on the host.
+pub fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(CandleDType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// The mask of the pass as text rows (`0` visible, `x` masked).
+pub fn grid(mask: &Tensor) -> Vec<String> {
+    let (_, cols) = mask.dims2().unwrap();
+    host(mask)
+        .chunks(cols)
+        .map(|row| {
+            row.iter()
+                .map(|&v| {
+                    if v == 0.0 {
+                        '0'
+                    } else {
+                        assert!(v == f32::NEG_INFINITY, "mask entries are 0 or -inf, got {v}");
+                        'x'
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// What one query token sees: `(position, key, value)` of every cell its mask row
+/// lets through, read from the stored tensors of the current layer, by position.
+pub type Seen = Vec<(Pos, f32, f32)>;
+
+/// For each token of the pass (`tokens` in batch order), what it sees through the
+/// real mask and the real storage. Panics if a visible cell is free, belongs to
+/// another sequence, or shows a position twice.
+pub fn sees(cache: &CausalKvCache, tokens: &[(SeqId, Pos)]) -> Vec<Seen> {
+    let view = cache.get().unwrap();
+    let range = cache.pass_range().unwrap();
+    let keys = host(&view.keys);
+    let values = host(&view.values);
+    let key_row = keys.len() / range.len();
+    let value_at = |j: usize| match cache.config().v_layout {
+        VLayout::Normal => values[j * (values.len() / range.len())],
+        VLayout::Permuted => values[j],
+    };
+    let rows = grid(&view.mask);
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &(seq, _))| {
+            let mut seen: Seen = rows[i]
+                .chars()
+                .enumerate()
+                .filter(|&(_, c)| c == '0')
+                .map(|(j, _)| {
+                    let cell = range.start + j;
+                    let info = cache
+                        .cell(cell)
+                        .unwrap_or_else(|| panic!("token {i} sees free cell {cell}"));
+                    assert!(
+                        info.sequences.contains(&seq),
+                        "token {i} sees cell {cell} of {info:?}"
+                    );
+                    (info.pos, keys[j * key_row], value_at(j))
+                })
+                .collect();
+            seen.sort_by_key(|s| s.0);
+            assert!(
+                seen.windows(2).all(|w| w[0].0 < w[1].0),
+                "token {i} sees a position twice"
+            );
+            seen
+        })
+        .collect()
+}
+
+/// Every `(sequence, position, key, value)` the cache holds in `layer`, read from
+/// storage, sorted.
+pub fn contents(cache: &CausalKvCache, layer: usize) -> Vec<(SeqId, Pos, f32, f32)> {
+    let mut out = Vec::new();
+    for seq in 0..cache.config().max_sequences {
+        for (pos, cell) in cache.positions(seq) {
+            let data = cache.read_cell(layer, cell).unwrap();
+            out.push((seq, pos, data.keys[0], data.values[0]));
+        }
+    }
+    out
+}

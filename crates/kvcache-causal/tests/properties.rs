@@ -1,0 +1,417 @@
+//! Property tests: random schedules of batches over several sequences, removals
+//! (middle and end), prefix copies, windows, chunks, both placements and compaction,
+//! checked after every step against a naive model (`common::reference`): what each
+//! query token sees through the real mask and storage, every stored key and value,
+//! `can_resume`, and the errors of rejected steps, which must change nothing.
+
+mod common;
+
+use candle_core::Tensor;
+use kvcache_api::{
+    Batch, CacheError, CausalCache, CausalConfig, DType, ForwardMode, Placement, Pos, PosRange, SeqId,
+    SlidingWindow, VLayout,
+};
+use kvcache_causal::CausalKvCache;
+use proptest::prelude::*;
+
+use common::reference::{same_error, Reference};
+use common::{add_shift, contents, filled, sees};
+
+const HEADS: usize = 2;
+const DIM: usize = 3;
+const DIM_V: usize = 2;
+
+#[derive(Debug, Clone)]
+struct Setup {
+    config: CausalConfig,
+    shift: bool,
+}
+
+fn setup() -> impl Strategy<Value = Setup> {
+    let window = prop_oneof![
+        2 => Just(None),
+        1 => (1..=6usize, 0..=3usize, any::<bool>()).prop_map(|(w, extra, memory)| Some(if memory {
+            SlidingWindow::with_memory(w, w + extra)
+        } else {
+            SlidingWindow::new(w)
+        })),
+    ];
+    // Sequence counts past 64 give each cell a multi-word sequence set.
+    let sequences = prop_oneof![6 => 1..=4usize, 1 => Just(66usize), 1 => Just(130usize)];
+    let sizes = (sequences, 4..=20usize, 1..=6usize);
+    let attention = (
+        window,
+        prop_oneof![3 => Just(None), 1 => (1..=4usize).prop_map(Some)],
+    );
+    let placement = (
+        prop_oneof![Just(Placement::Scattered), Just(Placement::Contiguous)],
+        prop_oneof![2 => Just(None), 1 => (0.0f32..0.9).prop_map(Some)],
+        (1..=3usize, 1..=4usize),
+    );
+    let storage = (
+        prop_oneof![Just(VLayout::Normal), Just(VLayout::Permuted)],
+        prop_oneof![Just(DType::F32), Just(DType::F16)],
+        prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)],
+        any::<bool>(),
+    );
+    (sizes, attention, placement, storage).prop_map(
+        |(
+            (seqs, capacity, batch),
+            (window, chunk),
+            (place, threshold, padding),
+            (layout, dtype, mask, shift),
+        )| {
+            let mut config = CausalConfig::new(seqs, capacity, batch)
+                .with_placement(place)
+                .with_compact_threshold(threshold)
+                .with_padding(padding.0, padding.1)
+                .with_v_layout(layout)
+                .with_dtype(dtype)
+                .with_mask_dtype(mask);
+            if let Some(w) = window {
+                config = config.with_window(w);
+            }
+            if let Some(c) = chunk {
+                config = config.with_chunk_size(c);
+            }
+            Setup { config, shift }
+        },
+    )
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Each part appends `tokens` positions to `seq` (after a gap of one when
+    /// `gap`); tokens are shuffled by `shuffle`; `exempt` picks set_causal tokens.
+    Batch {
+        parts: Vec<(usize, usize)>,
+        gap: bool,
+        shuffle: u64,
+        exempt: Vec<usize>,
+    },
+    /// remove(seq, start..start + len) or `start..` when `len` is `None`.
+    Remove { seq: usize, start: u8, len: Option<u8> },
+    /// copy_prefix(src, dst, len).
+    Copy { src: usize, dst: usize, len: u8 },
+    /// A call the cache must reject without changing anything.
+    Bad { kind: u8, arg: u8 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (
+            prop::collection::vec((0..4usize, 1..=6usize), 1..=3),
+            prop::bool::weighted(0.1),
+            any::<u64>(),
+            prop::collection::vec(0..8usize, 0..=1),
+        )
+            .prop_map(|(parts, gap, shuffle, exempt)| Op::Batch { parts, gap, shuffle, exempt }),
+        2 => (0..4usize, any::<u8>(), prop::option::weighted(0.7, 0..4u8))
+            .prop_map(|(seq, start, len)| Op::Remove { seq, start, len }),
+        1 => (0..4usize, 0..4usize, any::<u8>()).prop_map(|(src, dst, len)| Op::Copy { src, dst, len }),
+        1 => (0..8u8, any::<u8>()).prop_map(|(kind, arg)| Op::Bad { kind, arg }),
+    ]
+}
+
+/// A deterministic shuffle (xorshift Fisher-Yates).
+fn shuffle<T>(items: &mut [T], mut seed: u64) {
+    for i in (1..items.len()).rev() {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        items.swap(i, (seed % (i as u64 + 1)) as usize);
+    }
+}
+
+struct Run {
+    cache: CausalKvCache,
+    model: Reference,
+    config: CausalConfig,
+    device: candle_core::Device,
+    next_val: f32,
+    /// Tokens of the pass in progress, if any.
+    pass: Option<Vec<(SeqId, Pos)>>,
+    stored: bool,
+}
+
+impl Run {
+    /// The sequence an op's sequence number `i` (0..4) stands for: spread over the
+    /// whole id range, so large caches use ids in every word of a cell's set.
+    fn seq(&self, i: usize) -> SeqId {
+        (i % 4) * self.config.max_sequences / 4
+    }
+
+    fn kv(&self, vals: &[f32], layer: usize, dim: usize) -> Tensor {
+        let signed: Vec<f32> = vals.iter().map(|&v| if layer == 0 { v } else { -v }).collect();
+        filled(&signed, HEADS, dim, self.config.dtype, &self.device)
+    }
+
+    /// Runs a call that must fail like `want`, and checks it changed nothing.
+    fn rejected(
+        &mut self,
+        what: &str,
+        want: CacheError,
+        call: impl FnOnce(&mut CausalKvCache) -> Result<(), CacheError>,
+    ) -> Result<(), TestCaseError> {
+        let before = self.cache.state().unwrap();
+        let got = call(&mut self.cache);
+        match got {
+            Err(e) => prop_assert!(same_error(&e, &want), "{what}: got {e:?}, expected {want:?}"),
+            Ok(()) => prop_assert!(false, "{what} should fail with {want:?}"),
+        }
+        self.cache.check();
+        prop_assert!(
+            self.cache.state().unwrap() == before,
+            "{what}: a rejected call changed the cache"
+        );
+        Ok(())
+    }
+
+    fn batch(
+        &mut self,
+        parts: &[(usize, usize)],
+        gap: bool,
+        seed: u64,
+        exempt: &[usize],
+    ) -> Result<(), TestCaseError> {
+        let seqs = self.config.max_sequences;
+        let mut next: Vec<Pos> = (0..seqs).map(|s| self.model.next_pos(s) + gap as Pos).collect();
+        let mut tokens: Vec<(SeqId, Pos, f32)> = Vec::new();
+        for &(seq, n) in parts {
+            let seq = self.seq(seq);
+            for _ in 0..n {
+                if tokens.len() == self.config.max_batch {
+                    break;
+                }
+                self.next_val += 1.0;
+                tokens.push((seq, next[seq], self.next_val));
+                next[seq] += 1;
+            }
+        }
+        shuffle(&mut tokens, seed);
+        let batch = Batch::from_tokens(tokens.iter().map(|t| (t.0, t.1))).unwrap();
+        let expected = self.model.clone().forward(&tokens);
+        if let Err(want) = expected {
+            return self.rejected("start_forward", want, |c| {
+                c.start_forward(&batch, ForwardMode::Compute)
+            });
+        }
+        self.cache.start_forward(&batch, ForwardMode::Compute).unwrap();
+        self.model.forward(&tokens).unwrap();
+        self.cache.check();
+        let vals: Vec<f32> = tokens.iter().map(|t| t.2).collect();
+        for layer in 0..2 {
+            self.cache.set_layer(layer);
+            let (k, v) = (self.kv(&vals, layer, DIM), self.kv(&vals, layer, DIM_V));
+            self.cache.put(&k, &v).unwrap();
+        }
+        self.stored = true;
+        let exempt: Vec<usize> = exempt.iter().map(|&i| i % tokens.len()).collect();
+        self.cache.set_causal(&exempt).unwrap();
+        self.cache.check();
+        let pass: Vec<(SeqId, Pos)> = batch.tokens().collect();
+        for layer in 0..2 {
+            self.cache.set_layer(layer);
+            let seen = sees(&self.cache, &pass);
+            for (i, &(seq, pos)) in pass.iter().enumerate() {
+                let want = self.model.visible(seq, pos, exempt.contains(&i), layer);
+                prop_assert_eq!(
+                    &seen[i],
+                    &want,
+                    "layer {} token {} (seq {}, pos {})",
+                    layer,
+                    i,
+                    seq,
+                    pos
+                );
+            }
+        }
+        self.pass = Some(pass);
+        Ok(())
+    }
+
+    fn remove(&mut self, seq: usize, start: u8, len: Option<u8>) -> Result<(), TestCaseError> {
+        let seq = self.seq(seq);
+        let start = Pos::from(start) % (self.model.next_pos(seq) + 2);
+        let end = len.map(|l| start + Pos::from(l));
+        let range = PosRange { start, end };
+        match self.model.clone().remove(seq, start, end) {
+            Err(want) => self.rejected("remove", want, |c| c.remove(seq, range)),
+            Ok(()) => {
+                self.cache.remove(seq, range).unwrap();
+                self.model.remove(seq, start, end).unwrap();
+                self.pass = None;
+                Ok(())
+            }
+        }
+    }
+
+    fn copy(&mut self, src: usize, dst: usize, len: u8) -> Result<(), TestCaseError> {
+        let (src, dst) = (self.seq(src), self.seq(dst));
+        let len = Pos::from(len) % (self.model.next_pos(src) + 2);
+        self.cache.copy_prefix(src, dst, len).unwrap();
+        self.model.copy_prefix(src, dst, len).unwrap();
+        self.pass = None;
+        Ok(())
+    }
+
+    fn bad(&mut self, kind: u8, arg: u8) -> Result<(), TestCaseError> {
+        let seqs = self.config.max_sequences;
+        let seq = self.seq(usize::from(arg));
+        let invalid = |m: &str| CacheError::InvalidArgument(m.into());
+        match kind {
+            0 => {
+                let batch = Batch::sequence(seqs + usize::from(arg % 3), 0, 1).unwrap();
+                let want = CacheError::SequenceOutOfRange {
+                    seq: seqs + usize::from(arg % 3),
+                    max_sequences: seqs,
+                };
+                self.rejected("out-of-range batch", want, |c| {
+                    c.start_forward(&batch, ForwardMode::Compute)
+                })
+            }
+            1 => {
+                let Some(held) = self.model.seqs[seq].first().map(|e| e.pos) else {
+                    return Ok(());
+                };
+                let batch = Batch::sequence(seq, held, 1).unwrap();
+                let want = CacheError::InvalidBatch(String::new());
+                self.rejected("repeated position", want, |c| {
+                    c.start_forward(&batch, ForwardMode::Compute)
+                })
+            }
+            2 | 3 => {
+                if self.pass.is_none() {
+                    let want = CacheError::InvalidState(String::new());
+                    return self.rejected("get between passes", want, |c| c.get().map(|_| ()));
+                }
+                let n = self.pass.as_ref().map_or(0, Vec::len);
+                let vals = vec![1.0; n];
+                let (keys, want) = if kind == 2 {
+                    let k = filled(&vals, HEADS + 1, DIM, self.config.dtype, &self.device);
+                    (
+                        k,
+                        CacheError::ShapeMismatch {
+                            what: "keys",
+                            expected: vec![],
+                            got: vec![],
+                        },
+                    )
+                } else {
+                    let other = if self.config.dtype == DType::F32 {
+                        DType::BF16
+                    } else {
+                        DType::F32
+                    };
+                    let k = filled(&vals, HEADS, DIM, other, &self.device);
+                    (
+                        k,
+                        CacheError::DTypeMismatch {
+                            what: "keys",
+                            expected: String::new(),
+                            got: String::new(),
+                        },
+                    )
+                };
+                let values = self.kv(&vals, 0, DIM_V);
+                self.rejected("bad put", want, |c| c.put(&keys, &values))
+            }
+            4 => {
+                let range = if arg % 2 == 0 {
+                    PosRange { start: -1, end: None }
+                } else {
+                    PosRange {
+                        start: 3,
+                        end: Some(2),
+                    }
+                };
+                self.rejected("bad removal range", invalid(""), |c| c.remove(seq, range))
+            }
+            5 => self.rejected("negative prefix", invalid(""), |c| c.copy_prefix(seq, 0, -1)),
+            6 => match &self.pass {
+                Some(p) => {
+                    let n = p.len();
+                    self.rejected("set_causal past the batch", invalid(""), |c| c.set_causal(&[n]))
+                }
+                None => {
+                    let want = CacheError::InvalidState(String::new());
+                    self.rejected("set_causal between passes", want, |c| c.set_causal(&[0]))
+                }
+            },
+            _ => {
+                let batch =
+                    Batch::sequence(seq, self.model.next_pos(seq), self.config.max_batch + 1).unwrap();
+                let want = CacheError::InvalidBatch(String::new());
+                self.rejected("oversized batch", want, |c| {
+                    c.start_forward(&batch, ForwardMode::Compute)
+                })
+            }
+        }
+    }
+
+    fn compare(&self) -> Result<(), TestCaseError> {
+        self.cache.check();
+        if self.stored {
+            for layer in 0..2 {
+                prop_assert_eq!(
+                    contents(&self.cache, layer),
+                    self.model.contents(layer),
+                    "layer {}",
+                    layer
+                );
+            }
+        }
+        for seq in (0..4).map(|i| self.seq(i)) {
+            let next = self.model.next_pos(seq);
+            for pos in [0, next.saturating_sub(1), next, next + 1, next + 5] {
+                prop_assert_eq!(
+                    self.cache.can_resume(seq, pos),
+                    self.model.can_resume(seq, pos),
+                    "can_resume({}, {})",
+                    seq,
+                    pos
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let device = common::device();
+    let shift = setup.shift.then(add_shift);
+    let cache = CausalKvCache::new(setup.config.clone(), device.clone(), shift).unwrap();
+    let mut r = Run {
+        cache,
+        model: Reference::new(&setup.config, setup.shift),
+        config: setup.config,
+        device,
+        next_val: 0.0,
+        pass: None,
+        stored: false,
+    };
+    for op in ops {
+        match op {
+            Op::Batch {
+                parts,
+                gap,
+                shuffle,
+                exempt,
+            } => r.batch(&parts, gap, shuffle, &exempt)?,
+            Op::Remove { seq, start, len } => r.remove(seq, start, len)?,
+            Op::Copy { src, dst, len } => r.copy(src, dst, len)?,
+            Op::Bad { kind, arg } => r.bad(kind, arg)?,
+        }
+        r.compare()?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn schedules_match_the_model(setup in setup(), ops in prop::collection::vec(op(), 1..60)) {
+        run(setup, ops)?;
+    }
+}
