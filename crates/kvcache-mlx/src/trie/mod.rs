@@ -1,1 +1,101 @@
 //! The prefix trie shared across conversations.
+//!
+//! [`PrefixCache`] keeps a compressed trie of the token sequences it has seen,
+//! with per-layer snapshots on its nodes, and one set of live layer caches
+//! backing one root-down path (the *active path*). [`PrefixCache::begin`]
+//! restores the longest cached prefix of a prompt into the live caches (paging
+//! the old path out and the new one in) and returns a [`Session`] that tells
+//! the engine what to evaluate. The trie only uses the
+//! [`SnapshotCache`](kvcache_api::SnapshotCache) contract, so it runs over any
+//! layer cache, and over [`fake`] caches in tests.
+//!
+//! # An engine loop
+//!
+//! ```
+//! use kvcache_api::CacheError;
+//! use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv};
+//! use kvcache_mlx::trie::PrefixCache;
+//!
+//! // The model's layer caches (here two fake KV layers) and a 1 MiB budget
+//! // for paged-out snapshots.
+//! let counters = Counters::new();
+//! let layers = vec![FakeKv::new(&counters), FakeKv::new(&counters)];
+//! let mut cache = PrefixCache::new(layers, 1 << 20)?;
+//!
+//! let system = [1, 2, 3, 4];
+//! for user_turn in [[10, 11], [20, 21], [10, 11]] {
+//!     let prompt = [&system[..], &user_turn[..]].concat();
+//!     let mut session = cache.begin(&prompt)?;
+//!     println!("{} tokens cached, {} to evaluate", session.cached(), session.remaining().len());
+//!
+//!     // Prefill: the session pauses where it needs a snapshot and takes it.
+//!     session.prefill(|tokens, caches| {
+//!         feed_all(caches, tokens); // the model's forward pass
+//!         Ok::<(), CacheError>(())
+//!     })?;
+//!
+//!     // Decode: record every sampled token; evaluate all but the last.
+//!     let max_tokens = 3;
+//!     for step in 0..max_tokens {
+//!         let token = 100 + step; // sampled from the logits of the last forward pass
+//!         session.record(token);
+//!         if step + 1 == max_tokens {
+//!             break;
+//!         }
+//!         feed_all(session.caches_mut(), &[token]);
+//!     }
+//!     // Closing (or dropping) the session stores what the caches hold.
+//!     session.close()?;
+//!     cache.check();
+//! }
+//!
+//! let stats = cache.stats();
+//! assert_eq!((stats.hits, stats.misses), (2, 1));
+//! // The third prompt repeats the first: only its last token is evaluated.
+//! assert_eq!(stats.evaluated_tokens, 6 + 2 + 1);
+//! # Ok::<(), CacheError>(())
+//! ```
+//!
+//! # Behaviour worth knowing
+//! - The last prompt token is always evaluated: an exact repeat of a cached
+//!   prompt evaluates one token.
+//! - A match that ends inside an edge is restored into it for layers that can
+//!   stop inside a snapshot (rewindable KV caches); when every layer gets there
+//!   the edge is split at once. Otherwise [`Session::pending_snapshot`] names
+//!   the offset where prefill must pause so that [`Session::snapshot`] can make
+//!   the branch point, and so does the end of any matched node lacking some
+//!   layer's snapshot (such gaps heal on their next use).
+//! - A layer that cannot reach an offset (`restore` answers `Ok(false)`) pulls
+//!   every layer back to the deepest node boundary they all reach; only a
+//!   backend error frees the live caches and falls back to the root.
+//! - Paging out snapshots only what a node lacks; a conversation that goes on
+//!   from a paged-in leaf grows a child node rather than re-copying the leaf.
+//! - Eviction above the byte budget takes the least recently used node (a
+//!   logical clock), then the deepest, then the largest, never the active path,
+//!   the root or a node with several children; user snapshots go only after
+//!   every ordinary node. An ordered index makes each eviction `O(log n)`.
+//!
+//! # Modules
+//! - `arena`: nodes in a `Vec` addressed by `u32`, with a free list; each node
+//!   holds its edge tokens, `[start, end)`, parent, children sorted by first
+//!   token, per-layer snapshots, user flag and last-used stamp.
+//! - `cache`: [`PrefixCache`]: matching, switching paths (page out, rewind,
+//!   page in, align), growing the active path, splitting and merging nodes,
+//!   eviction through an ordered index.
+//! - `session`: [`Session`], the engine-facing side of one request.
+//! - `check`: [`PrefixCache::check`], the invariant checker.
+//! - `stats`: [`Stats`].
+//! - [`fake`]: fake layer caches whose state is made of token ids (a KV cache,
+//!   a recurrent state, a sliding window), counting every snapshot they make
+//!   and drop.
+
+mod arena;
+mod cache;
+mod check;
+pub mod fake;
+mod session;
+mod stats;
+
+pub use cache::PrefixCache;
+pub use session::Session;
+pub use stats::Stats;

@@ -1,0 +1,825 @@
+//! [`PrefixCache`]: the trie, the live caches behind its active path, paging
+//! between them, and eviction.
+//!
+//! Invariants between operations (see [`PrefixCache::check`]):
+//! - the active path is a root-down chain, and exactly its nodes carry `active`;
+//! - at rest every layer's offset equals the active path's end;
+//! - `paged_out` and `snapshots` equal the sums over the nodes;
+//! - the eviction index holds exactly the candidates (not the root, not active,
+//!   at most one child, at least one snapshot), each under its current key.
+
+use std::cmp::Reverse;
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+
+use kvcache_api::{BoxedSnapshot, CacheError, Result, SnapshotCache};
+
+use super::arena::{common_prefix, Arena, EvictKey, Node, NodeId, ROOT};
+use super::session::Session;
+use super::stats::Stats;
+
+/// A compressed prefix trie of token sequences shared across conversations,
+/// with per-layer snapshots on its nodes, driving one set of live layer caches.
+///
+/// One root-down path of the trie, the *active path*, is backed by the live
+/// caches. [`begin`](Self::begin) finds the longest cached prefix of a prompt,
+/// pages the old path's leaf out to snapshots, rewinds (or frees) the live
+/// caches to where the paths part, pages the new path in from snapshots, and
+/// hands back a [`Session`] saying which tokens remain to be evaluated.
+///
+/// Snapshot memory is bounded by a byte budget: above it, nodes off the active
+/// path are evicted, least recently used first (then deepest, then largest),
+/// through an ordered index, so an eviction costs `O(log n)` and not a walk of
+/// the trie. Explicit user snapshots are evicted only after every other
+/// candidate.
+///
+/// `C` is the layer cache type; `Box<dyn SnapshotCache>` serves models that mix
+/// layer kinds. The trie only uses the [`SnapshotCache`] contract.
+pub struct PrefixCache<C> {
+    pub(super) arena: Arena,
+    pub(super) caches: Vec<C>,
+    /// Root-down chain of nodes backed by the live caches.
+    pub(super) active: Vec<NodeId>,
+    /// Eviction candidates, ordered first to last.
+    pub(super) index: BTreeSet<EvictKey>,
+    /// Logical clock: advanced by every `begin` and every close.
+    pub(super) clock: u64,
+    pub(super) budget: usize,
+    pub(super) paged_out: usize,
+    pub(super) snapshots: usize,
+    pub(super) over_budget: bool,
+    pub(super) counters: Stats,
+}
+
+/// The result of walking the trie along a prompt.
+pub(super) struct Match {
+    /// Fully matched nodes, root first.
+    pub path: Vec<NodeId>,
+    /// Tokens matched.
+    pub matched: usize,
+    /// The node whose edge the match ends inside (`start < matched < end`).
+    pub partial: Option<NodeId>,
+}
+
+impl<C: SnapshotCache> PrefixCache<C> {
+    /// A prefix cache over one model's layer caches (one per layer, in layer
+    /// order), keeping at most `budget` bytes of snapshots.
+    ///
+    /// The caches are freed: the trie starts empty. An empty `caches` is an
+    /// [`InvalidArgument`](CacheError::InvalidArgument) error.
+    pub fn new(mut caches: Vec<C>, budget: usize) -> Result<Self> {
+        if caches.is_empty() {
+            return Err(CacheError::InvalidArgument(
+                "a prefix cache needs at least one layer cache".into(),
+            ));
+        }
+        for cache in &mut caches {
+            cache.free();
+        }
+        Ok(PrefixCache {
+            arena: Arena::new(),
+            caches,
+            active: vec![ROOT],
+            index: BTreeSet::new(),
+            clock: 0,
+            budget,
+            paged_out: 0,
+            snapshots: 0,
+            over_budget: false,
+            counters: Stats::default(),
+        })
+    }
+
+    /// Prepares the live caches for `prompt` and returns the session that
+    /// evaluates it.
+    ///
+    /// The longest cached prefix is restored, but never the whole prompt: at
+    /// least the last token is always left to evaluate, so that the engine has
+    /// logits to sample from. An empty prompt is an
+    /// [`InvalidArgument`](CacheError::InvalidArgument) error that changes nothing.
+    ///
+    /// A backend error while paging frees the live caches, leaves the trie at
+    /// its root (consistent, with its snapshots kept) and is returned.
+    pub fn begin(&mut self, prompt: &[u32]) -> Result<Session<'_, C>> {
+        if prompt.is_empty() {
+            return Err(CacheError::InvalidArgument(
+                "empty prompt: nothing to evaluate".into(),
+            ));
+        }
+        self.clock += 1;
+        let mut m = self.find(prompt);
+        let structural = m.matched;
+        self.leave_one(&mut m, prompt.len());
+        let partial = m.partial.map(|p| (p, m.matched));
+        let cached = self.switch_to(&m.path, partial)?;
+
+        // Where prefill must stop so that the trie can take snapshots the match
+        // could not restore: ends of nodes that lack some layer's snapshot, and
+        // the branch point inside a partially matched edge.
+        let mut pending: Vec<usize> = m
+            .path
+            .iter()
+            .map(|&id| self.arena.get(id))
+            .filter(|n| n.end > cached && !n.has_all_snaps(self.caches.len()))
+            .map(|n| n.end)
+            .collect();
+        if let Some((_, at)) = partial {
+            if at > cached {
+                pending.push(at);
+            }
+        }
+
+        if cached > 0 {
+            self.counters.hits += 1;
+        } else {
+            self.counters.misses += 1;
+        }
+        self.counters.reused_tokens += cached as u64;
+        self.counters.evaluated_tokens += (prompt.len() - cached) as u64;
+        tracing::debug!(
+            total = prompt.len(),
+            matched = structural,
+            cached,
+            left = prompt.len() - cached,
+            pending = ?pending,
+            "prefix cache {}",
+            if cached > 0 { "hit" } else { "miss" }
+        );
+        self.enforce_budget();
+        Ok(Session::new(self, prompt, cached, pending))
+    }
+
+    /// Tokens of `tokens` the trie holds as a path from the root (a structural
+    /// match: no paging, no "leave one token" rule).
+    pub fn lookup(&self, tokens: &[u32]) -> usize {
+        self.find(tokens).matched
+    }
+
+    /// Counters and current state.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            paged_out_bytes: self.paged_out,
+            budget: self.budget,
+            snapshots: self.snapshots,
+            nodes: self.arena.live,
+            over_budget: self.over_budget,
+            ..self.counters.clone()
+        }
+    }
+
+    /// The paged-out byte budget.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Changes the budget, evicting at once if the trie is above it.
+    pub fn set_budget(&mut self, bytes: usize) {
+        self.budget = bytes;
+        self.enforce_budget();
+    }
+
+    /// The live layer caches.
+    pub fn caches(&self) -> &[C] {
+        &self.caches
+    }
+
+    /// Number of layers.
+    pub fn layers(&self) -> usize {
+        self.caches.len()
+    }
+
+    /// Tokens the live caches hold: the end of the active path.
+    pub fn offset(&self) -> usize {
+        self.min_offset()
+    }
+
+    /// Drops every node and snapshot and frees the live caches. Counters stay.
+    pub fn clear(&mut self) {
+        for cache in &mut self.caches {
+            cache.free();
+        }
+        self.arena = Arena::new();
+        self.active = vec![ROOT];
+        self.index.clear();
+        self.paged_out = 0;
+        self.snapshots = 0;
+        self.over_budget = false;
+    }
+
+    /// The trie as indented text, one node per line: edge tokens, offsets,
+    /// snapshots held, and the `user` / `active` flags.
+    pub fn dump(&self) -> String {
+        let mut out = String::new();
+        let mut stack = vec![(ROOT, 0usize)];
+        while let Some((id, depth)) = stack.pop() {
+            let n = self.arena.get(id);
+            let indent = "  ".repeat(depth);
+            if id == ROOT {
+                let _ = write!(out, "root");
+            } else if n.tokens.len() <= 12 {
+                let _ = write!(out, "{indent}{:?} [{},{})", n.tokens, n.start, n.end);
+            } else {
+                let _ = write!(out, "{indent}{:?}.. [{},{})", &n.tokens[..8], n.start, n.end);
+            }
+            if n.n_snaps > 0 {
+                let _ = write!(out, " snaps {}/{} {}B", n.n_snaps, self.caches.len(), n.bytes);
+            }
+            if n.user {
+                out.push_str(" user");
+            }
+            if n.active && id != ROOT {
+                out.push_str(" active");
+            }
+            out.push('\n');
+            for &(_, c) in n.children.iter().rev() {
+                stack.push((c, depth + 1));
+            }
+        }
+        out
+    }
+
+    // ---- matching ----
+
+    /// Walks the trie from the root along `tokens`.
+    pub(super) fn find(&self, tokens: &[u32]) -> Match {
+        let mut path = vec![ROOT];
+        let mut node = ROOT;
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let Some(child) = self.arena.get(node).child(tokens[pos]) else {
+                break;
+            };
+            let edge = &self.arena.get(child).tokens;
+            let common = common_prefix(edge, &tokens[pos..]);
+            pos += common;
+            if common < edge.len() {
+                return Match {
+                    path,
+                    matched: pos,
+                    partial: Some(child),
+                };
+            }
+            path.push(child);
+            node = child;
+        }
+        Match {
+            path,
+            matched: pos,
+            partial: None,
+        }
+    }
+
+    /// Shortens a match of a whole `len`-token prompt by one token, so that the
+    /// last prompt token is evaluated again.
+    fn leave_one(&self, m: &mut Match, len: usize) {
+        if len == 0 || m.matched < len {
+            return;
+        }
+        let target = len - 1;
+        // The node whose edge holds offset `target`.
+        let node = match m.partial.take() {
+            Some(p) => p,
+            None => m
+                .path
+                .pop()
+                .expect("a match of a non-empty prompt ends below the root"),
+        };
+        if self.arena.get(node).start < target {
+            m.partial = Some(node);
+        }
+        m.matched = target;
+    }
+
+    // ---- switching paths ----
+
+    /// Makes the live caches hold the longest restorable prefix of `path`
+    /// (then of the partially matched edge, if given) and returns its length.
+    fn switch_to(&mut self, path: &[NodeId], partial: Option<(NodeId, usize)>) -> Result<usize> {
+        // The new path's nodes that are already live.
+        let mut common = 0;
+        while common < path.len() && self.arena.get(path[common]).active {
+            common += 1;
+        }
+        let partial_live = partial.is_some_and(|(p, _)| self.arena.get(p).active);
+        let ancestor = match partial {
+            Some((_, at)) if partial_live => at,
+            _ => self.arena.get(path[common - 1]).end,
+        };
+
+        // Page out the old leaf unless the new path keeps it whole. Only the
+        // leaf: the live state is the leaf's, not an interior node's.
+        if self.active.len() > common {
+            let leaf = *self.active.last().expect("the active path holds the root");
+            if self.fill_snapshots(leaf)? {
+                self.counters.page_outs += 1;
+            }
+        }
+
+        // Rewind to where the paths part; caches that cannot are freed and
+        // come back from snapshots below.
+        for i in 0..self.caches.len() {
+            if self.caches[i].offset() > ancestor {
+                match self.caches[i].restore(None, ancestor) {
+                    Ok(true) => {}
+                    Ok(false) => self.caches[i].free(),
+                    Err(e) => return Err(self.fail(e)),
+                }
+            }
+        }
+        for id in self.active.split_off(common) {
+            self.set_active(id, false);
+        }
+
+        // Page in along the whole new path; a cache already past a node skips it.
+        let mut error = None;
+        for &id in &path[1..] {
+            let node = self.arena.get(id);
+            if node.n_snaps == 0 {
+                continue;
+            }
+            let mut paged_in = false;
+            for (i, cache) in self.caches.iter_mut().enumerate() {
+                if cache.offset() >= node.end {
+                    continue;
+                }
+                let Some(snap) = node.snap(i) else { continue };
+                match cache.restore(Some(&**snap), node.end) {
+                    Ok(restored) => paged_in |= restored,
+                    Err(e) => {
+                        error = Some(e);
+                        break;
+                    }
+                }
+            }
+            if error.is_some() {
+                break;
+            }
+            if paged_in {
+                self.counters.page_ins += 1;
+            }
+        }
+        if let Some(e) = error {
+            return Err(self.fail(e));
+        }
+
+        // Into the partially matched edge, for caches that can stop inside a
+        // snapshot (a rewindable KV cache can; a recurrent one cannot).
+        if let Some((p, at)) = partial {
+            let node = self.arena.get(p);
+            if self.min_offset() >= node.start {
+                for (i, cache) in self.caches.iter_mut().enumerate() {
+                    if cache.offset() >= at {
+                        continue;
+                    }
+                    let Some(snap) = node.snap(i) else { break };
+                    match cache.restore(Some(&**snap), at) {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => {
+                            error = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if let Some(e) = error {
+                    return Err(self.fail(e));
+                }
+            }
+        }
+
+        let reached = self.align(path)?;
+        // The kept part of the old path may reach past what every layer could
+        // restore (a freed layer came back only part of the way).
+        self.truncate_active(reached);
+        for &id in &path[self.active.len()..] {
+            if self.arena.get(id).end > reached {
+                break;
+            }
+            self.push_active(id);
+        }
+        if let Some((p, at)) = partial {
+            if reached == at {
+                // Every layer stands inside the edge: make the branch point now.
+                let upper = self.split(p, at);
+                self.push_active(upper);
+                self.fill_snapshots(upper)?;
+            }
+        }
+        Ok(reached)
+    }
+
+    /// Brings every layer to one offset: the lowest one, or lower (a boundary
+    /// of `path`) when some layer cannot get there. Returns the offset.
+    fn align(&mut self, path: &[NodeId]) -> Result<usize> {
+        let mut target = self.min_offset();
+        loop {
+            let mut aligned = true;
+            for i in 0..self.caches.len() {
+                if self.caches[i].offset() == target {
+                    continue;
+                }
+                match self.caches[i].restore(None, target) {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(e) => return Err(self.fail(e)),
+                }
+                if target == 0 {
+                    self.caches[i].free();
+                    continue;
+                }
+                if let Ok(k) = path.binary_search_by_key(&target, |&id| self.arena.get(id).end) {
+                    if let Some(snap) = self.arena.get(path[k]).snap(i) {
+                        match self.caches[i].restore(Some(&**snap), target) {
+                            Ok(true) => continue,
+                            Ok(false) => {}
+                            Err(e) => return Err(self.fail(e)),
+                        }
+                    }
+                }
+                aligned = false;
+                break;
+            }
+            if aligned {
+                return Ok(target);
+            }
+            let k = path.partition_point(|&id| self.arena.get(id).end < target);
+            target = if k == 0 {
+                0
+            } else {
+                self.arena.get(path[k - 1]).end
+            };
+        }
+    }
+
+    /// After a failed cache operation: frees the live caches and falls back to
+    /// the root. The trie keeps its nodes and snapshots.
+    pub(super) fn fail(&mut self, error: CacheError) -> CacheError {
+        tracing::warn!(%error, "prefix cache: cache operation failed, freeing the live caches");
+        for cache in &mut self.caches {
+            cache.free();
+        }
+        for id in self.active.split_off(1) {
+            self.set_active(id, false);
+        }
+        self.enforce_budget();
+        error
+    }
+
+    pub(super) fn min_offset(&self) -> usize {
+        self.caches.iter().map(SnapshotCache::offset).min().unwrap_or(0)
+    }
+
+    fn set_active(&mut self, id: NodeId, active: bool) {
+        self.arena.get_mut(id).active = active;
+        self.refresh(id);
+    }
+
+    fn push_active(&mut self, id: NodeId) {
+        debug_assert_eq!(self.arena.get(id).parent, *self.active.last().expect("root"));
+        self.set_active(id, true);
+        self.active.push(id);
+    }
+
+    // ---- growing the active path ----
+
+    /// Extends the active path from its end along `tokens`, the tokens that
+    /// follow it, through existing nodes (splitting an edge where they part)
+    /// and then a new or extended leaf. Returns the new end of the path.
+    pub(super) fn advance(&mut self, tokens: &[u32]) -> NodeId {
+        let mut cur = *self.active.last().expect("root");
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let Some(child) = self.arena.get(cur).child(tokens[pos]) else {
+                break;
+            };
+            let node = self.arena.get(child);
+            let common = common_prefix(&node.tokens, &tokens[pos..]);
+            pos += common;
+            if common < node.tokens.len() {
+                let at = node.start + common;
+                cur = self.split(child, at);
+                self.push_active(cur);
+                break;
+            }
+            self.push_active(child);
+            cur = child;
+        }
+        if pos < tokens.len() {
+            let rest = &tokens[pos..];
+            let node = self.arena.get(cur);
+            if cur != ROOT && node.children.is_empty() && !node.user && node.n_snaps == 0 {
+                // A leaf only the live caches back: grow its edge in place.
+                let node = self.arena.get_mut(cur);
+                node.tokens.extend_from_slice(rest);
+                node.end += rest.len();
+            } else {
+                let leaf = self
+                    .arena
+                    .alloc(Node::new(rest.to_vec(), node.end, cur, self.clock));
+                self.arena.add_child(cur, rest[0], leaf);
+                self.push_active(leaf);
+                cur = leaf;
+            }
+        }
+        cur
+    }
+
+    /// Splits node `id`'s edge at offset `at` (`start < at < end`): a new node
+    /// takes `[start, at)` and becomes `id`'s parent, `id` keeps `[at, end)`.
+    /// Snapshots are split with the caches' `split`. Returns the new node.
+    fn split(&mut self, id: NodeId, at: usize) -> NodeId {
+        let node = self.arena.get_mut(id);
+        debug_assert!(node.start < at && at < node.end, "split point outside the edge");
+        let (start, parent, stamp) = (node.start, node.parent, node.stamp);
+        let lower = node.tokens.split_off(at - start);
+        let upper_tokens = std::mem::replace(&mut node.tokens, lower);
+        node.start = at;
+        let (first_upper, first_lower) = (upper_tokens[0], node.tokens[0]);
+        let upper = self.arena.alloc(Node::new(upper_tokens, start, parent, stamp));
+        self.arena.get_mut(id).parent = upper;
+        self.arena.get_mut(upper).children.push((first_lower, id));
+        self.arena.replace_child(parent, first_upper, upper);
+
+        for (i, snap) in self.take_snaps(id).into_iter().enumerate() {
+            let Some(snap) = snap else { continue };
+            match self.caches[i].split(snap, at) {
+                Ok((a, b)) => {
+                    self.put_snap(upper, i, a);
+                    self.put_snap(id, i, b);
+                }
+                Err(error) => tracing::warn!(%error, layer = i, "prefix cache: snapshot split failed"),
+            }
+        }
+        self.refresh(id);
+        self.refresh(upper);
+        upper
+    }
+
+    /// Takes snapshots of the live caches for the layers `id` lacks. The
+    /// caches must stand at `id`'s end. Returns whether any was taken.
+    pub(super) fn fill_snapshots(&mut self, id: NodeId) -> Result<bool> {
+        let node = self.arena.get(id);
+        let (start, end) = (node.start, node.end);
+        if node.has_all_snaps(self.caches.len()) {
+            return Ok(false);
+        }
+        let mut taken = false;
+        for i in 0..self.caches.len() {
+            if self.arena.get(id).snap(i).is_some() {
+                continue;
+            }
+            debug_assert_eq!(
+                self.caches[i].offset(),
+                end,
+                "snapshot of a node the caches are not at"
+            );
+            match self.caches[i].snapshot(start) {
+                Ok(snap) => {
+                    taken |= snap.is_some();
+                    self.put_snap(id, i, snap);
+                }
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+        self.refresh(id);
+        Ok(taken)
+    }
+
+    // ---- snapshot bookkeeping ----
+
+    /// Gives `snap` to layer `layer` of node `id` (which has none for it),
+    /// keeping the byte and snapshot totals. A snapshot that does not end at
+    /// the node's end cannot restore it and is dropped. Does not refresh the
+    /// eviction index.
+    fn put_snap(&mut self, id: NodeId, layer: usize, snap: Option<BoxedSnapshot>) {
+        let Some(snap) = snap else { return };
+        let layers = self.caches.len();
+        let node = self.arena.get_mut(id);
+        if snap.range().end != node.end || snap.range().is_empty() {
+            tracing::warn!(
+                range = ?snap.range(),
+                node = ?(node.start..node.end),
+                "prefix cache: dropping a snapshot that does not end at its node"
+            );
+            return;
+        }
+        if node.snaps.is_empty() {
+            node.snaps.resize_with(layers, || None);
+        }
+        let bytes = snap.size_bytes();
+        let old = node.snaps[layer].replace(snap);
+        assert!(old.is_none(), "layer {layer} of node {id} already had a snapshot");
+        node.n_snaps += 1;
+        node.bytes += bytes;
+        self.paged_out += bytes;
+        self.snapshots += 1;
+    }
+
+    /// Takes all of node `id`'s snapshots out, keeping the totals. Does not
+    /// refresh the eviction index.
+    fn take_snaps(&mut self, id: NodeId) -> Vec<Option<BoxedSnapshot>> {
+        let node = self.arena.get_mut(id);
+        self.paged_out -= node.bytes;
+        self.snapshots -= node.n_snaps;
+        node.bytes = 0;
+        node.n_snaps = 0;
+        std::mem::take(&mut node.snaps)
+    }
+
+    // ---- eviction ----
+
+    /// Puts node `id` in the eviction index under its current key if it is a
+    /// candidate, and takes it out otherwise.
+    pub(super) fn refresh(&mut self, id: NodeId) {
+        let node = self.arena.get(id);
+        let want = Self::candidate_key(id, node);
+        if node.key != want {
+            if let Some(old) = node.key {
+                self.index.remove(&old);
+            }
+            if let Some(new) = want {
+                self.index.insert(new);
+            }
+            self.arena.get_mut(id).key = want;
+        }
+    }
+
+    /// The eviction key `node` must be indexed under, or `None` if it is protected.
+    pub(super) fn candidate_key(id: NodeId, node: &Node) -> Option<EvictKey> {
+        let candidate =
+            id != ROOT && node.live && !node.active && node.children.len() <= 1 && node.n_snaps > 0;
+        candidate.then_some((node.user, node.stamp, Reverse(node.end), Reverse(node.bytes), id))
+    }
+
+    fn unindex(&mut self, id: NodeId) {
+        if let Some(key) = self.arena.get_mut(id).key.take() {
+            self.index.remove(&key);
+        }
+    }
+
+    /// Evicts candidates, first to last, until the snapshots fit the budget or
+    /// only protected nodes hold any.
+    pub(super) fn enforce_budget(&mut self) {
+        let mut over = false;
+        while self.paged_out > self.budget {
+            let Some((.., id)) = self.index.pop_first() else {
+                over = true;
+                break;
+            };
+            self.arena.get_mut(id).key = None;
+            self.evict(id);
+        }
+        if over && !self.over_budget {
+            tracing::debug!(
+                paged_out = self.paged_out,
+                budget = self.budget,
+                "prefix cache: over budget, only protected nodes hold snapshots"
+            );
+        }
+        self.over_budget = over;
+    }
+
+    /// Evicts candidate `id`: a leaf is removed (and its parent merged into its
+    /// remaining child when it is an ordinary node left with one), a node with
+    /// one child is merged into it.
+    fn evict(&mut self, id: NodeId) {
+        self.counters.evictions += 1;
+        if self.arena.get(id).children.is_empty() {
+            let parent = self.remove_leaf(id);
+            let p = self.arena.get(parent);
+            if parent != ROOT && !p.user && !p.active && p.children.len() == 1 {
+                self.counters.auto_merges += 1;
+                self.merge_into_child(parent);
+            } else {
+                self.refresh(parent);
+            }
+        } else {
+            self.merge_into_child(id);
+        }
+    }
+
+    /// Removes leaf `id` with its snapshots; returns its parent.
+    fn remove_leaf(&mut self, id: NodeId) -> NodeId {
+        self.unindex(id);
+        self.take_snaps(id);
+        let node = self.arena.release(id);
+        debug_assert!(node.children.is_empty() && !node.active);
+        self.arena.remove_child(node.parent, node.tokens[0]);
+        node.parent
+    }
+
+    /// Merges node `id` into its only child: the child's edge grows to start
+    /// where `id`'s did, and their snapshots are joined with the caches' `merge`.
+    fn merge_into_child(&mut self, id: NodeId) {
+        let child = {
+            let node = self.arena.get(id);
+            debug_assert!(node.children.len() == 1 && !node.active);
+            node.children[0].1
+        };
+        self.unindex(id);
+        self.unindex(child);
+        let mut upper_snaps = self.take_snaps(id);
+        let mut lower_snaps = self.take_snaps(child);
+        let upper = self.arena.release(id);
+        let first = upper.tokens[0];
+        let node = self.arena.get_mut(child);
+        let mut tokens = upper.tokens;
+        tokens.extend_from_slice(&node.tokens);
+        node.tokens = tokens;
+        node.start = upper.start;
+        node.parent = upper.parent;
+        node.stamp = node.stamp.max(upper.stamp);
+        self.arena.replace_child(upper.parent, first, child);
+
+        for i in 0..self.caches.len() {
+            let a = upper_snaps.get_mut(i).and_then(Option::take);
+            let b = lower_snaps.get_mut(i).and_then(Option::take);
+            if a.is_none() && b.is_none() {
+                continue;
+            }
+            match self.caches[i].merge(a, b) {
+                Ok(snap) => self.put_snap(child, i, snap),
+                Err(error) => tracing::warn!(%error, layer = i, "prefix cache: snapshot merge failed"),
+            }
+        }
+        self.refresh(child);
+    }
+
+    /// Marks the end of a session: stamps the active path with a new time.
+    pub(super) fn touch_active(&mut self) {
+        self.clock += 1;
+        for &id in &self.active {
+            self.arena.get_mut(id).stamp = self.clock;
+        }
+    }
+
+    /// Truncates the active path to the nodes ending at or before `offset`.
+    pub(super) fn truncate_active(&mut self, offset: usize) {
+        let keep = self
+            .active
+            .partition_point(|&id| self.arena.get(id).end <= offset);
+        for id in self.active.split_off(keep.max(1)) {
+            self.set_active(id, false);
+        }
+    }
+
+    pub(super) fn mark_user(&mut self, id: NodeId) {
+        if id != ROOT {
+            self.arena.get_mut(id).user = true;
+            self.refresh(id);
+        }
+    }
+
+    pub(super) fn frontier(&self) -> NodeId {
+        *self.active.last().expect("the active path holds the root")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trie::fake::FakeKv;
+
+    fn node(stamp: u64, end: usize, bytes: usize, user: bool) -> Node {
+        let mut n = Node::new(vec![0; end], 0, ROOT, stamp);
+        n.n_snaps = 1;
+        n.bytes = bytes;
+        n.user = user;
+        n
+    }
+
+    #[test]
+    fn eviction_order_user_last_then_oldest_deepest_largest() {
+        let key = |id, n: &Node| PrefixCache::<FakeKv>::candidate_key(id, n).unwrap();
+        let mut keys = [
+            key(1, &node(5, 10, 100, true)),
+            key(2, &node(6, 10, 100, false)),
+            key(3, &node(5, 10, 100, false)),
+            key(4, &node(5, 20, 100, false)),
+            key(5, &node(5, 20, 300, false)),
+            key(6, &node(1, 1, 1, true)),
+        ];
+        keys.sort();
+        let order: Vec<NodeId> = keys.iter().map(|k| k.4).collect();
+        // Oldest (stamp 5) first; among them the deepest (end 20), the larger of
+        // those first; then stamp 6; user nodes after every ordinary one.
+        assert_eq!(order, vec![5, 4, 3, 2, 6, 1]);
+    }
+
+    #[test]
+    fn protected_nodes_are_not_candidates() {
+        let c = |id, n: &Node| PrefixCache::<FakeKv>::candidate_key(id, n);
+        let mut n = node(1, 4, 16, false);
+        assert!(c(3, &n).is_some());
+        assert!(c(ROOT, &n).is_none(), "the root");
+        n.active = true;
+        assert!(c(3, &n).is_none(), "on the active path");
+        n.active = false;
+        n.children = vec![(1, 7), (2, 8)];
+        assert!(c(3, &n).is_none(), "a branch point with several children");
+        n.children.pop();
+        assert!(c(3, &n).is_some(), "one child: merged into it when evicted");
+        n.n_snaps = 0;
+        assert!(c(3, &n).is_none(), "nothing to free");
+    }
+}

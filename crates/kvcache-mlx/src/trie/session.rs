@@ -1,0 +1,276 @@
+//! [`Session`]: one request's use of the prefix cache, from `begin` to close.
+
+use kvcache_api::{CacheError, Result, SnapshotCache};
+
+use super::cache::PrefixCache;
+
+/// One request on a [`PrefixCache`]: the prompt, the tokens it generates, and
+/// the live caches the model runs on.
+///
+/// The engine evaluates the [`remaining`](Self::remaining) prompt tokens
+/// (stopping at [`pending_snapshot`](Self::pending_snapshot) offsets to call
+/// [`snapshot`](Self::snapshot); [`prefill`](Self::prefill) and
+/// [`next_chunk`](Self::next_chunk) do that for it), then
+/// [`record`](Self::record)s every generated token and evaluates each one
+/// except the last. Closing the session (explicitly, or by dropping it) stores
+/// what the caches hold in the trie.
+pub struct Session<'a, C: SnapshotCache> {
+    cache: &'a mut PrefixCache<C>,
+    /// The prompt followed by the recorded tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    cached: usize,
+    /// Offsets, ascending, where prefill must stop for a snapshot.
+    pending: Vec<usize>,
+    closed: bool,
+}
+
+impl<'a, C: SnapshotCache> Session<'a, C> {
+    pub(super) fn new(
+        cache: &'a mut PrefixCache<C>,
+        prompt: &[u32],
+        cached: usize,
+        pending: Vec<usize>,
+    ) -> Self {
+        Session {
+            cache,
+            tokens: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            cached,
+            pending,
+            closed: false,
+        }
+    }
+
+    /// The prompt.
+    pub fn prompt(&self) -> &[u32] {
+        &self.tokens[..self.prompt_len]
+    }
+
+    /// Prompt tokens restored from the cache when the session began.
+    pub fn cached(&self) -> usize {
+        self.cached
+    }
+
+    /// Prompt tokens the cache did not restore: the engine evaluates these.
+    /// Never empty.
+    pub fn remaining(&self) -> &[u32] {
+        &self.tokens[self.cached..self.prompt_len]
+    }
+
+    /// Tokens recorded with [`record`](Self::record).
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Tokens the live caches hold now (the lowest layer offset).
+    pub fn offset(&self) -> usize {
+        self.cache.min_offset()
+    }
+
+    /// The next offset at which prefill must pause and call
+    /// [`snapshot`](Self::snapshot)`(false)`: a branch point inside a cached
+    /// edge, or the end of a cached node some layer has no snapshot for.
+    /// `None` when prefill can run to the end of the prompt.
+    pub fn pending_snapshot(&self) -> Option<usize> {
+        let offset = self.offset();
+        self.pending.iter().copied().find(|&p| p >= offset)
+    }
+
+    /// The live layer caches, for the model to run on.
+    pub fn caches_mut(&mut self) -> &mut [C] {
+        &mut self.cache.caches
+    }
+
+    /// The live layer caches.
+    pub fn caches(&self) -> &[C] {
+        &self.cache.caches
+    }
+
+    /// The next prompt tokens to evaluate in one go, with the caches to run
+    /// them on: from the current offset to the next pending snapshot or the end
+    /// of the prompt. A pending snapshot at the current offset is taken first.
+    /// Empty when the prompt has been evaluated.
+    pub fn next_chunk(&mut self) -> Result<(&[u32], &mut [C])> {
+        let offset = self.cache.uniform_offset()?;
+        if self.pending.contains(&offset) {
+            self.snapshot(false)?;
+        }
+        let end = self
+            .pending_snapshot()
+            .unwrap_or(self.prompt_len)
+            .min(self.prompt_len);
+        let start = offset.min(end);
+        Ok((&self.tokens[start..end], &mut self.cache.caches))
+    }
+
+    /// Evaluates the rest of the prompt with `eval`, which must run the model
+    /// on the given tokens (appending exactly that many to every cache), in as
+    /// few calls as the pending snapshots allow, taking those snapshots.
+    ///
+    /// A call that leaves the caches anywhere else is an
+    /// [`InvalidState`](CacheError::InvalidState) error.
+    pub fn prefill<E, F>(&mut self, mut eval: F) -> std::result::Result<(), E>
+    where
+        E: From<CacheError>,
+        F: FnMut(&[u32], &mut [C]) -> std::result::Result<(), E>,
+    {
+        loop {
+            let before = self.cache.uniform_offset()?;
+            let (tokens, caches) = self.next_chunk()?;
+            if tokens.is_empty() {
+                return Ok(());
+            }
+            let expected = before + tokens.len();
+            eval(tokens, caches)?;
+            let after = self.cache.uniform_offset()?;
+            if after != expected {
+                return Err(CacheError::InvalidState(format!(
+                    "prefill evaluated to offset {after}, expected {expected}"
+                ))
+                .into());
+            }
+        }
+    }
+
+    /// Records a generated token. Every recorded token but the last one is
+    /// expected to be evaluated before the session closes.
+    pub fn record(&mut self, token: u32) {
+        self.tokens.push(token);
+    }
+
+    /// Stores the live state at the current offset as a trie node with
+    /// snapshots: a branch point when prefill stops at a pending offset
+    /// (`user = false`), or an explicit restore point (`user = true`) that is
+    /// never merged away automatically and is evicted only after every
+    /// ordinary node.
+    ///
+    /// Errors ([`InvalidState`](CacheError::InvalidState)) when the layers
+    /// disagree on the offset, stand behind the trie's active path, or hold
+    /// more tokens than the prompt and the recorded tokens.
+    pub fn snapshot(&mut self, user: bool) -> Result<()> {
+        let offset = self.cache.uniform_offset()?;
+        if offset == 0 {
+            return Ok(());
+        }
+        let frontier_end = self.cache.arena.get(self.cache.frontier()).end;
+        if offset < frontier_end {
+            return Err(CacheError::InvalidState(format!(
+                "the caches stand at {offset}, behind the cached path ending at {frontier_end}"
+            )));
+        }
+        if offset > self.tokens.len() {
+            return Err(CacheError::InvalidState(format!(
+                "the caches hold {offset} tokens but only {} were given or recorded",
+                self.tokens.len()
+            )));
+        }
+        let node = self.cache.advance(&self.tokens[frontier_end..offset]);
+        if user {
+            self.cache.mark_user(node);
+        }
+        self.cache.fill_snapshots(node)?;
+        self.pending.retain(|&p| p > offset);
+        self.cache.enforce_budget();
+        Ok(())
+    }
+
+    /// Closes the session: the tokens the caches hold (the prompt and the
+    /// generated tokens that were evaluated) become the trie's active path.
+    ///
+    /// The trie is left consistent in every case. When the layers disagree on
+    /// the offset (a failed forward pass) or hold more tokens than were given,
+    /// they are rewound (or freed) and an
+    /// [`InvalidState`](CacheError::InvalidState) error reports it.
+    pub fn close(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    /// Checks the trie's invariants mid-session, panicking on a violation
+    /// (see [`PrefixCache::check`]): the layers must stand at one offset, at or
+    /// after the active path's end and within the known tokens.
+    pub fn check(&self) {
+        self.cache.check_structure();
+        let offset = self.cache.min_offset();
+        for (i, c) in self.cache.caches.iter().enumerate() {
+            assert_eq!(
+                c.offset(),
+                offset,
+                "layer {i} at offset {}, others at {offset}",
+                c.offset()
+            );
+        }
+        let end = self.cache.arena.get(self.cache.frontier()).end;
+        assert!(
+            offset >= end,
+            "caches at {offset}, behind the active path's end {end}"
+        );
+        assert!(
+            offset <= self.tokens.len(),
+            "caches at {offset}, past the {} known tokens",
+            self.tokens.len()
+        );
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let cache = &mut *self.cache;
+        let mut problem = None;
+        let mut offset = cache.min_offset();
+        let limit = offset.min(self.tokens.len());
+        if cache.caches.iter().any(|c| c.offset() != limit) {
+            let mut aligned = true;
+            for c in &mut cache.caches {
+                if c.offset() != limit {
+                    aligned &= matches!(c.restore(None, limit), Ok(true));
+                }
+            }
+            let error = CacheError::InvalidState(format!(
+                "at close the layers stood at offsets {:?} for {} known tokens",
+                cache.caches.iter().map(SnapshotCache::offset).collect::<Vec<_>>(),
+                self.tokens.len()
+            ));
+            if aligned {
+                offset = limit;
+                problem = Some(error);
+            } else {
+                problem = Some(cache.fail(error));
+                offset = 0;
+            }
+        }
+        let frontier_end = cache.arena.get(cache.frontier()).end;
+        if offset < frontier_end {
+            cache.truncate_active(offset);
+        }
+        let frontier_end = cache.arena.get(cache.frontier()).end;
+        if offset > frontier_end {
+            cache.advance(&self.tokens[frontier_end..offset]);
+        }
+        cache.touch_active();
+        cache.enforce_budget();
+        problem.map_or(Ok(()), Err)
+    }
+}
+
+impl<C: SnapshotCache> Drop for Session<'_, C> {
+    fn drop(&mut self) {
+        if let Err(error) = self.finish() {
+            tracing::warn!(%error, "prefix cache: closing a dropped session");
+        }
+    }
+}
+
+impl<C: SnapshotCache> std::fmt::Debug for Session<'_, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("prompt_len", &self.prompt_len)
+            .field("cached", &self.cached)
+            .field("generated", &self.generated().len())
+            .field("pending", &self.pending)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
