@@ -1,0 +1,243 @@
+//! [`KvCache`]: the full-attention layer cache, a buffer that grows in steps.
+
+use std::fmt;
+
+use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
+use mlx_rs::Array;
+
+use super::arrays::{compact_seq_slice, eval, grow_write, seq_concat, seq_len, seq_slice, KvLayout, Origin};
+use super::snapshot::{check_consecutive, downcast_box, downcast_ref, KvSnapshot};
+use super::DEFAULT_STEP;
+
+/// Keys and values of every position of one layer, for full attention.
+///
+/// State: keys `[B, H, capacity, Dk]` and values `[B, H, capacity, Dv]`, of which
+/// positions `[0, offset)` are meaningful. The capacity is a multiple of the step
+/// (256 by default) and grows when an update does not fit; it never shrinks
+/// until [`free`](SnapshotCache::free). The layout (B, H, Dk, Dv and dtypes) is
+/// fixed by the first update or restore and released by `free`.
+///
+/// - [`update`](LayerCache::update) writes `L` positions at the offset and
+///   returns views of `[0, offset + L)`; the caller applies the causal mask.
+/// - [`snapshot(from)`](SnapshotCache::snapshot) copies just `[from, offset)`.
+/// - [`restore`](SnapshotCache::restore) with a snapshot `[a, b)` needs the live
+///   cache to hold `[0, a)` (`offset >= a`): it rewinds to `a`, writes the
+///   snapshot's positions up to `target` and stops at `target <= b`. Without a
+///   snapshot it rewinds to any `target <= offset`.
+/// - [`merge`](SnapshotCache::merge) concatenates, [`split`](SnapshotCache::split)
+///   makes two compact copies.
+pub struct KvCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    layout: Option<KvLayout>,
+    offset: usize,
+    step: usize,
+}
+
+impl KvCache {
+    /// An empty cache growing in steps of [`DEFAULT_STEP`] positions.
+    pub fn new() -> Self {
+        KvCache {
+            keys: None,
+            values: None,
+            layout: None,
+            offset: 0,
+            step: DEFAULT_STEP,
+        }
+    }
+
+    /// An empty cache growing in steps of `step` positions (`InvalidArgument` if 0).
+    pub fn with_step(step: usize) -> Result<Self> {
+        if step == 0 {
+            return Err(CacheError::InvalidArgument(
+                "growth step must be at least 1".into(),
+            ));
+        }
+        Ok(KvCache {
+            step,
+            ..KvCache::new()
+        })
+    }
+
+    /// Positions the buffers can hold before they grow (0 when empty).
+    pub fn capacity(&self) -> usize {
+        self.keys.as_ref().map_or(0, seq_len)
+    }
+
+    /// Views of the live positions, keys `[B, H, offset, Dk]` and values
+    /// `[B, H, offset, Dv]`, or `None` when the cache holds nothing.
+    pub fn live(&self) -> Result<Option<(Array, Array)>> {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) if self.offset > 0 => Ok(Some((
+                seq_slice(k, 0, self.offset)?,
+                seq_slice(v, 0, self.offset)?,
+            ))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Writes the first `n` positions of `keys`/`values` at `[start, start + n)`,
+    /// the cache holding `[0, start)`.
+    fn write(&mut self, start: usize, keys: &Array, values: &Array, n: usize, origin: Origin) -> Result<()> {
+        let growth = (self.step, usize::MAX);
+        grow_write(&mut self.keys, start, keys, 0..n, origin, growth)?;
+        grow_write(&mut self.values, start, values, 0..n, origin, growth)?;
+        self.offset = start + n;
+        Ok(())
+    }
+}
+
+impl Default for KvCache {
+    fn default() -> Self {
+        KvCache::new()
+    }
+}
+
+impl fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvCache")
+            .field("offset", &self.offset)
+            .field("capacity", &self.capacity())
+            .field("step", &self.step)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl SnapshotCache for KvCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        if from >= self.offset {
+            return Ok(None);
+        }
+        let keys = compact_seq_slice(k, from, self.offset)?;
+        let values = compact_seq_slice(v, from, self.offset)?;
+        Ok(Some(Box::new(KvSnapshot {
+            keys,
+            values,
+            range: from..self.offset,
+        })))
+    }
+
+    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
+        let Some(snapshot) = snapshot else {
+            if target > self.offset {
+                return Ok(false);
+            }
+            self.offset = target;
+            return Ok(true);
+        };
+        let snap = downcast_ref::<KvSnapshot>(snapshot)?;
+        let (from, to) = (snap.range.start, snap.range.end);
+        if target > to || self.offset < from {
+            return Ok(false);
+        }
+        let (layout, _) = KvLayout::of(&snap.keys, &snap.values)?;
+        KvLayout::check_opt(self.layout.as_ref(), &layout, to - from)?;
+        if target <= from {
+            // Everything up to `target` is already live.
+            self.offset = target;
+            return Ok(true);
+        }
+        self.write(from, &snap.keys, &snap.values, target - from, Origin::Owned)?;
+        self.layout = Some(layout);
+        Ok(true)
+    }
+
+    fn merge(
+        &mut self,
+        parent: Option<BoxedSnapshot>,
+        child: Option<BoxedSnapshot>,
+    ) -> Result<Option<BoxedSnapshot>> {
+        let (Some(parent), Some(child)) = (parent, child) else {
+            return Ok(None);
+        };
+        let parent = downcast_box::<KvSnapshot>(parent)?;
+        let child = downcast_box::<KvSnapshot>(child)?;
+        check_consecutive(&parent.range, &child.range)?;
+        let (p, _) = KvLayout::of(&parent.keys, &parent.values)?;
+        let (c, tokens) = KvLayout::of(&child.keys, &child.values)?;
+        p.check(&c, tokens)
+            .map_err(|e| CacheError::InvalidArgument(format!("cannot merge: {e}")))?;
+        let keys = seq_concat(vec![parent.keys.clone(), child.keys.clone()], Origin::Owned)?;
+        let values = seq_concat(vec![parent.values.clone(), child.values.clone()], Origin::Owned)?;
+        eval([&keys, &values])?;
+        Ok(Some(Box::new(KvSnapshot {
+            keys,
+            values,
+            range: parent.range.start..child.range.end,
+        })))
+    }
+
+    fn split(
+        &mut self,
+        snapshot: BoxedSnapshot,
+        at: usize,
+    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
+        let snap = downcast_box::<KvSnapshot>(snapshot)?;
+        let (from, to) = (snap.range.start, snap.range.end);
+        if at <= from {
+            return Ok((None, Some(snap)));
+        }
+        if at >= to {
+            return Ok((Some(snap), None));
+        }
+        let mid = at - from;
+        let len = to - from;
+        let pk = compact_seq_slice(&snap.keys, 0, mid)?;
+        let pv = compact_seq_slice(&snap.values, 0, mid)?;
+        let ck = compact_seq_slice(&snap.keys, mid, len)?;
+        let cv = compact_seq_slice(&snap.values, mid, len)?;
+        let parent = KvSnapshot {
+            keys: pk,
+            values: pv,
+            range: from..at,
+        };
+        let child = KvSnapshot {
+            keys: ck,
+            values: cv,
+            range: at..to,
+        };
+        Ok((Some(Box::new(parent)), Some(Box::new(child))))
+    }
+
+    fn free(&mut self) {
+        self.keys = None;
+        self.values = None;
+        self.layout = None;
+        self.offset = 0;
+    }
+}
+
+impl LayerCache for KvCache {
+    type Array = Array;
+
+    /// Writes keys `[B, H, L, Dk]` and values `[B, H, L, Dv]` at positions
+    /// `[offset, offset + L)` and returns views of `[0, offset + L)`:
+    /// `[B, H, offset + L, Dk]` and `[B, H, offset + L, Dv]`. Query `i` of the
+    /// update (position `offset + i`) may attend to columns `0..=offset + i`.
+    fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (layout, tokens) = KvLayout::of(keys, values)?;
+        if tokens == 0 {
+            return Err(CacheError::InvalidArgument("update with no tokens".into()));
+        }
+        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        self.write(self.offset, keys, values, tokens, Origin::Caller)?;
+        self.layout = Some(layout);
+        let (k, v) = self.live()?.expect("a cache just written to holds positions");
+        Ok((k, v))
+    }
+
+    /// The whole buffers, keys `[B, H, capacity, Dk]` and values
+    /// `[B, H, capacity, Dv]` (only `[0, offset)` is meaningful), or nothing when
+    /// empty: what the cache keeps alive.
+    fn state(&self) -> Vec<Array> {
+        self.keys.iter().chain(self.values.iter()).cloned().collect()
+    }
+}

@@ -1,0 +1,189 @@
+//! [`RecurrentCache`]: the state of a recurrent layer, which cannot be rewound.
+
+use std::fmt;
+
+use kvcache_api::{BoxedSnapshot, CacheError, Result, Snapshot, SnapshotCache};
+use mlx_rs::Array;
+
+use super::arrays::{compact_copy, shape_of};
+use super::snapshot::{check_consecutive, downcast_box, downcast_ref, RecurrentSnapshot};
+
+/// The state of a recurrent layer (a convolution window, an SSM state, ...)
+/// after `offset` tokens: one or more arrays `[B, ...]` that the model replaces
+/// as a whole at every step.
+///
+/// Such a state summarises every token seen, so it cannot be rewound: it is
+/// only ever valid at the offset it was computed for.
+/// - [`restore(None, target)`](SnapshotCache::restore) succeeds only when
+///   `target == offset` (nothing to do) or `target == 0` (back to the initial,
+///   empty state); any other target is `Ok(false)`.
+/// - [`restore(Some(s), target)`](SnapshotCache::restore) succeeds only when
+///   `target` is exactly the snapshot's end; the live cache does not matter.
+/// - [`snapshot(from)`](SnapshotCache::snapshot) covers `[from, offset)` but
+///   holds the state at `offset` only (compact, evaluated copies).
+/// - [`merge`](SnapshotCache::merge) keeps the child with the joined range;
+///   [`split`](SnapshotCache::split) is refused with `(None, Some(snapshot))`.
+///
+/// # Why it is not a [`LayerCache`](kvcache_api::LayerCache)
+/// `LayerCache::update` takes keys/values `[B, H, L, D]` and returns what the new
+/// tokens attend to. A recurrent layer has neither: it reads its previous state
+/// and hands back a new one, and the token count is not part of the state's
+/// shape. So the layer reads [`state`](Self::state) and stores its result with
+/// [`advance`](Self::advance), which says how many tokens it consumed.
+pub struct RecurrentCache {
+    state: Vec<Array>,
+    offset: usize,
+}
+
+impl RecurrentCache {
+    /// An empty cache: no state, offset 0.
+    pub fn new() -> Self {
+        RecurrentCache {
+            state: Vec::new(),
+            offset: 0,
+        }
+    }
+
+    /// The state after `offset` tokens (empty before the first
+    /// [`advance`](Self::advance)), for the layer to compute the next one from.
+    pub fn state(&self) -> &[Array] {
+        &self.state
+    }
+
+    /// Replaces the state with the one the layer computed after consuming
+    /// `tokens` more tokens, and advances the offset by `tokens`.
+    ///
+    /// `state` must be non-empty and, once the cache holds a state, have as many
+    /// arrays with the same shapes and dtypes (`ShapeMismatch`, `DTypeMismatch`);
+    /// `tokens` must be at least 1 (`InvalidArgument`). On error the cache is
+    /// unchanged. The arrays are kept as given (lazy); they are copied only into
+    /// snapshots.
+    pub fn advance(&mut self, tokens: usize, state: Vec<Array>) -> Result<()> {
+        if tokens == 0 {
+            return Err(CacheError::InvalidArgument("advance by 0 tokens".into()));
+        }
+        if state.is_empty() {
+            return Err(CacheError::InvalidArgument(
+                "a recurrent state needs at least one array".into(),
+            ));
+        }
+        self.check_compatible(&state)?;
+        self.state = state;
+        self.offset += tokens;
+        Ok(())
+    }
+
+    /// Checks `state` against the current state, if any.
+    fn check_compatible(&self, state: &[Array]) -> Result<()> {
+        if self.state.is_empty() {
+            return Ok(());
+        }
+        if state.len() != self.state.len() {
+            return Err(CacheError::ShapeMismatch {
+                what: "state (number of arrays)",
+                expected: vec![self.state.len()],
+                got: vec![state.len()],
+            });
+        }
+        for (old, new) in self.state.iter().zip(state) {
+            if old.shape() != new.shape() {
+                return Err(CacheError::ShapeMismatch {
+                    what: "state",
+                    expected: shape_of(old),
+                    got: shape_of(new),
+                });
+            }
+            if old.dtype() != new.dtype() {
+                return Err(CacheError::DTypeMismatch {
+                    what: "state",
+                    expected: format!("{:?}", old.dtype()),
+                    got: format!("{:?}", new.dtype()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for RecurrentCache {
+    fn default() -> Self {
+        RecurrentCache::new()
+    }
+}
+
+impl fmt::Debug for RecurrentCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shapes: Vec<_> = self.state.iter().map(|a| a.shape().to_vec()).collect();
+        f.debug_struct("RecurrentCache")
+            .field("offset", &self.offset)
+            .field("state_shapes", &shapes)
+            .finish()
+    }
+}
+
+impl SnapshotCache for RecurrentCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
+        if from >= self.offset || self.state.is_empty() {
+            return Ok(None);
+        }
+        let state = self.state.iter().map(compact_copy).collect::<Result<Vec<_>>>()?;
+        Ok(Some(Box::new(RecurrentSnapshot {
+            state,
+            range: from..self.offset,
+        })))
+    }
+
+    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
+        let Some(snapshot) = snapshot else {
+            if target == 0 {
+                // Offset 0 is the layer's initial state: nothing to keep.
+                self.free();
+                return Ok(true);
+            }
+            return Ok(target == self.offset);
+        };
+        let snap = downcast_ref::<RecurrentSnapshot>(snapshot)?;
+        if target != snap.range.end {
+            return Ok(false);
+        }
+        self.check_compatible(&snap.state)?;
+        // Arrays are values: sharing the snapshot's copies is safe, and the layer
+        // replaces them at its next step.
+        self.state = snap.state.clone();
+        self.offset = target;
+        Ok(true)
+    }
+
+    fn merge(
+        &mut self,
+        parent: Option<BoxedSnapshot>,
+        child: Option<BoxedSnapshot>,
+    ) -> Result<Option<BoxedSnapshot>> {
+        let (Some(parent), Some(child)) = (parent, child) else {
+            return Ok(None);
+        };
+        let parent = downcast_box::<RecurrentSnapshot>(parent)?;
+        let mut child = downcast_box::<RecurrentSnapshot>(child)?;
+        check_consecutive(&parent.range, &child.range)?;
+        child.range = parent.range.start..child.range.end;
+        Ok(Some(child))
+    }
+
+    fn split(
+        &mut self,
+        snapshot: BoxedSnapshot,
+        _at: usize,
+    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
+        let snap = downcast_box::<RecurrentSnapshot>(snapshot)?;
+        Ok((None, Some(snap)))
+    }
+
+    fn free(&mut self) {
+        self.state.clear();
+        self.offset = 0;
+    }
+}

@@ -1,0 +1,340 @@
+//! [`RotatingKvCache`]: a sliding-window layer cache on a ring of `W` slots.
+
+use std::fmt;
+
+use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
+use mlx_rs::Array;
+
+use super::arrays::{
+    compact_seq_slice, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
+};
+use super::snapshot::{check_consecutive, downcast_box, downcast_ref, RotatingSnapshot};
+use super::DEFAULT_STEP;
+
+/// Keys and values of the last `W` positions of one layer, for sliding-window
+/// attention with a window of exactly `W` positions: a query at position `p`
+/// sees keys `p - W + 1 ..= p` (itself included).
+///
+/// State: a ring of keys `[B, H, capacity, Dk]` and values `[B, H, capacity, Dv]`
+/// where position `p` always sits in slot `p % W`. The ring grows in steps up
+/// to `W` slots while the sequence is shorter than the window and is exactly
+/// `W` slots once it has wrapped; it retains positions
+/// `[max(0, offset - W), offset)`.
+///
+/// # What [`update`](LayerCache::update) returns
+/// Let `o` be the offset before an update of `L` tokens and
+/// `E = min(o, W - 1)` the earlier positions the first new token can see.
+/// - `L == 1`: views of the ring's first `min(o + 1, W)` slots. Once the ring
+///   has wrapped the positions are in ring order, not temporal order, but every
+///   one of them is in the window of the single query, so no mask is needed.
+/// - `L > 1`: a fresh array of `E + L` positions in temporal order,
+///   `o - E .. o + L`: `[B, H, E + L, Dk]` and `[B, H, E + L, Dv]`. It is longer
+///   than `W` whenever `E + L > W`, so the caller must mask both causality and
+///   the window: query `i` (position `o + i`) may see column `j` (position
+///   `o - E + j`) iff `i + E - W < j <= i + E`. [`update_mask`](Self::update_mask)
+///   builds that mask.
+///
+/// Either way the result holds every position the new tokens attend to.
+///
+/// # Rewind and snapshots
+/// - Without a snapshot the cache rewinds only while it has not wrapped
+///   (`offset <= W`): after that, positions older than the window are gone.
+///   Rewinding to 0 (an empty cache) always works.
+/// - A snapshot holds the whole window and the write index, so restoring it
+///   does not depend on the live cache. It restores at its end `b`, or at any
+///   `target <= b` when `b <= W` (the window then still holds every position).
+/// - [`merge`](SnapshotCache::merge) keeps the child (its window supersedes the
+///   parent's) with the joined range; [`split`](SnapshotCache::split) is refused
+///   with `(None, Some(snapshot))`.
+pub struct RotatingKvCache {
+    window: usize,
+    step: usize,
+    keys: Option<Array>,
+    values: Option<Array>,
+    layout: Option<KvLayout>,
+    offset: usize,
+}
+
+impl RotatingKvCache {
+    /// An empty cache with a window of `window` positions (`InvalidArgument` if
+    /// 0), growing in steps of [`DEFAULT_STEP`].
+    pub fn new(window: usize) -> Result<Self> {
+        Self::with_step(window, DEFAULT_STEP)
+    }
+
+    /// An empty cache with a window of `window` positions growing in steps of
+    /// `step` (`InvalidArgument` if either is 0).
+    pub fn with_step(window: usize, step: usize) -> Result<Self> {
+        if window == 0 || step == 0 {
+            return Err(CacheError::InvalidArgument(format!(
+                "window ({window}) and growth step ({step}) must be at least 1"
+            )));
+        }
+        Ok(RotatingKvCache {
+            window,
+            step,
+            keys: None,
+            values: None,
+            layout: None,
+            offset: 0,
+        })
+    }
+
+    /// The window `W`.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Slots of the ring (at most `W`; 0 when empty).
+    pub fn capacity(&self) -> usize {
+        self.keys.as_ref().map_or(0, seq_len)
+    }
+
+    /// Whether position `W` has been written, overwriting position 0: from then
+    /// on only snapshots can take the cache back.
+    pub fn has_wrapped(&self) -> bool {
+        self.offset > self.window
+    }
+
+    /// The retained positions `[max(0, offset - W), offset)` in temporal order:
+    /// keys `[B, H, min(offset, W), Dk]` and values `[B, H, min(offset, W), Dv]`,
+    /// or `None` when the cache holds nothing.
+    pub fn ordered_window(&self) -> Result<Option<(Array, Array)>> {
+        if self.offset == 0 || self.keys.is_none() {
+            return Ok(None);
+        }
+        let from = self.offset.saturating_sub(self.window);
+        Ok(Some(self.ordered(from, self.offset)?))
+    }
+
+    /// Additive mask for the next [`update`](LayerCache::update) of `tokens`
+    /// positions, `[tokens, min(offset, W - 1) + tokens]` f32: `0` where query `i`
+    /// may attend to column `j` of the returned keys, `-inf` where not (see the
+    /// type's docs). All zeros when `tokens == 1`. Cast it for f16/bf16 models.
+    pub fn update_mask(&self, tokens: usize) -> Result<Array> {
+        let earlier = self.offset.min(self.window - 1);
+        let cols = earlier + tokens;
+        let mut mask = vec![f32::NEG_INFINITY; tokens * cols];
+        for i in 0..tokens {
+            let last = i + earlier;
+            let first = (last + 1).saturating_sub(self.window);
+            mask[i * cols + first..=i * cols + last].fill(0.0);
+        }
+        let shape = [super::arrays::dim(tokens)?, super::arrays::dim(cols)?];
+        Ok(Array::from_slice(&mask, &shape))
+    }
+
+    /// Positions `[from, to)` (all retained, `to - from <= W`) in temporal order.
+    fn ordered(&self, from: usize, to: usize) -> Result<(Array, Array)> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            unreachable!("ordered() on an empty ring");
+        };
+        let start = from % self.window;
+        let len = to - from;
+        if start + len <= self.window {
+            return Ok((
+                seq_slice(k, start, start + len)?,
+                seq_slice(v, start, start + len)?,
+            ));
+        }
+        let head = self.window - start;
+        let join = |a: &Array| -> Result<Array> {
+            seq_concat(
+                vec![seq_slice(a, start, self.window)?, seq_slice(a, 0, len - head)?],
+                Origin::Caller,
+            )
+        };
+        Ok((join(k)?, join(v)?))
+    }
+
+    /// Writes the new positions `[o, o + L)` into the ring, keeping only the
+    /// last `W` of them.
+    fn write(&mut self, keys: &Array, values: &Array) -> Result<()> {
+        let w = self.window;
+        let o = self.offset;
+        let tokens = seq_len(keys);
+        let end = o + tokens;
+        if end <= w {
+            // No wrap yet: the ring is a plain growable buffer capped at W.
+            let growth = (self.step, w);
+            grow_write(&mut self.keys, o, keys, 0..tokens, Origin::Caller, growth)?;
+            grow_write(&mut self.values, o, values, 0..tokens, Origin::Caller, growth)?;
+            self.offset = end;
+            return Ok(());
+        }
+        // The ring must have all W slots before it wraps; before a wrap only
+        // [0, o) is meaningful.
+        if self.capacity() < w {
+            for (buf, like) in [(&mut self.keys, keys), (&mut self.values, values)] {
+                let mut parts = Vec::with_capacity(2);
+                if o > 0 {
+                    parts.push(seq_slice(buf.as_ref().expect("o > 0 implies a ring"), 0, o)?);
+                }
+                parts.push(seq_zeros(like, w - o)?);
+                *buf = Some(seq_concat(parts, Origin::Caller)?);
+            }
+        }
+        // Only the last min(L, W) new positions survive; they fill the slots
+        // from `slot` to the end of the ring, then wrap to slot 0.
+        let kept = tokens.min(w);
+        let first = tokens - kept;
+        let slot = (end - kept) % w;
+        let head = kept.min(w - slot);
+        for (buf, src) in [(&mut self.keys, keys), (&mut self.values, values)] {
+            let ring = buf.as_mut().expect("ring has W slots");
+            seq_write(ring, slot, src, first..first + head, Origin::Caller)?;
+            if head < kept {
+                seq_write(ring, 0, src, first + head..tokens, Origin::Caller)?;
+            }
+        }
+        self.offset = end;
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RotatingKvCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RotatingKvCache")
+            .field("window", &self.window)
+            .field("offset", &self.offset)
+            .field("capacity", &self.capacity())
+            .field("step", &self.step)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl SnapshotCache for RotatingKvCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        if from >= self.offset {
+            return Ok(None);
+        }
+        let n = self.offset.min(self.window);
+        let keys = compact_seq_slice(k, 0, n)?;
+        let values = compact_seq_slice(v, 0, n)?;
+        Ok(Some(Box::new(RotatingSnapshot {
+            keys,
+            values,
+            range: from..self.offset,
+            window: self.window,
+        })))
+    }
+
+    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
+        let Some(snapshot) = snapshot else {
+            if target == self.offset {
+                return Ok(true);
+            }
+            if target > self.offset || (self.has_wrapped() && target > 0) {
+                return Ok(false);
+            }
+            self.offset = target;
+            return Ok(true);
+        };
+        let snap = downcast_ref::<RotatingSnapshot>(snapshot)?;
+        if snap.window != self.window {
+            return Err(CacheError::InvalidArgument(format!(
+                "snapshot of a window of {} positions given to a cache with a window of {}",
+                snap.window, self.window
+            )));
+        }
+        let end = snap.range.end;
+        if target > end || (target < end && end > self.window) {
+            return Ok(false);
+        }
+        let (layout, tokens) = KvLayout::of(&snap.keys, &snap.values)?;
+        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        // mlx arrays are values: sharing the snapshot's buffers is safe, and the
+        // next write copies them (they are not donatable while the snapshot lives).
+        self.keys = Some(snap.keys.clone());
+        self.values = Some(snap.values.clone());
+        self.layout = Some(layout);
+        self.offset = target;
+        Ok(true)
+    }
+
+    fn merge(
+        &mut self,
+        parent: Option<BoxedSnapshot>,
+        child: Option<BoxedSnapshot>,
+    ) -> Result<Option<BoxedSnapshot>> {
+        let (Some(parent), Some(child)) = (parent, child) else {
+            return Ok(None);
+        };
+        let parent = downcast_box::<RotatingSnapshot>(parent)?;
+        let mut child = downcast_box::<RotatingSnapshot>(child)?;
+        check_consecutive(&parent.range, &child.range)?;
+        child.range = parent.range.start..child.range.end;
+        Ok(Some(child))
+    }
+
+    fn split(
+        &mut self,
+        snapshot: BoxedSnapshot,
+        _at: usize,
+    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
+        let snap = downcast_box::<RotatingSnapshot>(snapshot)?;
+        Ok((None, Some(snap)))
+    }
+
+    fn free(&mut self) {
+        self.keys = None;
+        self.values = None;
+        self.layout = None;
+        self.offset = 0;
+    }
+}
+
+impl LayerCache for RotatingKvCache {
+    type Array = Array;
+
+    /// Writes keys `[B, H, L, Dk]` and values `[B, H, L, Dv]` for positions
+    /// `[offset, offset + L)` and returns what they attend to: see the type's
+    /// docs for the shapes and the mask the batched case needs.
+    fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (layout, tokens) = KvLayout::of(keys, values)?;
+        if tokens == 0 {
+            return Err(CacheError::InvalidArgument("update with no tokens".into()));
+        }
+        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        let o = self.offset;
+        // The batched view is built from the ring before the write overwrites
+        // slots the first new tokens still need.
+        let batched = if tokens > 1 {
+            let earlier = o.min(self.window - 1);
+            Some(if earlier == 0 {
+                (keys.clone(), values.clone())
+            } else {
+                let (old_k, old_v) = self.ordered(o - earlier, o)?;
+                (
+                    seq_concat(vec![old_k, keys.clone()], Origin::Caller)?,
+                    seq_concat(vec![old_v, values.clone()], Origin::Caller)?,
+                )
+            })
+        } else {
+            None
+        };
+        self.write(keys, values)?;
+        self.layout = Some(layout);
+        if let Some(view) = batched {
+            return Ok(view);
+        }
+        let n = self.offset.min(self.window);
+        let (k, v) = (self.keys.as_ref(), self.values.as_ref());
+        let (k, v) = (k.expect("written ring"), v.expect("written ring"));
+        Ok((seq_slice(k, 0, n)?, seq_slice(v, 0, n)?))
+    }
+
+    /// The ring, keys `[B, H, capacity, Dk]` and values `[B, H, capacity, Dv]`
+    /// (position `p` in slot `p % W`), or nothing when empty.
+    fn state(&self) -> Vec<Array> {
+        self.keys.iter().chain(self.values.iter()).cloned().collect()
+    }
+}

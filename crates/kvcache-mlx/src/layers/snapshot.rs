@@ -1,0 +1,169 @@
+//! The snapshot types of the layer caches, their byte accounting, and the
+//! checks that turn a foreign snapshot into an error.
+
+use std::any::Any;
+use std::fmt;
+use std::ops::Range;
+
+use kvcache_api::{BoxedSnapshot, CacheError, Result, Snapshot};
+use mlx_rs::Array;
+
+/// Bytes that `arrays` keep alive. Every snapshot array is a compact copy, so
+/// this is exactly the sum of their `nbytes`.
+fn retained_bytes<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> usize {
+    arrays.into_iter().map(Array::nbytes).sum()
+}
+
+/// Paged-out positions `[from, to)` of a [`KvCache`](super::KvCache).
+///
+/// `keys` is `[B, H, to - from, Dk]` and `values` `[B, H, to - from, Dv]`, each in
+/// an evaluated buffer of its own, so [`size_bytes`](Snapshot::size_bytes) is
+/// `(to - from) * B * H * (Dk * key_elem + Dv * value_elem)` whatever the size
+/// of the buffer it was copied from.
+pub struct KvSnapshot {
+    pub(crate) keys: Array,
+    pub(crate) values: Array,
+    pub(crate) range: Range<usize>,
+}
+
+impl KvSnapshot {
+    /// Keys of positions `[from, to)`: `[B, H, to - from, Dk]`.
+    pub fn keys(&self) -> &Array {
+        &self.keys
+    }
+
+    /// Values of positions `[from, to)`: `[B, H, to - from, Dv]`.
+    pub fn values(&self) -> &Array {
+        &self.values
+    }
+}
+
+/// The state of a [`RotatingKvCache`](super::RotatingKvCache) at offset `to`:
+/// its whole window, whatever `from` was asked for.
+///
+/// `keys` is `[B, H, n, Dk]` and `values` `[B, H, n, Dv]` with
+/// `n = min(to, window)`, in ring order: position `p` sits at index `p % window`.
+/// The write index (the ring slot the next position goes to) is `to % window`.
+/// The range `[from, to)` records where the snapshot sits in the token stream;
+/// restoring needs nothing before it, since the window is complete.
+pub struct RotatingSnapshot {
+    pub(crate) keys: Array,
+    pub(crate) values: Array,
+    pub(crate) range: Range<usize>,
+    pub(crate) window: usize,
+}
+
+impl RotatingSnapshot {
+    /// Ring of keys, `[B, H, min(to, window), Dk]`; position `p` at index `p % window`.
+    pub fn keys(&self) -> &Array {
+        &self.keys
+    }
+
+    /// Ring of values, `[B, H, min(to, window), Dv]`; position `p` at index `p % window`.
+    pub fn values(&self) -> &Array {
+        &self.values
+    }
+
+    /// The window `W` of the cache that took the snapshot.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// The ring slot the position after the snapshot is written to: `to % window`.
+    pub fn write_index(&self) -> usize {
+        self.range.end % self.window
+    }
+}
+
+/// The state of a [`RecurrentCache`](super::RecurrentCache) after position
+/// `to - 1`: one evaluated compact copy of each state array, shaped as the
+/// cache's state (`[B, ...]`). It can be restored only at exactly `to`.
+pub struct RecurrentSnapshot {
+    pub(crate) state: Vec<Array>,
+    pub(crate) range: Range<usize>,
+}
+
+impl RecurrentSnapshot {
+    /// The state arrays at offset `to`.
+    pub fn state(&self) -> &[Array] {
+        &self.state
+    }
+}
+
+macro_rules! impl_snapshot {
+    ($ty:ty, |$s:ident| $arrays:expr) => {
+        impl Snapshot for $ty {
+            fn range(&self) -> Range<usize> {
+                self.range.clone()
+            }
+
+            fn size_bytes(&self) -> usize {
+                let $s = self;
+                retained_bytes($arrays)
+            }
+
+            fn as_any(&self) -> &dyn Any {
+                self
+            }
+
+            fn into_any(self: Box<Self>) -> Box<dyn Any> {
+                self
+            }
+        }
+
+        impl fmt::Debug for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let $s = self;
+                f.debug_struct(stringify!($ty))
+                    .field("range", &self.range)
+                    .field(
+                        "shapes",
+                        &$arrays
+                            .map(|a: &Array| a.shape().to_vec())
+                            .collect::<Vec<_>>(),
+                    )
+                    .field("size_bytes", &self.size_bytes())
+                    .finish()
+            }
+        }
+    };
+}
+
+impl_snapshot!(KvSnapshot, |s| [&s.keys, &s.values].into_iter());
+impl_snapshot!(RotatingSnapshot, |s| [&s.keys, &s.values].into_iter());
+impl_snapshot!(RecurrentSnapshot, |s| s.state.iter());
+
+fn foreign<T: 'static>(range: Range<usize>) -> CacheError {
+    CacheError::InvalidArgument(format!(
+        "snapshot of {range:?} was not made by this kind of cache (expected {})",
+        std::any::type_name::<T>()
+    ))
+}
+
+/// The concrete snapshot behind `snapshot`, or `InvalidArgument` for another type.
+pub(crate) fn downcast_ref<T: Snapshot>(snapshot: &dyn Snapshot) -> Result<&T> {
+    snapshot
+        .as_any()
+        .downcast_ref::<T>()
+        .ok_or_else(|| foreign::<T>(snapshot.range()))
+}
+
+/// Takes back ownership of the concrete snapshot, or `InvalidArgument` for
+/// another type (the snapshot is dropped).
+pub(crate) fn downcast_box<T: Snapshot>(snapshot: BoxedSnapshot) -> Result<Box<T>> {
+    let range = snapshot.range();
+    snapshot
+        .into_any()
+        .downcast::<T>()
+        .map_err(|_| foreign::<T>(range))
+}
+
+/// Checks that `[a, b)` and `[b, c)` are consecutive.
+pub(crate) fn check_consecutive(parent: &Range<usize>, child: &Range<usize>) -> Result<()> {
+    if parent.end != child.start {
+        return Err(CacheError::InvalidArgument(format!(
+            "cannot merge snapshots {parent:?} and {child:?}: they are not consecutive"
+        )));
+    }
+    Ok(())
+}

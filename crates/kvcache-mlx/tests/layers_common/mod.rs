@@ -1,0 +1,166 @@
+//! Helpers shared by the `layers_*` tests: K/V arrays whose every element
+//! encodes which token wrote it, so tests can read back exactly which tokens
+//! an array holds.
+#![allow(dead_code)]
+
+use std::any::Any;
+use std::ops::Range;
+
+use kvcache_api::Snapshot;
+use mlx_rs::Array;
+
+/// The value of element (batch `b < 4`, head `h < 4`, dim `d < 64`) of token
+/// `id`'s keys; its values hold `-(code) - 0.5`. Exact in f32 for ids below 2^13.
+pub fn code(id: u32, b: usize, h: usize, d: usize) -> f32 {
+    assert!(
+        id < (1 << 13) && b < 4 && h < 4 && d < 64,
+        "({id}, {b}, {h}, {d}) out of range"
+    );
+    (((id as usize * 4 + b) * 4 + h) * 64 + d) as f32
+}
+
+/// The token id a key element encodes.
+fn id_of(key: f32) -> u32 {
+    (key as usize / 1024) as u32
+}
+
+/// Makes keys `[B, H, L, Dk]` and values `[B, H, L, Dv]` (f32) for tokens `ids`.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub b: usize,
+    pub h: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+pub const SMALL: Shape = Shape {
+    b: 2,
+    h: 2,
+    dk: 3,
+    dv: 2,
+};
+
+impl Shape {
+    pub fn kv(&self, ids: &[u32]) -> (Array, Array) {
+        let l = ids.len();
+        let mut k = Vec::with_capacity(self.b * self.h * l * self.dk);
+        let mut v = Vec::with_capacity(self.b * self.h * l * self.dv);
+        for b in 0..self.b {
+            for h in 0..self.h {
+                for &id in ids {
+                    k.extend((0..self.dk).map(|d| code(id, b, h, d)));
+                    v.extend((0..self.dv).map(|d| -code(id, b, h, d) - 0.5));
+                }
+            }
+        }
+        let dims = |d: usize| [self.b as i32, self.h as i32, l as i32, d as i32];
+        (
+            Array::from_slice(&k, &dims(self.dk)),
+            Array::from_slice(&v, &dims(self.dv)),
+        )
+    }
+
+    /// Bytes of `tokens` positions of keys plus values in f32.
+    pub fn bytes(&self, tokens: usize) -> usize {
+        tokens * self.b * self.h * (self.dk + self.dv) * 4
+    }
+}
+
+/// Hands out fresh token ids.
+#[derive(Default)]
+pub struct Ids(u32);
+
+impl Ids {
+    pub fn next(&mut self, n: usize) -> Vec<u32> {
+        let ids = (self.0..self.0 + n as u32).collect();
+        self.0 += n as u32;
+        ids
+    }
+}
+
+/// Row-major f32 contents of `a` (evaluated).
+pub fn f32s(a: &Array) -> Vec<f32> {
+    let c = a.contiguous().unwrap();
+    c.eval().unwrap();
+    c.as_slice::<f32>().to_vec()
+}
+
+/// The token ids along the sequence axis of keys `[B, H, L, Dk]` and values
+/// `[B, H, L, Dv]`, checking that every element agrees.
+pub fn ids_of(keys: &Array, values: &Array) -> Vec<u32> {
+    let ks = keys.shape().to_vec();
+    let vs = values.shape().to_vec();
+    assert_eq!(ks.len(), 4, "keys shape {ks:?}");
+    assert_eq!(&ks[..3], &vs[..3], "keys {ks:?} vs values {vs:?}");
+    let (b, h, l, dk, dv) = (
+        ks[0] as usize,
+        ks[1] as usize,
+        ks[2] as usize,
+        ks[3] as usize,
+        vs[3] as usize,
+    );
+    let k = f32s(keys);
+    let v = f32s(values);
+    let ids: Vec<u32> = (0..l).map(|i| id_of(k[i * dk])).collect();
+    for bi in 0..b {
+        for hi in 0..h {
+            for (i, &id) in ids.iter().enumerate() {
+                for d in 0..dk {
+                    let got = k[((bi * h + hi) * l + i) * dk + d];
+                    assert_eq!(got, code(id, bi, hi, d), "keys[{bi},{hi},{i},{d}]");
+                }
+                for d in 0..dv {
+                    let got = v[((bi * h + hi) * l + i) * dv + d];
+                    assert_eq!(got, -code(id, bi, hi, d) - 0.5, "values[{bi},{hi},{i},{d}]");
+                }
+            }
+        }
+    }
+    ids
+}
+
+/// Address range of a compact (row-contiguous) f32 array's data; panics on a
+/// strided view, which is never compact.
+pub fn data_range(a: &Array) -> Range<usize> {
+    a.eval().unwrap();
+    let data = a.try_as_slice::<f32>().unwrap_or_else(|e| {
+        panic!(
+            "not a compact array but a view of a larger buffer ({e:?}), shape {:?}",
+            a.shape()
+        )
+    });
+    let start = data.as_ptr() as usize;
+    start..start + a.nbytes()
+}
+
+/// Whether two address ranges overlap.
+pub fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+/// A snapshot type no cache knows.
+pub struct Foreign(pub Range<usize>);
+
+impl Snapshot for Foreign {
+    fn range(&self) -> Range<usize> {
+        self.0.clone()
+    }
+    fn size_bytes(&self) -> usize {
+        0
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+/// The error of `r`, which must have failed (snapshots are not `Debug`, so
+/// `unwrap_err` is not available on snapshot results).
+pub fn error_of<T>(r: kvcache_api::Result<T>) -> kvcache_api::CacheError {
+    match r {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => e,
+    }
+}
