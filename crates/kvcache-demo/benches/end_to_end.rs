@@ -1,0 +1,81 @@
+//! E1 and E2 of BENCHMARKS.md with the real model (`cargo xtask bench`, or
+//! `cargo bench -p kvcache-demo`). Needs the model (`$KVCACHE_MODEL` or the
+//! download cache); without it, prints one line and exits.
+//!
+//! Knobs: `KVCACHE_E1_REQUESTS` (default 80), `KVCACHE_E1_PREDICT` (default 32),
+//! `KVCACHE_E1_POLICIES` (default `trie,single,none`), `KVCACHE_E2_RUNS` (default 5),
+//! `KVCACHE_E2_TOKENS` (default 32), `KVCACHE_BENCH` (`e1`, `e2` or both, default both).
+
+use candle_core::Device;
+use kvcache_demo::bench::{e1_chat_reuse, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
+use kvcache_demo::chat::Reuse;
+use kvcache_demo::tokenizer::{chatml, Message, Role};
+use kvcache_demo::trace::Trace;
+use kvcache_demo::{paths, ModelFile, WeightMode};
+
+fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Some(path) = paths::model_path() else {
+        println!(
+            "end_to_end: skipped (no model: set {} or run `cargo xtask prepare`)",
+            paths::MODEL_ENV
+        );
+        return Ok(());
+    };
+    let which = std::env::var("KVCACHE_BENCH").unwrap_or_default();
+    let file = ModelFile::open(&path)?;
+    let model = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {})?;
+    let tokenizer = file.tokenizer()?;
+    println!(
+        "model {} (f32 weights, CPU, {} threads)",
+        path.display(),
+        candle_core::utils::get_num_threads()
+    );
+
+    if which.is_empty() || which == "e2" {
+        let prompts = SAMPLE_QUESTIONS
+            .iter()
+            .map(|q| tokenizer.encode(&chatml(&[Message::new(Role::User, *q)], true)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let cfg = E2Config {
+            tokens: knob("KVCACHE_E2_TOKENS", 32),
+            runs: knob("KVCACHE_E2_RUNS", 5),
+        };
+        let report = e2_batched_decode(&model, &prompts, &cfg, &mut |l| println!("  {l}"))?;
+        println!("{report}");
+    }
+    if which.is_empty() || which == "e1" {
+        let trace = Trace::load(paths::e1_trace_path())?;
+        let requests = knob("KVCACHE_E1_REQUESTS", 80);
+        let predict = knob("KVCACHE_E1_PREDICT", 32);
+        let policies = std::env::var("KVCACHE_E1_POLICIES").unwrap_or_else(|_| "trie,single,none".into());
+        let mut reports = Vec::new();
+        for name in policies.split(',') {
+            let reuse = match name {
+                "trie" => Reuse::Trie,
+                "single" => Reuse::SingleEntry,
+                "none" => Reuse::None,
+                other => return Err(format!("unknown policy {other:?}").into()),
+            };
+            let r = e1_chat_reuse(&model, &trace, reuse, requests, predict, 4 << 30, &mut |_| {})?;
+            println!("E1 {r}");
+            reports.push(r);
+        }
+        let trie = reports.iter().find(|r| r.reuse == Reuse::Trie);
+        let none = reports.iter().find(|r| r.reuse == Reuse::None);
+        if let (Some(t), Some(n)) = (trie, none) {
+            println!(
+                "E1 trie vs no reuse: TTFT on turns >= 2 {:.1}x faster (target >= 5x); trie evaluated {:.3}x the minimum (target <= 1.01x)",
+                n.median_ttft_later_turns().as_secs_f64() / t.median_ttft_later_turns().as_secs_f64().max(1e-9),
+                t.evaluated() as f64 / t.min_prefill().max(1) as f64
+            );
+        }
+    }
+    Ok(())
+}

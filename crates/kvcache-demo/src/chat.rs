@@ -1,0 +1,194 @@
+//! Multi-conversation chat over one live sequence of per-layer caches, with three
+//! ways of reusing earlier work between requests:
+//!
+//! - [`Reuse::Trie`]: `kvcache_mlx::trie::PrefixCache`, the prefix trie shared
+//!   across conversations (pages conversations out to snapshots and back in);
+//! - [`Reuse::SingleEntry`]: the live caches keep the previous request; a new
+//!   request reuses its longest common prefix with it (seed 003's behaviour);
+//! - [`Reuse::None`]: every prompt is evaluated from scratch.
+//!
+//! The layer caches are [`CandleKv`]s, so this runs on the candle model.
+
+use std::time::{Duration, Instant};
+
+use kvcache_api::SnapshotCache;
+use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
+
+use crate::engine::argmax;
+use crate::layer_cache::CandleKv;
+use crate::{DemoError, Llama, Result};
+
+/// How requests reuse earlier work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reuse {
+    /// Evaluate every prompt from scratch.
+    None,
+    /// Keep the last request's state; reuse its longest common prefix.
+    SingleEntry,
+    /// The prefix trie across conversations.
+    Trie,
+}
+
+impl Reuse {
+    /// A short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reuse::None => "no reuse",
+            Reuse::SingleEntry => "single-entry",
+            Reuse::Trie => "prefix trie",
+        }
+    }
+}
+
+/// What one request did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnOutcome {
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Prompt tokens restored from earlier work.
+    pub matched: usize,
+    /// Prompt tokens evaluated.
+    pub evaluated: usize,
+    /// From receiving the prompt to the first generated token.
+    pub time_to_first_token: Duration,
+    /// From receiving the prompt to the last generated token.
+    pub total: Duration,
+    /// Generated tokens.
+    pub generated: Vec<u32>,
+}
+
+enum State {
+    Trie(Box<PrefixCache<CandleKv>>),
+    Live { caches: Vec<CandleKv>, tokens: Vec<u32> },
+}
+
+/// A chat server in miniature: one model, one live sequence, one reuse policy.
+pub struct ChatServer<'m> {
+    model: &'m Llama,
+    reuse: Reuse,
+    state: State,
+}
+
+impl std::fmt::Debug for ChatServer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatServer").field("reuse", &self.reuse).finish()
+    }
+}
+
+impl<'m> ChatServer<'m> {
+    /// A server with `reuse`; the trie keeps at most `budget_bytes` of snapshots.
+    pub fn new(model: &'m Llama, reuse: Reuse, budget_bytes: usize) -> Result<Self> {
+        let c = model.config();
+        let caches: Vec<CandleKv> = (0..c.n_layers)
+            .map(|_| CandleKv::new(c.n_kv_heads, c.head_dim, model.device()))
+            .collect();
+        let state = match reuse {
+            Reuse::Trie => State::Trie(Box::new(PrefixCache::new(caches, budget_bytes)?)),
+            Reuse::None | Reuse::SingleEntry => State::Live {
+                caches,
+                tokens: Vec::new(),
+            },
+        };
+        Ok(ChatServer { model, reuse, state })
+    }
+
+    /// The reuse policy.
+    pub fn reuse(&self) -> Reuse {
+        self.reuse
+    }
+
+    /// The trie's counters, with [`Reuse::Trie`].
+    pub fn trie_stats(&self) -> Option<TrieStats> {
+        match &self.state {
+            State::Trie(t) => Some(t.stats()),
+            State::Live { .. } => None,
+        }
+    }
+
+    /// Answers `prompt` with `n_predict` greedy tokens (stopping after `eos` if
+    /// given).
+    pub fn generate(&mut self, prompt: &[u32], n_predict: usize, eos: Option<u32>) -> Result<TurnOutcome> {
+        if prompt.is_empty() || n_predict == 0 {
+            return Err(DemoError::InvalidArgument(
+                "empty prompt or nothing to generate".into(),
+            ));
+        }
+        let t0 = Instant::now();
+        let model = self.model;
+        let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
+        match &mut self.state {
+            State::Trie(trie) => {
+                let mut session = trie.begin(prompt)?;
+                let matched = session.cached();
+                let evaluated = session.remaining().len();
+                let mut last = None;
+                session.prefill(|tokens, caches| -> Result<()> {
+                    let h = model.hidden_layers(tokens, caches)?;
+                    last = Some(h.narrow(0, tokens.len() - 1, 1)?);
+                    Ok(())
+                })?;
+                let last = last.ok_or_else(|| DemoError::InvalidArgument("nothing evaluated".into()))?;
+                let mut token = pick(model, &last)?;
+                let ttft = t0.elapsed();
+                let mut generated = vec![token];
+                session.record(token);
+                while !done(&generated) {
+                    let h = model.hidden_layers(&[token], session.caches_mut())?;
+                    token = pick(model, &h)?;
+                    generated.push(token);
+                    session.record(token);
+                }
+                session.close()?;
+                Ok(TurnOutcome {
+                    prompt_tokens: prompt.len(),
+                    matched,
+                    evaluated,
+                    time_to_first_token: ttft,
+                    total: t0.elapsed(),
+                    generated,
+                })
+            }
+            State::Live { caches, tokens } => {
+                let matched = if self.reuse == Reuse::SingleEntry {
+                    let common = tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+                    common.min(prompt.len() - 1)
+                } else {
+                    0
+                };
+                for c in caches.iter_mut() {
+                    if matched == 0 {
+                        c.free();
+                    } else if !c.restore(None, matched)? {
+                        return Err(DemoError::InvalidArgument(format!("cannot rewind to {matched}")));
+                    }
+                }
+                let rest = &prompt[matched..];
+                let h = model.hidden_layers(rest, caches)?;
+                let mut token = pick(model, &h.narrow(0, rest.len() - 1, 1)?)?;
+                let ttft = t0.elapsed();
+                let mut generated = vec![token];
+                while !done(&generated) {
+                    let h = model.hidden_layers(&[token], caches)?;
+                    token = pick(model, &h)?;
+                    generated.push(token);
+                }
+                // The caches hold the prompt and every generated token but the last.
+                *tokens = prompt.to_vec();
+                tokens.extend_from_slice(&generated[..generated.len() - 1]);
+                Ok(TurnOutcome {
+                    prompt_tokens: prompt.len(),
+                    matched,
+                    evaluated: rest.len(),
+                    time_to_first_token: ttft,
+                    total: t0.elapsed(),
+                    generated,
+                })
+            }
+        }
+    }
+}
+
+/// Greedy token from one hidden row `[1, dim]`.
+fn pick(model: &Llama, hidden: &candle_core::Tensor) -> Result<u32> {
+    Ok(argmax(&model.logits(hidden)?.squeeze(0)?.to_vec1::<f32>()?))
+}

@@ -1,0 +1,483 @@
+//! Greedy generation through a [`CausalCache`], and a continuous-batching engine:
+//! requests join free sequence slots as others finish, prompts prefill in chunks
+//! beside other sequences' decode steps, and a sequence that fills its context
+//! drops half of its middle (a shifting removal, llama.cpp's context shift).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use kvcache_api::{CausalCache, Pos, PosRange, SeqId};
+
+use crate::{BatchToken, DemoError, Llama, Result};
+
+/// Index of the largest value (the first one on ties); 0 for an empty slice.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Prefills `prompt` into sequence `seq` (from position 0) and decodes up to
+/// `max_new` tokens greedily, stopping after `eos` if given. Returns the new tokens.
+/// The sequence is left in the cache.
+pub fn greedy<C>(
+    model: &Llama,
+    cache: &mut C,
+    seq: SeqId,
+    prompt: &[u32],
+    max_new: usize,
+    eos: Option<u32>,
+) -> Result<Vec<u32>>
+where
+    C: CausalCache<Tensor = Tensor> + ?Sized,
+{
+    if prompt.is_empty() {
+        return Err(DemoError::InvalidArgument("empty prompt".into()));
+    }
+    let batch: Vec<BatchToken> = prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| BatchToken {
+            seq,
+            pos: i as Pos,
+            token,
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut next = last_token(model, &batch, cache)?;
+    let mut pos = prompt.len() as Pos;
+    while out.len() < max_new {
+        out.push(next);
+        if Some(next) == eos || out.len() == max_new {
+            break;
+        }
+        next = last_token(
+            model,
+            &[BatchToken {
+                seq,
+                pos,
+                token: next,
+            }],
+            cache,
+        )?;
+        pos += 1;
+    }
+    Ok(out)
+}
+
+/// Runs `batch` and returns the greedy choice after its last token.
+fn last_token<C>(model: &Llama, batch: &[BatchToken], cache: &mut C) -> Result<u32>
+where
+    C: CausalCache<Tensor = Tensor> + ?Sized,
+{
+    let hidden = model.hidden(batch, cache)?;
+    let last = hidden.narrow(0, batch.len() - 1, 1)?;
+    let row = model.logits(&last)?.squeeze(0)?.to_vec1::<f32>()?;
+    Ok(argmax(&row))
+}
+
+/// A generation request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Caller's id, echoed in events.
+    pub id: usize,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_new_tokens: usize,
+}
+
+/// How the engine schedules passes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Most tokens per forward pass (decode tokens first, then prefill chunks).
+    pub max_batch: usize,
+    /// Longest prefill chunk of one sequence in one pass.
+    pub prefill_chunk: usize,
+    /// Positions a sequence may reach; a sequence at the limit drops half of
+    /// the tokens after its first `keep` (shifting the rest down). `None`: never.
+    pub context: Option<usize>,
+    /// Tokens kept at the start of a sequence by a context shift.
+    pub keep: usize,
+    /// Stop a sequence when it generates this token.
+    pub eos: Option<u32>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch: 256,
+            prefill_chunk: 128,
+            context: None,
+            keep: 4,
+            eos: None,
+        }
+    }
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    /// The request's id.
+    pub id: usize,
+    /// The sequence slot it ran in.
+    pub seq: SeqId,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub generated: Vec<u32>,
+    /// From joining to the first generated token.
+    pub time_to_first_token: Duration,
+    /// From joining to the last token.
+    pub total: Duration,
+    /// Context shifts the sequence went through.
+    pub context_shifts: usize,
+}
+
+/// What happened during [`Engine::run`], in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A request took a free sequence slot.
+    Joined {
+        /// The request's id.
+        id: usize,
+        /// Its slot.
+        seq: SeqId,
+        /// Prompt length.
+        prompt_tokens: usize,
+    },
+    /// Part of a prompt was evaluated.
+    Prefilled {
+        /// The request's id.
+        id: usize,
+        /// Prompt tokens evaluated so far.
+        done: usize,
+        /// Prompt length.
+        total: usize,
+    },
+    /// A token was generated.
+    Token {
+        /// The request's id.
+        id: usize,
+        /// The token.
+        token: u32,
+    },
+    /// A sequence reached its context and dropped `removed` positions.
+    ContextShift {
+        /// The request's id.
+        id: usize,
+        /// Its slot.
+        seq: SeqId,
+        /// The removed positions; later ones moved down by its length.
+        removed: std::ops::Range<Pos>,
+    },
+    /// A request finished and left its slot.
+    Finished(Finished),
+    /// One forward pass ran.
+    Pass {
+        /// Decode tokens in the pass.
+        decode: usize,
+        /// Prefill tokens in the pass.
+        prefill: usize,
+        /// Its duration.
+        elapsed: Duration,
+    },
+}
+
+/// Totals of a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stats {
+    /// Forward passes.
+    pub passes: usize,
+    /// Prompt tokens evaluated.
+    pub prefill_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Decode tokens evaluated (generated tokens fed back).
+    pub decode_tokens: usize,
+    /// Context shifts.
+    pub context_shifts: usize,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+    /// Time in passes that contained decode tokens only.
+    pub decode_time: Duration,
+}
+
+impl Stats {
+    /// Generated tokens per second over the whole run.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.generated_tokens as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+#[derive(Debug)]
+struct Slot {
+    req: Request,
+    /// Tokens of the sequence: those in the cache, then at most one pending
+    /// generated token, or the prompt's rest while prefilling.
+    tokens: Vec<u32>,
+    /// Tokens in the cache (the next position).
+    cached: usize,
+    generated: Vec<u32>,
+    joined: Instant,
+    first_token: Option<Duration>,
+    shifts: usize,
+}
+
+/// A continuous-batching engine over one causal cache with one slot per
+/// sequence id.
+#[derive(Debug)]
+pub struct Engine<'m, C> {
+    model: &'m Llama,
+    cache: C,
+    config: EngineConfig,
+    queue: VecDeque<Request>,
+    slots: Vec<Option<Slot>>,
+}
+
+impl<'m, C> Engine<'m, C>
+where
+    C: CausalCache<Tensor = Tensor>,
+{
+    /// An engine with `cache.config().max_sequences` slots.
+    pub fn new(model: &'m Llama, cache: C, config: EngineConfig) -> Result<Self> {
+        let slots = cache.config().max_sequences;
+        if config.max_batch == 0 || config.prefill_chunk == 0 {
+            return Err(DemoError::InvalidArgument(
+                "max_batch and prefill_chunk must be positive".into(),
+            ));
+        }
+        if config.max_batch > cache.config().max_batch {
+            return Err(DemoError::InvalidArgument(format!(
+                "engine batch {} exceeds the cache's max batch {}",
+                config.max_batch,
+                cache.config().max_batch
+            )));
+        }
+        Ok(Engine {
+            model,
+            cache,
+            config,
+            queue: VecDeque::new(),
+            slots: (0..slots).map(|_| None).collect(),
+        })
+    }
+
+    /// Queues a request; it joins when a slot is free.
+    pub fn submit(&mut self, req: Request) -> Result<()> {
+        if req.prompt.is_empty() || req.max_new_tokens == 0 {
+            return Err(DemoError::InvalidArgument(format!(
+                "request {}: empty prompt or nothing to generate",
+                req.id
+            )));
+        }
+        if let Some(ctx) = self.config.context {
+            if req.prompt.len() + 1 > ctx || self.config.keep + 2 > ctx {
+                return Err(DemoError::InvalidArgument(format!(
+                    "request {}: prompt of {} tokens does not fit a context of {ctx}",
+                    req.id,
+                    req.prompt.len()
+                )));
+            }
+        }
+        self.queue.push_back(req);
+        Ok(())
+    }
+
+    /// The cache.
+    pub fn cache(&self) -> &C {
+        &self.cache
+    }
+
+    /// Runs until every queued request has finished.
+    pub fn run(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<Stats> {
+        let start = Instant::now();
+        let mut stats = Stats::default();
+        loop {
+            self.admit(on_event)?;
+            if self.slots.iter().all(Option::is_none) {
+                break;
+            }
+            stats.context_shifts += self.context_shifts(on_event)?;
+            self.pass(&mut stats, on_event)?;
+        }
+        stats.elapsed = start.elapsed();
+        Ok(stats)
+    }
+
+    fn admit(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
+        for seq in 0..self.slots.len() {
+            if self.slots[seq].is_some() {
+                continue;
+            }
+            let Some(req) = self.queue.pop_front() else { break };
+            self.cache.remove(seq, PosRange::from(0..))?;
+            on_event(&Event::Joined {
+                id: req.id,
+                seq,
+                prompt_tokens: req.prompt.len(),
+            });
+            self.slots[seq] = Some(Slot {
+                tokens: req.prompt.clone(),
+                req,
+                cached: 0,
+                generated: Vec::new(),
+                joined: Instant::now(),
+                first_token: None,
+                shifts: 0,
+            });
+        }
+        Ok(())
+    }
+
+    fn context_shifts(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<usize> {
+        let Some(ctx) = self.config.context else {
+            return Ok(0);
+        };
+        let mut n = 0;
+        for (seq, slot) in self.slots.iter_mut().enumerate() {
+            let Some(s) = slot else { continue };
+            // Only decoding sequences (one pending token) reach the limit.
+            if s.cached < s.tokens.len() - 1 || s.cached < ctx {
+                continue;
+            }
+            let keep = self.config.keep.min(s.cached);
+            let discard = (s.cached - keep) / 2;
+            if discard == 0 {
+                continue;
+            }
+            let removed = keep as Pos..(keep + discard) as Pos;
+            self.cache.remove(seq, PosRange::from(removed.clone()))?;
+            s.tokens.drain(keep..keep + discard);
+            s.cached -= discard;
+            s.shifts += 1;
+            n += 1;
+            on_event(&Event::ContextShift {
+                id: s.req.id,
+                seq,
+                removed,
+            });
+        }
+        Ok(n)
+    }
+
+    fn pass(&mut self, stats: &mut Stats, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
+        let budget = self.config.max_batch;
+        let mut batch = Vec::new();
+        // (slot, tokens in this pass, row of its last token if it needs logits)
+        let mut plan: Vec<(SeqId, usize, Option<usize>)> = Vec::new();
+        let mut decode = 0;
+        // Decode steps first: one pending token each.
+        for (seq, slot) in self.slots.iter().enumerate() {
+            if batch.len() == budget {
+                break;
+            }
+            let Some(s) = slot else { continue };
+            if s.cached + 1 == s.tokens.len() && !s.generated.is_empty() {
+                batch.push(BatchToken {
+                    seq,
+                    pos: s.cached as Pos,
+                    token: s.tokens[s.cached],
+                });
+                plan.push((seq, 1, Some(batch.len() - 1)));
+                decode += 1;
+            }
+        }
+        // Then prompt chunks.
+        for (seq, slot) in self.slots.iter().enumerate() {
+            let room = budget - batch.len();
+            if room == 0 {
+                break;
+            }
+            let Some(s) = slot else { continue };
+            if !s.generated.is_empty() {
+                continue;
+            }
+            let n = (s.tokens.len() - s.cached)
+                .min(self.config.prefill_chunk)
+                .min(room);
+            for i in 0..n {
+                let p = s.cached + i;
+                batch.push(BatchToken {
+                    seq,
+                    pos: p as Pos,
+                    token: s.tokens[p],
+                });
+            }
+            let completes = s.cached + n == s.tokens.len();
+            plan.push((seq, n, completes.then(|| batch.len() - 1)));
+        }
+        let prefill = batch.len() - decode;
+        let t0 = Instant::now();
+        let hidden = self.model.hidden(&batch, &mut self.cache)?;
+        let rows: Vec<u32> = plan.iter().filter_map(|p| p.2).map(|r| r as u32).collect();
+        let picks = if rows.is_empty() {
+            Vec::new()
+        } else {
+            let idx = Tensor::from_vec(rows.clone(), rows.len(), hidden.device())?;
+            let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
+            logits.to_vec2::<f32>()?.iter().map(|r| argmax(r)).collect()
+        };
+        let elapsed = t0.elapsed();
+        stats.passes += 1;
+        stats.prefill_tokens += prefill;
+        stats.decode_tokens += decode;
+        if prefill == 0 {
+            stats.decode_time += elapsed;
+        }
+        on_event(&Event::Pass {
+            decode,
+            prefill,
+            elapsed,
+        });
+        let mut picks = picks.into_iter();
+        for (seq, n, row) in plan {
+            let slot = self.slots[seq].as_mut().expect("planned slots are live");
+            slot.cached += n;
+            if row.is_none() {
+                on_event(&Event::Prefilled {
+                    id: slot.req.id,
+                    done: slot.cached,
+                    total: slot.req.prompt.len(),
+                });
+                continue;
+            }
+            if slot.generated.is_empty() {
+                on_event(&Event::Prefilled {
+                    id: slot.req.id,
+                    done: slot.cached,
+                    total: slot.req.prompt.len(),
+                });
+            }
+            let token = picks.next().expect("one pick per row");
+            slot.first_token.get_or_insert_with(|| slot.joined.elapsed());
+            slot.generated.push(token);
+            slot.tokens.push(token);
+            stats.generated_tokens += 1;
+            on_event(&Event::Token {
+                id: slot.req.id,
+                token,
+            });
+            let done = slot.generated.len() == slot.req.max_new_tokens || Some(token) == self.config.eos;
+            if done {
+                let s = self.slots[seq].take().expect("live");
+                self.cache.remove(seq, PosRange::from(0..))?;
+                on_event(&Event::Finished(Finished {
+                    id: s.req.id,
+                    seq,
+                    prompt_tokens: s.req.prompt.len(),
+                    generated: s.generated,
+                    time_to_first_token: s.first_token.unwrap_or_default(),
+                    total: s.joined.elapsed(),
+                    context_shifts: s.shifts,
+                }));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,31 @@
+//! SmolLM2 (a Llama) served through the kvcache-rs caches, and proven equal to
+//! recomputing everything without a cache.
+//!
+//! - [`model`]: the Llama forward pass, full recompute and through a
+//!   [`kvcache_api::CausalCache`].
+//! - [`engine`]: greedy generation and continuous batching over a causal cache.
+//! - [`layer_cache`]: a candle [`kvcache_api::LayerCache`] for the prefix trie.
+//! - [`chat`]: multi-conversation chat with prefix-trie, single-entry or no reuse.
+//! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
+//! - [`trace`]: the E1 chat trace.
+//! - [`bench`]: benchmark E2 (batched vs sequential decode).
+//! - [`check`]: runs cache schedules and compares with full recompute.
+//! - [`paths`]: where the model and fixtures live.
+#![deny(missing_docs)]
+
+pub mod bench;
+pub mod chat;
+pub mod check;
+mod config;
+pub mod engine;
+mod error;
+pub mod layer_cache;
+pub mod model;
+pub mod paths;
+pub mod tokenizer;
+pub mod trace;
+
+pub use config::LlamaConfig;
+pub use error::{DemoError, Result};
+pub use model::{BatchToken, Llama, LoadProgress, ModelFile, Rope, WeightMode};
+pub use tokenizer::ChatTokenizer;

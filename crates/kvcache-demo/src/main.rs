@@ -1,0 +1,612 @@
+//! `kvcache-demo`: SmolLM2-135M-Instruct served through the kvcache-rs caches.
+//!
+//! Run through `cargo xtask demo [ARGS]`; `--help` lists the flags.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use candle_core::Device;
+use kvcache_api::{CausalConfig, SlidingWindow};
+use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
+use kvcache_demo::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
+use kvcache_demo::chat::{ChatServer, Reuse};
+use kvcache_demo::engine::{Engine, EngineConfig, Event, Request, Stats};
+use kvcache_demo::tokenizer::{chatml, Message, Role};
+use kvcache_demo::trace::Trace;
+use kvcache_demo::{paths, ChatTokenizer, DemoError, Llama, LoadProgress, ModelFile, Result, WeightMode};
+
+const HELP: &str = "\
+kvcache-demo: SmolLM2-135M-Instruct served through the kvcache-rs caches
+
+USAGE: kvcache-demo [FLAGS]
+
+  --model PATH          GGUF file (default: $KVCACHE_MODEL, else the `cargo xtask prepare` cache)
+  --prompt TEXT         a user message; repeat for several (default: built-in questions)
+  --conversations N     conversations to answer in the batching demo (default 6)
+  --slots N             sequences decoding at once (default 4)
+  --max-new N           tokens to generate per reply (default 32)
+  --backend NAME        causal (kvcache-causal on candle) | mlx (default causal)
+  --device NAME         cpu | cuda | metal (default cpu)
+  --weights KIND        f32 (dequantized, default) | q (keep GGUF quantization)
+  --window N            sliding window of the windowed run (default 16)
+  --context N           context of the context-shift run (default 64)
+  --turns N             turns per conversation in the prefix-trie chat (default 3)
+  --skip NAMES          comma-separated parts to skip: chat,batching,window,shift
+  --bench-e1            run benchmark E1 (the chat trace: trie vs single-entry vs no reuse) and exit
+  --trace PATH          E1 trace (default: fixtures/e1_trace.json)
+  --e1-requests N       first N requests of the trace (default 80: all)
+  --e1-predict N        tokens generated per request (default 32)
+  --e1-policies LIST    comma-separated: trie,single,none (default all three)
+  --bench-e2            run benchmark E2 (8 sequences together vs one after another) and exit
+  --e2-tokens N         tokens each sequence decodes in E2 (default 32)
+  --e2-runs N           alternating runs of E2 (default 3)
+  -h, --help            this text
+";
+
+const DEFAULT_PROMPTS: &[&str] = kvcache_demo::bench::SAMPLE_QUESTIONS;
+
+struct Args {
+    model: Option<PathBuf>,
+    prompts: Vec<String>,
+    conversations: usize,
+    slots: usize,
+    max_new: usize,
+    backend: String,
+    device: String,
+    weights: WeightMode,
+    window: usize,
+    context: usize,
+    turns: usize,
+    skip: Vec<String>,
+    bench_e1: bool,
+    trace: Option<PathBuf>,
+    e1_requests: usize,
+    e1_predict: usize,
+    e1_policies: Vec<String>,
+    bench_e2: bool,
+    e2_tokens: usize,
+    e2_runs: usize,
+}
+
+fn parse_args() -> Result<Option<Args>> {
+    let mut a = Args {
+        model: None,
+        prompts: Vec::new(),
+        conversations: 6,
+        slots: 4,
+        max_new: 32,
+        backend: "causal".into(),
+        device: "cpu".into(),
+        weights: WeightMode::F32,
+        window: 16,
+        context: 64,
+        turns: 3,
+        skip: Vec::new(),
+        bench_e1: false,
+        trace: None,
+        e1_requests: 80,
+        e1_predict: 32,
+        e1_policies: vec!["trie".into(), "single".into(), "none".into()],
+        bench_e2: false,
+        e2_tokens: 32,
+        e2_runs: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    let bad = |m: String| DemoError::InvalidArgument(m);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| it.next().ok_or_else(|| bad(format!("{name} needs a value")));
+        let num = |s: String, name: &str| -> Result<usize> {
+            s.parse()
+                .ok()
+                .filter(|&n: &usize| n > 0)
+                .ok_or_else(|| bad(format!("{name} takes a positive integer, got {s:?}")))
+        };
+        match flag.as_str() {
+            "-h" | "--help" => {
+                print!("{HELP}");
+                return Ok(None);
+            }
+            "--model" => a.model = Some(PathBuf::from(value("--model")?)),
+            "--prompt" => a.prompts.push(value("--prompt")?),
+            "--conversations" => a.conversations = num(value(&flag)?, &flag)?,
+            "--slots" => a.slots = num(value(&flag)?, &flag)?,
+            "--max-new" => a.max_new = num(value(&flag)?, &flag)?,
+            "--backend" => a.backend = value(&flag)?,
+            "--device" => a.device = value(&flag)?,
+            "--weights" => {
+                a.weights = match value(&flag)?.as_str() {
+                    "f32" => WeightMode::F32,
+                    "q" | "quantized" => WeightMode::Quantized,
+                    other => return Err(bad(format!("--weights: f32 or q, got {other:?}"))),
+                }
+            }
+            "--window" => a.window = num(value(&flag)?, &flag)?,
+            "--context" => a.context = num(value(&flag)?, &flag)?,
+            "--skip" => a.skip = value(&flag)?.split(',').map(str::to_owned).collect(),
+            "--turns" => a.turns = num(value(&flag)?, &flag)?,
+            "--bench-e1" => a.bench_e1 = true,
+            "--trace" => a.trace = Some(PathBuf::from(value(&flag)?)),
+            "--e1-requests" => a.e1_requests = num(value(&flag)?, &flag)?,
+            "--e1-predict" => a.e1_predict = num(value(&flag)?, &flag)?,
+            "--e1-policies" => a.e1_policies = value(&flag)?.split(',').map(str::to_owned).collect(),
+            "--bench-e2" => a.bench_e2 = true,
+            "--e2-tokens" => a.e2_tokens = num(value(&flag)?, &flag)?,
+            "--e2-runs" => a.e2_runs = num(value(&flag)?, &flag)?,
+            other => return Err(bad(format!("unknown flag {other:?} (see --help)"))),
+        }
+    }
+    if a.prompts.is_empty() {
+        a.prompts = DEFAULT_PROMPTS.iter().map(|s| s.to_string()).collect();
+    }
+    Ok(Some(a))
+}
+
+fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Device::new_cuda(0).map_err(|e| {
+            DemoError::InvalidArgument(format!(
+                "--device cuda: {e} (build with `--features cuda` and the CUDA toolkit)"
+            ))
+        }),
+        "metal" => Device::new_metal(0)
+            .map_err(|e| DemoError::InvalidArgument(format!("--device metal: {e} (macOS only)"))),
+        other => Err(DemoError::InvalidArgument(format!(
+            "--device: cpu, cuda or metal, got {other:?}"
+        ))),
+    }
+}
+
+fn flush() {
+    let _ = std::io::stdout().flush();
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvcache-demo: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let Some(args) = parse_args()? else { return Ok(()) };
+    let start = Instant::now();
+    match args.backend.as_str() {
+        "causal" => {}
+        "mlx" => return Err(DemoError::InvalidArgument(
+            "--backend mlx: the mlx-rs layer caches are not wired into the demo yet; use --backend causal"
+                .into(),
+        )),
+        other => {
+            return Err(DemoError::InvalidArgument(format!(
+                "--backend: causal or mlx, got {other:?}"
+            )))
+        }
+    }
+    let dev = device(&args.device)?;
+    let path = args.model.clone().or_else(paths::model_path).ok_or_else(|| {
+        DemoError::InvalidArgument(format!(
+            "no model: pass --model, set {}, or run `cargo xtask prepare`",
+            paths::MODEL_ENV
+        ))
+    })?;
+    let (model, tokenizer) = load(&path, &dev, args.weights)?;
+
+    if args.bench_e1 {
+        return bench_e1(&model, &args);
+    }
+    if args.bench_e2 {
+        return bench_e2(&model, &tokenizer, &args);
+    }
+    let skip = |part: &str| args.skip.iter().any(|s| s == part);
+    if !skip("chat") {
+        chat_demo(&model, &tokenizer, &args)?;
+    }
+    if !skip("batching") {
+        batching_demo(&model, &tokenizer, &args)?;
+    }
+    if !skip("window") {
+        window_demo(&model, &tokenizer, &args)?;
+    }
+    if !skip("shift") {
+        shift_demo(&model, &tokenizer, &args)?;
+    }
+    println!("\ndone in {:.1} s", start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn load(path: &std::path::Path, dev: &Device, weights: WeightMode) -> Result<(Llama, ChatTokenizer)> {
+    let t0 = Instant::now();
+    let file = ModelFile::open(path)?;
+    let c = file.config()?;
+    println!("model: {} ({} tensors)", path.display(), file.tensor_count());
+    println!(
+        "config: {} layers, dim {}, {} heads / {} KV heads of {}, FFN {}, vocab {}, rope base {}",
+        c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size, c.rope_base
+    );
+    let mut last = 0;
+    let mut progress = |p: LoadProgress| {
+        let pct = p.done * 100 / p.total.max(1);
+        if pct >= last + 10 || p.done == p.total {
+            last = pct;
+            print!(
+                "\rloading weights ({weights:?}): {pct:3}% ({}/{} tensors)",
+                p.done, p.total
+            );
+            flush();
+        }
+    };
+    let model = file.load(dev, weights, &mut progress)?;
+    let tokenizer = file.tokenizer()?;
+    println!(
+        "\nloaded model and tokenizer ({} tokens) in {:.2} s",
+        tokenizer.vocab_size(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok((model, tokenizer))
+}
+
+/// The causal cache with SmolLM2's RoPE shift (GGUF's normal layout).
+fn causal_cache(model: &Llama, config: CausalConfig) -> Result<CausalKvCache> {
+    let c = model.config();
+    let shift = RopeShift::new(RopeLayout::Normal, c.head_dim, c.rope_base as f32)?;
+    Ok(CausalKvCache::new(
+        config,
+        model.device().clone(),
+        Some(Box::new(shift)),
+    )?)
+}
+
+fn prompt_tokens(tokenizer: &ChatTokenizer, user: &str) -> Result<Vec<u32>> {
+    tokenizer.encode(&chatml(&[Message::new(Role::User, user)], true))
+}
+
+/// Prints events as they come; replies in full when their request finishes.
+fn printer<'a>(tokenizer: &'a ChatTokenizer, prompts: &'a [String]) -> impl FnMut(&Event) + 'a {
+    move |ev: &Event| match ev {
+        Event::Joined {
+            id,
+            seq,
+            prompt_tokens,
+        } => {
+            println!("  [join] conversation {id} -> sequence {seq} ({prompt_tokens} prompt tokens)");
+        }
+        Event::Prefilled { id, done, total } => {
+            println!("  [prefill] conversation {id}: {done}/{total} prompt tokens");
+        }
+        Event::ContextShift { id, seq, removed } => {
+            println!(
+                "  [context shift] conversation {id} (sequence {seq}): removed positions {}..{}, later keys re-rotated",
+                removed.start, removed.end
+            );
+        }
+        Event::Finished(f) => {
+            let text = tokenizer
+                .decode(&f.generated)
+                .unwrap_or_else(|e| format!("<{e}>"));
+            let decode_s = (f.total - f.time_to_first_token).as_secs_f64();
+            println!(
+                "  [done] conversation {} (sequence {}): {} tokens, first token after {:.0} ms, {:.1} tokens/s after it{}",
+                f.id,
+                f.seq,
+                f.generated.len(),
+                f.time_to_first_token.as_secs_f64() * 1e3,
+                (f.generated.len().saturating_sub(1)) as f64 / decode_s.max(1e-9),
+                if f.context_shifts > 0 { format!(", {} context shifts", f.context_shifts) } else { String::new() }
+            );
+            println!("      user: {}", prompts[f.id % prompts.len()]);
+            println!(
+                "      assistant: {}",
+                text.trim().replace('\n', "\n                 ")
+            );
+            flush();
+        }
+        Event::Token { .. } | Event::Pass { .. } => {}
+    }
+}
+
+fn summary(label: &str, s: &Stats) {
+    println!(
+        "{label}: {} passes, {} prompt tokens + {} generated in {:.2} s: {:.1} generated tokens/s \
+         (decode-only passes: {:.1} tokens/s){}",
+        s.passes,
+        s.prefill_tokens,
+        s.generated_tokens,
+        s.elapsed.as_secs_f64(),
+        s.tokens_per_second(),
+        s.decode_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
+        if s.context_shifts > 0 {
+            format!(", {} context shifts", s.context_shifts)
+        } else {
+            String::new()
+        }
+    );
+}
+
+fn batching_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+    let slots = args.slots.min(args.conversations);
+    println!(
+        "\n== continuous batching: {} conversations through {slots} sequences of one causal cache ==",
+        args.conversations
+    );
+    let cfg = CausalConfig::new(slots, 512, 256);
+    let cache = causal_cache(model, cfg)?;
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: 256,
+            prefill_chunk: 64,
+            eos: Some(tokenizer.eos_token_id()),
+            ..EngineConfig::default()
+        },
+    )?;
+    for id in 0..args.conversations {
+        let user = &args.prompts[id % args.prompts.len()];
+        // Different lengths, so sequences leave at different times and queued
+        // conversations join mid-flight.
+        let max_new = (args.max_new / 2 + (id * 7) % args.max_new.max(1)).max(1);
+        engine.submit(Request {
+            id,
+            prompt: prompt_tokens(tokenizer, user)?,
+            max_new_tokens: max_new,
+        })?;
+    }
+    let mut print = printer(tokenizer, &args.prompts);
+    let (mut decode_passes, mut decode_tokens, mut mixed) = (0, 0, 0);
+    let stats = engine.run(&mut |ev| {
+        if let Event::Pass { decode, prefill, .. } = *ev {
+            if prefill == 0 {
+                decode_passes += 1;
+                decode_tokens += decode;
+            } else if decode > 0 {
+                mixed += 1;
+            }
+        }
+        print(ev)
+    })?;
+    println!(
+        "  {decode_passes} decode-only passes of {:.2} sequences on average; {mixed} passes mixed decode steps \
+         with a joining prompt",
+        decode_tokens as f64 / decode_passes.max(1) as f64
+    );
+    summary("continuous batching", &stats);
+    Ok(())
+}
+
+fn window_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+    let n = 2.min(args.prompts.len()).max(1);
+    println!(
+        "\n== sliding window: {n} sequences attending to their last {} positions ==",
+        args.window
+    );
+    let cfg = CausalConfig::new(n, 4096, 128).with_window(SlidingWindow::new(args.window));
+    println!(
+        "  cache of {} cells for {n} sequences (memory {:?} positions each)",
+        cfg.num_cells(),
+        cfg.effective_memory()
+    );
+    let cache = causal_cache(model, cfg)?;
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: 128,
+            prefill_chunk: 64,
+            ..EngineConfig::default()
+        },
+    )?;
+    for id in 0..n {
+        engine.submit(Request {
+            id,
+            prompt: prompt_tokens(tokenizer, &args.prompts[id])?,
+            max_new_tokens: args.max_new,
+        })?;
+    }
+    let mut print = printer(tokenizer, &args.prompts);
+    let stats = engine.run(&mut print)?;
+    println!(
+        "  (SmolLM2 was trained with full attention, so a short window changes what it writes; \
+         the cache holds {} cells whatever the length of the replies)",
+        engine.cache().num_cells()
+    );
+    summary("sliding window", &stats);
+    Ok(())
+}
+
+fn shift_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+    let ctx = args.context;
+    let prompt = prompt_tokens(tokenizer, &args.prompts[0])?;
+    if prompt.len() + 2 > ctx {
+        println!(
+            "\n== context shift: skipped (prompt of {} tokens does not fit --context {ctx}) ==",
+            prompt.len()
+        );
+        return Ok(());
+    }
+    let new = ctx + ctx / 2;
+    println!("\n== context shift: one sequence with a context of {ctx} positions generating {new} tokens ==");
+    let cache = causal_cache(model, CausalConfig::new(1, ctx + 1, 64))?;
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: 64,
+            prefill_chunk: 64,
+            context: Some(ctx),
+            keep: prompt.len().min(ctx / 2),
+            eos: None,
+        },
+    )?;
+    engine.submit(Request {
+        id: 0,
+        prompt,
+        max_new_tokens: new,
+    })?;
+    let mut print = printer(tokenizer, &args.prompts);
+    let stats = engine.run(&mut print)?;
+    summary("context shift", &stats);
+    Ok(())
+}
+
+fn bench_e2(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+    let prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| prompt_tokens(tokenizer, &args.prompts[i % args.prompts.len()]))
+        .collect::<Result<_>>()?;
+    let cfg = E2Config {
+        tokens: args.e2_tokens,
+        runs: args.e2_runs,
+    };
+    println!(
+        "\n== E2: 8 sequences decoding {} tokens each, together vs one after another ({} alternating runs) ==",
+        cfg.tokens, cfg.runs
+    );
+    let report = e2_batched_decode(model, &prompts, &cfg, &mut |line| {
+        println!("  {line}");
+        flush();
+    })?;
+    println!("{report}");
+    Ok(())
+}
+
+const SYSTEM_PROMPT: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. \
+You answer questions clearly and briefly, in plain English. If you are not sure about something, \
+you say so instead of guessing.";
+
+const FOLLOW_UPS: &[&str] = &[
+    "Tell me a little more.",
+    "Sum that up in one short sentence.",
+    "Thank you!",
+];
+
+fn chat_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+    let convs = args.conversations.min(args.prompts.len()).max(1);
+    println!(
+        "\n== prefix trie: {convs} conversations x {} turns, interleaved, one live sequence ==",
+        args.turns
+    );
+    let mut server = ChatServer::new(model, Reuse::Trie, 1 << 30)?;
+    let mut history: Vec<Vec<Message>> = vec![vec![Message::new(Role::System, SYSTEM_PROMPT)]; convs];
+    let eos = tokenizer.eos_token_id();
+    for turn in 0..args.turns {
+        for (c, messages) in history.iter_mut().enumerate() {
+            let user = if turn == 0 {
+                args.prompts[c].clone()
+            } else {
+                FOLLOW_UPS[(turn - 1) % FOLLOW_UPS.len()].to_string()
+            };
+            messages.push(Message::new(Role::User, user.clone()));
+            let prompt = tokenizer.encode(&chatml(messages, true))?;
+            let out = server.generate(&prompt, args.max_new, Some(eos))?;
+            let reply_tokens: Vec<u32> = out.generated.iter().copied().filter(|&t| t != eos).collect();
+            let reply = tokenizer.decode(&reply_tokens)?.trim().to_string();
+            println!(
+                "  conversation {c} turn {}: {} prompt tokens, {} reused from the trie, {} evaluated; \
+                 first token after {:.0} ms; {} tokens in {:.0} ms",
+                turn + 1,
+                out.prompt_tokens,
+                out.matched,
+                out.evaluated,
+                out.time_to_first_token.as_secs_f64() * 1e3,
+                out.generated.len(),
+                out.total.as_secs_f64() * 1e3
+            );
+            println!("      user: {user}");
+            println!("      assistant: {}", reply.replace('\n', "\n                 "));
+            flush();
+            messages.push(Message::new(Role::Assistant, reply));
+        }
+    }
+    if let Some(s) = server.trie_stats() {
+        println!(
+            "prefix trie: {} hits, {} misses, {} prompt tokens reused, {} evaluated; {} page-outs, {} page-ins; \
+             {} nodes, {} snapshots, {:.1} MB paged out",
+            s.hits,
+            s.misses,
+            s.reused_tokens,
+            s.evaluated_tokens,
+            s.page_outs,
+            s.page_ins,
+            s.nodes,
+            s.snapshots,
+            s.paged_out_bytes as f64 / 1e6
+        );
+    }
+    Ok(())
+}
+
+fn bench_e1(model: &Llama, args: &Args) -> Result<()> {
+    let path = args.trace.clone().unwrap_or_else(paths::e1_trace_path);
+    let trace = Trace::load(&path)?;
+    let requests = args.e1_requests.min(trace.requests.len());
+    println!(
+        "\n== E1: {} of {} requests of {} ({} conversations x {} turns, round-robin), {} greedy tokens each ==",
+        requests,
+        trace.requests.len(),
+        path.display(),
+        trace.conversations.len(),
+        trace.conversations.first().map_or(0, Vec::len),
+        args.e1_predict
+    );
+    let mut reports = Vec::new();
+    for name in &args.e1_policies {
+        let reuse = match name.as_str() {
+            "trie" => Reuse::Trie,
+            "single" => Reuse::SingleEntry,
+            "none" => Reuse::None,
+            other => {
+                return Err(DemoError::InvalidArgument(format!(
+                    "--e1-policies: trie, single or none, got {other:?}"
+                )))
+            }
+        };
+        println!("-- {} --", reuse.name());
+        let report = e1_chat_reuse(
+            model,
+            &trace,
+            reuse,
+            requests,
+            args.e1_predict,
+            4 << 30,
+            &mut |row| {
+                println!(
+                "  request {:2} (conversation {}, turn {}): {:4} prompt tokens, {:4} reused, {:4} evaluated (min {:4}), TTFT {:7.1} ms",
+                row.idx,
+                row.conv,
+                row.turn,
+                row.outcome.prompt_tokens,
+                row.outcome.matched,
+                row.outcome.evaluated,
+                row.min_prefill,
+                row.outcome.time_to_first_token.as_secs_f64() * 1e3
+            );
+                flush();
+            },
+        )?;
+        println!("{report}");
+        reports.push(report);
+    }
+    println!(
+        "\nE1 summary ({requests} requests, {} tokens generated each):",
+        args.e1_predict
+    );
+    for r in &reports {
+        println!("  {r}");
+    }
+    if let (Some(t), Some(n)) = (
+        reports.iter().find(|r| r.reuse == Reuse::Trie),
+        reports.iter().find(|r| r.reuse == Reuse::None),
+    ) {
+        println!(
+            "  trie vs no reuse: median TTFT on turns >= 2 {:.1}x faster (target >= 5x); evaluated {:.3}x the minimum (target <= 1.01x)",
+            n.median_ttft_later_turns().as_secs_f64() / t.median_ttft_later_turns().as_secs_f64().max(1e-9),
+            t.evaluated() as f64 / t.min_prefill().max(1) as f64
+        );
+    }
+    Ok(())
+}

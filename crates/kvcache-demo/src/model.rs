@@ -1,0 +1,620 @@
+//! A Llama forward pass (RoPE, grouped-query attention, RMSNorm, SwiGLU) on candle,
+//! with two paths: [`Llama::forward_full`] recomputes everything without any cache
+//! (the reference), [`Llama::forward`] runs a batch of tokens of many sequences
+//! through a [`CausalCache`].
+//!
+//! Shapes (row-major, outermost first): a batch of `n` tokens flows as hidden
+//! states `[n, dim]`; queries `[n, n_heads, head_dim]`; keys and values
+//! `[n, n_kv_heads, head_dim]` (what [`CausalCache::put`] takes); logits
+//! `[n, vocab_size]`.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+use kvcache_api::{Batch, CausalCache, ForwardMode, KeyShift, LayerCache, Pos, SeqId, VLayout};
+
+use crate::error::to_cache_err;
+use crate::{ChatTokenizer, DemoError, LlamaConfig, Result};
+
+/// How the weights are held in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightMode {
+    /// Every weight dequantized to f32 (the default; fast on CPU, and what the
+    /// equivalence tests use).
+    #[default]
+    F32,
+    /// Matrices kept in their GGUF quantization and multiplied with candle's
+    /// quantized kernels (smaller, but Q4_1 has no fast CPU kernel).
+    Quantized,
+}
+
+/// One token of a batch: which sequence, at which position, which token id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchToken {
+    /// The sequence the token belongs to.
+    pub seq: SeqId,
+    /// Its position inside the sequence.
+    pub pos: Pos,
+    /// Its token id.
+    pub token: u32,
+}
+
+/// A weight matrix `[out, in]` applied as `x @ W^T`.
+#[derive(Debug, Clone)]
+enum Linear {
+    Dense(Tensor),
+    Quant(QMatMul),
+}
+
+impl Linear {
+    fn new(q: QTensor, mode: WeightMode, device: &Device) -> Result<Self> {
+        Ok(match mode {
+            WeightMode::F32 => Linear::Dense(q.dequantize(device)?),
+            WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(q)?),
+        })
+    }
+
+    /// `x: [n, in]` to `[n, out]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Linear::Dense(w) => x.matmul(&w.t()?)?,
+            Linear::Quant(q) => q.forward(x)?,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// Progress of [`ModelFile::load`]: `done` of `total` tensors read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadProgress {
+    /// Tensors read so far.
+    pub done: usize,
+    /// Tensors to read.
+    pub total: usize,
+}
+
+/// A GGUF file whose header has been read: the model and its tokenizer come
+/// from it.
+#[derive(Debug)]
+pub struct ModelFile {
+    path: PathBuf,
+    content: gguf_file::Content,
+}
+
+impl ModelFile {
+    /// Reads the header (metadata and tensor directory) of the GGUF at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let mut file = File::open(&path).map_err(|e| DemoError::io(&path, e))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| DemoError::Format(format!("{}: {e}", path.display())))?;
+        Ok(ModelFile { path, content })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The model's hyper-parameters, from the header.
+    pub fn config(&self) -> Result<LlamaConfig> {
+        LlamaConfig::from_gguf_metadata(&self.content.metadata)
+    }
+
+    /// Number of tensors in the file.
+    pub fn tensor_count(&self) -> usize {
+        self.content.tensor_infos.len()
+    }
+
+    /// Reads every weight onto `device`; `progress` is called after each tensor.
+    pub fn load(
+        &self,
+        device: &Device,
+        mode: WeightMode,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Llama> {
+        let mut file = File::open(&self.path).map_err(|e| DemoError::io(&self.path, e))?;
+        Llama::from_gguf(&self.content, &mut file, device, mode, progress)
+    }
+
+    /// The tokenizer embedded in the header.
+    pub fn tokenizer(&self) -> Result<ChatTokenizer> {
+        ChatTokenizer::from_gguf_metadata(&self.content.metadata)
+    }
+}
+
+/// RoPE in GGUF's interleaved layout (`candle_nn::rotary_emb::rope_i` semantics):
+/// dimensions `(2i, 2i + 1)` of each head rotate together by `pos * base^(-2i / d)`.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Arc<[f64]>,
+}
+
+impl Rope {
+    /// RoPE for heads of `head_dim` dimensions with frequency base `base`.
+    pub fn new(head_dim: usize, base: f64) -> Self {
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| 1.0 / base.powf(2.0 * i as f64 / head_dim as f64))
+            .collect();
+        Rope { inv_freq }
+    }
+
+    /// Rotates `x: [n, heads, head_dim]`, row `i` by `positions[i]` (any integer,
+    /// negative ones rotate back). Returns the same shape.
+    pub fn apply(&self, x: &Tensor, positions: &[Pos]) -> Result<Tensor> {
+        let tables = self.tables(positions, x.device())?;
+        self.apply_tables(x, &tables)
+    }
+
+    /// `cos` and `sin` of every (position, frequency) pair, `[n, 1, head_dim / 2, 1]`
+    /// each, for [`apply_tables`](Self::apply_tables).
+    pub fn tables(&self, positions: &[Pos], device: &Device) -> Result<(Tensor, Tensor)> {
+        let (n, half) = (positions.len(), self.inv_freq.len());
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for &p in positions {
+            for &f in self.inv_freq.iter() {
+                let angle = f64::from(p) * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Ok((
+            Tensor::from_vec(cos, (n, 1, half, 1), device)?,
+            Tensor::from_vec(sin, (n, 1, half, 1), device)?,
+        ))
+    }
+
+    /// Rotates `x: [n, heads, head_dim]` with tables from [`tables`](Self::tables).
+    pub fn apply_tables(&self, x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
+        let (n, heads, head_dim) = x.dims3()?;
+        let half = head_dim / 2;
+        if half != self.inv_freq.len() || cos.dim(0)? != n {
+            return Err(DemoError::InvalidArgument(format!(
+                "rope: x {:?} with {} positions and head dim {}",
+                x.dims(),
+                cos.dim(0)?,
+                2 * self.inv_freq.len()
+            )));
+        }
+        let cos = cos.to_dtype(x.dtype())?;
+        let sin = sin.to_dtype(x.dtype())?;
+        let x = x.reshape((n, heads, half, 2))?;
+        let x0 = x.narrow(3, 0, 1)?;
+        let x1 = x.narrow(3, 1, 1)?;
+        let o0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+        let o1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+        Ok(Tensor::cat(&[o0, o1], 3)?.reshape((n, heads, head_dim))?)
+    }
+}
+
+/// Re-rotates cached keys after a shifting removal: `keys: [n, kv_heads, head_dim]`
+/// rotated by `shifts[i]` positions (RoPE composes: `R(p) R(d) = R(p + d)`).
+impl KeyShift<Tensor> for Rope {
+    fn shift(&self, _layer: usize, keys: &Tensor, shifts: &[Pos]) -> kvcache_api::Result<Tensor> {
+        self.apply(keys, shifts).map_err(|e| match e {
+            DemoError::Candle(c) => to_cache_err(c),
+            other => kvcache_api::CacheError::InvalidArgument(other.to_string()),
+        })
+    }
+}
+
+/// A Llama-architecture decoder with its weights.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    config: LlamaConfig,
+    device: Device,
+    /// `[vocab_size, dim]`, f32.
+    embed: Tensor,
+    blocks: Vec<Block>,
+    /// `[dim]`.
+    norm: Tensor,
+    output: Linear,
+    rope: Rope,
+}
+
+/// Keys, values and mask a layer attends over, and the value layout.
+struct Context {
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    permuted: bool,
+}
+
+impl Llama {
+    /// Builds the model from an already parsed GGUF header and its file.
+    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        mode: WeightMode,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        let config = LlamaConfig::from_gguf_metadata(&content.metadata)?;
+        let total = content.tensor_infos.len();
+        let mut done = 0;
+        let mut get = |name: &str| -> Result<QTensor> {
+            let t = content
+                .tensor(reader, name, device)
+                .map_err(|e| DemoError::Format(format!("tensor {name}: {e}")))?;
+            done += 1;
+            progress(LoadProgress { done, total });
+            Ok(t)
+        };
+        let embed_q = get("token_embd.weight")?;
+        let embed = embed_q.dequantize(device)?;
+        let expect = |t: &Tensor, name: &str, dims: &[usize]| -> Result<()> {
+            if t.dims() == dims {
+                Ok(())
+            } else {
+                Err(DemoError::Format(format!(
+                    "{name} has shape {:?}, expected {dims:?}",
+                    t.dims()
+                )))
+            }
+        };
+        expect(&embed, "token_embd.weight", &[config.vocab_size, config.dim])?;
+        let mut blocks = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers {
+            let mut lin = |name: &str, dims: [usize; 2]| -> Result<Linear> {
+                let full = format!("blk.{l}.{name}.weight");
+                let q = get(&full)?;
+                if q.shape().dims() != dims {
+                    return Err(DemoError::Format(format!(
+                        "{full} has shape {:?}, expected {dims:?}",
+                        q.shape().dims()
+                    )));
+                }
+                Linear::new(q, mode, device)
+            };
+            let (dim, kv, ffn) = (config.dim, config.n_kv_heads * config.head_dim, config.ffn_dim);
+            let wq = lin("attn_q", [config.n_heads * config.head_dim, dim])?;
+            let wk = lin("attn_k", [kv, dim])?;
+            let wv = lin("attn_v", [kv, dim])?;
+            let wo = lin("attn_output", [dim, config.n_heads * config.head_dim])?;
+            let gate = lin("ffn_gate", [ffn, dim])?;
+            let up = lin("ffn_up", [ffn, dim])?;
+            let down = lin("ffn_down", [dim, ffn])?;
+            let attn_norm = get(&format!("blk.{l}.attn_norm.weight"))?.dequantize(device)?;
+            let ffn_norm = get(&format!("blk.{l}.ffn_norm.weight"))?.dequantize(device)?;
+            expect(&attn_norm, "attn_norm", &[dim])?;
+            expect(&ffn_norm, "ffn_norm", &[dim])?;
+            blocks.push(Block {
+                attn_norm,
+                wq,
+                wk,
+                wv,
+                wo,
+                ffn_norm,
+                gate,
+                up,
+                down,
+            });
+        }
+        let norm = get("output_norm.weight")?.dequantize(device)?;
+        let output = if content.tensor_infos.contains_key("output.weight") {
+            Linear::new(get("output.weight")?, mode, device)?
+        } else {
+            // Tied embeddings.
+            match mode {
+                WeightMode::F32 => Linear::Dense(embed.clone()),
+                WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(embed_q)?),
+            }
+        };
+        let rope = Rope::new(config.head_dim, config.rope_base);
+        Ok(Llama {
+            config,
+            device: device.clone(),
+            embed,
+            blocks,
+            norm,
+            output,
+            rope,
+        })
+    }
+
+    /// A model with deterministic pseudo-random f32 weights (for tests): each
+    /// matrix `[out, in]` uniform with variance `1 / in` (so logits are of order
+    /// 1), norms near 1, a separate output projection.
+    pub fn random(config: LlamaConfig, seed: u64, device: &Device) -> Result<Self> {
+        config.validate()?;
+        let mut rng = SplitMix64(seed);
+        let mut mat = |rows: usize, cols: usize, scale: f32, offset: f32| -> Result<Tensor> {
+            let data: Vec<f32> = (0..rows * cols)
+                .map(|_| offset + scale * rng.next_sym())
+                .collect();
+            Ok(Tensor::from_vec(data, (rows, cols), device)?)
+        };
+        let a = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
+        let (dim, ffn) = (config.dim, config.ffn_dim);
+        let qd = config.n_heads * config.head_dim;
+        let kv = config.n_kv_heads * config.head_dim;
+        let embed = mat(config.vocab_size, dim, 1.0, 0.0)?;
+        let mut blocks = Vec::new();
+        for _ in 0..config.n_layers {
+            blocks.push(Block {
+                attn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
+                // Larger query/key weights make attention weights far from uniform,
+                // so a wrong mask or position shows in the logits.
+                wq: Linear::Dense(mat(qd, dim, 2.0 * a(dim), 0.0)?),
+                wk: Linear::Dense(mat(kv, dim, 2.0 * a(dim), 0.0)?),
+                wv: Linear::Dense(mat(kv, dim, a(dim), 0.0)?),
+                wo: Linear::Dense(mat(dim, qd, a(qd), 0.0)?),
+                ffn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
+                gate: Linear::Dense(mat(ffn, dim, a(dim), 0.0)?),
+                up: Linear::Dense(mat(ffn, dim, a(dim), 0.0)?),
+                down: Linear::Dense(mat(dim, ffn, a(ffn), 0.0)?),
+            });
+        }
+        let norm = mat(1, dim, 0.2, 1.0)?.squeeze(0)?;
+        let output = Linear::Dense(mat(config.vocab_size, dim, a(dim), 0.0)?);
+        let rope = Rope::new(config.head_dim, config.rope_base);
+        Ok(Llama {
+            output,
+            config,
+            device: device.clone(),
+            embed,
+            blocks,
+            norm,
+            rope,
+        })
+    }
+
+    /// The same model with only its first `n_layers` blocks (at least 1). With
+    /// one layer, keys and values depend on the token and its position alone, so
+    /// a shifting removal is exactly a recomputation (see [`crate::check`]).
+    pub fn truncated(&self, n_layers: usize) -> Self {
+        let n = n_layers.clamp(1, self.blocks.len());
+        let mut m = self.clone();
+        m.blocks.truncate(n);
+        m.config.n_layers = n;
+        m
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The model's RoPE, usable as the cache's [`KeyShift`].
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    /// Logits `[n, vocab_size]` for `tokens` as one sequence at positions
+    /// `0..n`, recomputing everything without a cache. With `window = Some(w)` a
+    /// token at `p` attends to positions `p - w + 1 ..= p` only.
+    pub fn forward_full(&self, tokens: &[u32], window: Option<usize>) -> Result<Tensor> {
+        let hidden = self.hidden_full(tokens, window)?;
+        self.logits(&hidden)
+    }
+
+    /// Final normed hidden states `[n, dim]` of [`forward_full`](Self::forward_full).
+    pub fn hidden_full(&self, tokens: &[u32], window: Option<usize>) -> Result<Tensor> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(DemoError::InvalidArgument("no tokens".into()));
+        }
+        let positions: Vec<Pos> = (0..n as Pos).collect();
+        let mut mask = vec![0f32; n * n];
+        for i in 0..n {
+            for j in 0..n {
+                let visible = j <= i && window.is_none_or(|w| i - j < w);
+                if !visible {
+                    mask[i * n + j] = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (n, n), &self.device)?;
+        self.run(tokens, &positions, &mut |_, k, v| {
+            Ok(Context {
+                keys: k.clone(),
+                values: v.clone(),
+                mask: mask.clone(),
+                permuted: false,
+            })
+        })
+    }
+
+    /// Logits `[n, vocab_size]` for a batch of tokens of any sequences, through
+    /// `cache`: one `start_forward`, then per layer `set_layer`, `put` and `get`.
+    pub fn forward<C>(&self, batch: &[BatchToken], cache: &mut C) -> Result<Tensor>
+    where
+        C: CausalCache<Tensor = Tensor> + ?Sized,
+    {
+        let hidden = self.hidden(batch, cache)?;
+        self.logits(&hidden)
+    }
+
+    /// Final normed hidden states `[n, dim]` of [`forward`](Self::forward); turn
+    /// the rows you need into logits with [`logits`](Self::logits).
+    pub fn hidden<C>(&self, batch: &[BatchToken], cache: &mut C) -> Result<Tensor>
+    where
+        C: CausalCache<Tensor = Tensor> + ?Sized,
+    {
+        let b = Batch::from_tokens(batch.iter().map(|t| (t.seq, t.pos)))?;
+        cache.start_forward(&b, ForwardMode::Compute)?;
+        let permuted = cache.config().v_layout == VLayout::Permuted;
+        let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
+        let n = tokens.len();
+        self.run(&tokens, b.positions(), &mut |layer, k, v| {
+            cache.set_layer(layer);
+            cache.put(k, v)?;
+            let view = cache.get()?;
+            let mask = view.mask.narrow(0, 0, n)?.to_dtype(DType::F32)?;
+            Ok(Context {
+                keys: view.keys.to_dtype(DType::F32)?,
+                values: view.values.to_dtype(DType::F32)?,
+                mask,
+                permuted,
+            })
+        })
+    }
+
+    /// Final normed hidden states `[n, dim]` for `tokens` appended to one live
+    /// sequence held in per-layer caches (`caches[l]` for layer `l`, e.g. the
+    /// ones a `kvcache_mlx::trie::PrefixCache` session hands out). The tokens
+    /// take positions `offset..offset + n`, `offset` being what the caches hold.
+    pub fn hidden_layers<L>(&self, tokens: &[u32], caches: &mut [L]) -> Result<Tensor>
+    where
+        L: LayerCache<Array = Tensor>,
+    {
+        let c = &self.config;
+        if caches.len() != c.n_layers {
+            return Err(DemoError::InvalidArgument(format!(
+                "{} layer caches for {} layers",
+                caches.len(),
+                c.n_layers
+            )));
+        }
+        let n = tokens.len();
+        let offset = caches[0].offset();
+        if caches.iter().any(|l| l.offset() != offset) {
+            return Err(DemoError::InvalidArgument(
+                "layer caches hold different offsets".into(),
+            ));
+        }
+        let positions: Vec<Pos> = (offset..offset + n).map(|p| p as Pos).collect();
+        let total = offset + n;
+        let mut mask = vec![0f32; n * total];
+        for i in 0..n {
+            mask[i * total + offset + i + 1..(i + 1) * total].fill(f32::NEG_INFINITY);
+        }
+        let mask = Tensor::from_vec(mask, (n, total), &self.device)?;
+        self.run(tokens, &positions, &mut |layer, k, v| {
+            // [n, kv_heads, head_dim] -> [1, kv_heads, n, head_dim]
+            let k = k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
+            let v = v.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
+            let (keys, values) = caches[layer].update(&k, &v)?;
+            // [1, kv_heads, total, head_dim] -> [total, kv_heads, head_dim]
+            Ok(Context {
+                keys: keys.squeeze(0)?.transpose(0, 1)?,
+                values: values.squeeze(0)?.transpose(0, 1)?,
+                mask: mask.clone(),
+                permuted: false,
+            })
+        })
+    }
+
+    /// Logits `[n, vocab_size]` from final hidden states `[n, dim]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.output.forward(hidden)
+    }
+
+    /// The shared layer loop. `context(layer, keys, values)` receives this pass's
+    /// roped keys and values `[n, kv_heads, head_dim]` and returns what to attend over.
+    fn run(
+        &self,
+        tokens: &[u32],
+        positions: &[Pos],
+        context: &mut dyn FnMut(usize, &Tensor, &Tensor) -> Result<Context>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let n = tokens.len();
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(DemoError::InvalidArgument(format!(
+                "token {t} outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let ids = Tensor::from_slice(tokens, n, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let tables = self.rope.tables(positions, &self.device)?;
+        for (l, block) in self.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &block.attn_norm, c.rms_eps)?;
+            let q = block.wq.forward(&h)?.reshape((n, c.n_heads, c.head_dim))?;
+            let k = block.wk.forward(&h)?.reshape((n, c.n_kv_heads, c.head_dim))?;
+            let v = block.wv.forward(&h)?.reshape((n, c.n_kv_heads, c.head_dim))?;
+            let q = self.rope.apply_tables(&q, &tables)?;
+            let k = self.rope.apply_tables(&k, &tables)?;
+            let ctx = context(l, &k, &v.contiguous()?)?;
+            let attn = self.attention(&q, &ctx)?;
+            x = (x + block.wo.forward(&attn)?)?;
+            let h = rms_norm(&x, &block.ffn_norm, c.rms_eps)?;
+            let g = block.gate.forward(&h)?.silu()?;
+            let u = block.up.forward(&h)?;
+            x = (x + block.down.forward(&(g * u)?)?)?;
+        }
+        rms_norm(&x, &self.norm, c.rms_eps)
+    }
+
+    /// `q: [n, n_heads, head_dim]` attending over `cells` keys/values under the
+    /// mask `[n, cells]`; returns `[n, n_heads * head_dim]`.
+    fn attention(&self, q: &Tensor, ctx: &Context) -> Result<Tensor> {
+        let c = &self.config;
+        let (n, h, hd) = q.dims3()?;
+        let (kvh, g) = (c.n_kv_heads, c.group_size());
+        let cells = ctx.keys.dim(0)?;
+        // Query head j * g + i uses key/value head j.
+        let q = q
+            .reshape((n, kvh, g, hd))?
+            .permute((1, 2, 0, 3))?
+            .reshape((kvh, g * n, hd))?;
+        let kt = ctx.keys.permute((1, 2, 0))?.contiguous()?; // [kvh, hd, cells]
+        let scores = (q.matmul(&kt)? * (1.0 / (hd as f64).sqrt()))?;
+        let scores = scores.reshape((kvh, g, n, cells))?.broadcast_add(&ctx.mask)?;
+        let probs = softmax_last(&scores)?.reshape((kvh, g * n, cells))?;
+        let v = if ctx.permuted {
+            ctx.values.transpose(1, 2)? // [kvh, hd, cells] -> [kvh, cells, hd]
+        } else {
+            ctx.values.transpose(0, 1)? // [cells, kvh, hd] -> [kvh, cells, hd]
+        }
+        .contiguous()?;
+        let out = probs.matmul(&v)?; // [kvh, g * n, hd]
+        Ok(out
+            .reshape((kvh, g, n, hd))?
+            .permute((2, 0, 1, 3))?
+            .reshape((n, h * hd))?)
+    }
+}
+
+/// `x * w / sqrt(mean(x^2) + eps)` over the last dimension.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
+}
+
+/// Softmax over the last dimension; rows need at least one finite entry.
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// A small deterministic generator for test weights.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`.
+    fn next_sym(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
