@@ -8,6 +8,7 @@ use kvcache_mlx::layers::{KvCache, KvSnapshot, RecurrentCache, RotatingKvCache, 
 use layers_common::{data_range, error_of, ids_of, overlaps, Foreign, Ids, Shape, SMALL};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
+use proptest::prelude::*;
 
 fn write(cache: &mut KvCache, ids: &[u32]) -> Vec<u32> {
     let (k, v) = SMALL.kv(ids);
@@ -419,4 +420,111 @@ fn restore_over_a_rewound_cache_writes_in_place() {
     // instead of copying them whole before writing the snapshot in.
     assert_eq!(before, after);
     assert_eq!(live(&cache), a);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write(usize),
+    Rewind(usize),
+    Snapshot(usize),
+    Restore(usize, usize),
+    SplitMerge(usize, usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (1usize..12).prop_map(Op::Write),
+        1 => (0usize..40).prop_map(Op::Rewind),
+        2 => (0usize..40).prop_map(Op::Snapshot),
+        2 => (0usize..8, 0usize..6).prop_map(|(i, back)| Op::Restore(i, back)),
+        1 => (0usize..8, 0usize..20).prop_map(|(i, at)| Op::SplitMerge(i, at)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Any sequence of writes, rewinds, snapshots, restores, splits and merges
+    /// leaves the live cache holding what a plain list of token ids says.
+    #[test]
+    fn matches_a_plain_list(
+        step in 1usize..9,
+        wide in any::<bool>(),
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        // Rows of 16 and 8 bytes (u64 copies) or of 12 and 8 bytes.
+        let shape = if wide { Shape { b: 1, h: 3, dk: 4, dv: 2 } } else { SMALL };
+        let mut cache = KvCache::with_step(step).unwrap();
+        let mut ids = Ids::default();
+        let mut model: Vec<u32> = Vec::new();
+        // Snapshots with the ids of their range.
+        let mut snaps: Vec<(BoxedSnapshot, Vec<u32>)> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Write(n) => {
+                    let new = ids.next(n);
+                    let (k, v) = shape.kv(&new);
+                    let (k, v) = cache.update(&k, &v).unwrap();
+                    model.extend(&new);
+                    prop_assert_eq!(ids_of(&k, &v), model.clone());
+                }
+                Op::Rewind(t) => {
+                    let ok = cache.restore(None, t).unwrap();
+                    prop_assert_eq!(ok, t <= model.len());
+                    model.truncate(t);
+                }
+                Op::Snapshot(from) => match cache.snapshot(from).unwrap() {
+                    Some(s) => {
+                        prop_assert_eq!(s.range(), from..model.len());
+                        prop_assert_eq!(s.size_bytes(), shape.bytes(model.len() - from));
+                        prop_assert_eq!(snap_ids(&s), model[from..].to_vec());
+                        snaps.push((s, model[from..].to_vec()));
+                    }
+                    None => prop_assert!(from >= model.len()),
+                },
+                Op::Restore(i, back) => {
+                    if snaps.is_empty() {
+                        continue;
+                    }
+                    let (s, snap_model) = &snaps[i % snaps.len()];
+                    let range = s.range();
+                    let target = range.end.saturating_sub(back);
+                    let ok = cache.restore(Some(&**s), target).unwrap();
+                    prop_assert_eq!(ok, model.len() >= range.start);
+                    if ok {
+                        model.truncate(range.start.min(target));
+                        if target > range.start {
+                            model.extend(&snap_model[..target - range.start]);
+                        }
+                    }
+                }
+                Op::SplitMerge(i, at) => {
+                    if snaps.is_empty() {
+                        continue;
+                    }
+                    let (s, snap_model) = snaps.swap_remove(i % snaps.len());
+                    let range = s.range();
+                    let at = range.start + at;
+                    let (p, c) = cache.split(s, at).unwrap();
+                    if at > range.start && at < range.end {
+                        let (p, c) = (p.unwrap(), c.unwrap());
+                        let k = at - range.start;
+                        prop_assert_eq!(snap_ids(&p), snap_model[..k].to_vec());
+                        prop_assert_eq!(snap_ids(&c), snap_model[k..].to_vec());
+                        let merged = cache.merge(Some(p), Some(c)).unwrap().unwrap();
+                        prop_assert_eq!(merged.range(), range);
+                        prop_assert_eq!(snap_ids(&merged), snap_model.clone());
+                        snaps.push((merged, snap_model));
+                    } else {
+                        let whole = p.or(c).unwrap();
+                        prop_assert_eq!(whole.range(), range);
+                        snaps.push((whole, snap_model));
+                    }
+                }
+            }
+            prop_assert_eq!(cache.offset(), model.len());
+            prop_assert_eq!(live(&cache), model.clone());
+            prop_assert!(cache.capacity() % step == 0 && cache.capacity() >= model.len());
+        }
+    }
 }
