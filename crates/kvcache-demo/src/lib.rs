@@ -8,7 +8,7 @@
 //! - [`chat`]: multi-conversation chat with prefix-trie, single-entry or no reuse.
 //! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
 //! - [`trace`]: the E1 chat trace.
-//! - [`bench`]: benchmark E2 (batched vs sequential decode).
+//! - [`mod@bench`]: benchmarks E1 (chat reuse) and E2 (batched vs sequential decode).
 //! - [`check`]: runs cache schedules and compares with full recompute.
 //! - [`paths`]: where the model and fixtures live.
 #![deny(missing_docs)]

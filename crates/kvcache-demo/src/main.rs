@@ -30,7 +30,7 @@ USAGE: kvcache-demo [FLAGS]
   --backend NAME        causal (kvcache-causal on candle) | mlx (default causal)
   --device NAME         cpu | cuda | metal (default cpu)
   --weights KIND        f32 (dequantized, default) | q (keep GGUF quantization)
-  --window N            sliding window of the windowed run (default 16)
+  --window N            sliding window of the windowed run (default 48)
   --context N           context of the context-shift run (default 64)
   --turns N             turns per conversation in the prefix-trie chat (default 3)
   --skip NAMES          comma-separated parts to skip: chat,batching,window,shift
@@ -80,7 +80,7 @@ fn parse_args() -> Result<Option<Args>> {
         backend: "causal".into(),
         device: "cpu".into(),
         weights: WeightMode::F32,
-        window: 16,
+        window: 48,
         context: 64,
         turns: 3,
         skip: Vec::new(),
@@ -387,9 +387,9 @@ fn window_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<
     );
     let cfg = CausalConfig::new(n, 4096, 128).with_window(SlidingWindow::new(args.window));
     println!(
-        "  cache of {} cells for {n} sequences (memory {:?} positions each)",
+        "  cache of {} cells for {n} sequences (each keeps its last {} positions)",
         cfg.num_cells(),
-        cfg.effective_memory()
+        cfg.effective_memory().unwrap_or(cfg.capacity)
     );
     let cache = causal_cache(model, cfg)?;
     let mut engine = Engine::new(

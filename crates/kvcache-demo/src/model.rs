@@ -42,7 +42,8 @@ pub struct BatchToken {
     pub token: u32,
 }
 
-/// A weight matrix `[out, in]` applied as `x @ W^T`.
+/// A weight matrix `[out, in]` applied as `x @ W^T` (dense: the transposed view
+/// goes to the matmul as is; storing `W^T` contiguous measured no better).
 #[derive(Debug, Clone)]
 enum Linear {
     Dense(Tensor),
@@ -52,9 +53,14 @@ enum Linear {
 impl Linear {
     fn new(q: QTensor, mode: WeightMode, device: &Device) -> Result<Self> {
         Ok(match mode {
-            WeightMode::F32 => Linear::Dense(q.dequantize(device)?),
+            WeightMode::F32 => Linear::dense(&q.dequantize(device)?)?,
             WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(q)?),
         })
+    }
+
+    /// From `w: [out, in]`.
+    fn dense(w: &Tensor) -> Result<Self> {
+        Ok(Linear::Dense(w.clone()))
     }
 
     /// `x: [n, in]` to `[n, out]`.
@@ -312,7 +318,7 @@ impl Llama {
         } else {
             // Tied embeddings.
             match mode {
-                WeightMode::F32 => Linear::Dense(embed.clone()),
+                WeightMode::F32 => Linear::dense(&embed)?,
                 WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(embed_q)?),
             }
         };
@@ -351,18 +357,18 @@ impl Llama {
                 attn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
                 // Larger query/key weights make attention weights far from uniform,
                 // so a wrong mask or position shows in the logits.
-                wq: Linear::Dense(mat(qd, dim, 2.0 * a(dim), 0.0)?),
-                wk: Linear::Dense(mat(kv, dim, 2.0 * a(dim), 0.0)?),
-                wv: Linear::Dense(mat(kv, dim, a(dim), 0.0)?),
-                wo: Linear::Dense(mat(dim, qd, a(qd), 0.0)?),
+                wq: Linear::dense(&mat(qd, dim, 2.0 * a(dim), 0.0)?)?,
+                wk: Linear::dense(&mat(kv, dim, 2.0 * a(dim), 0.0)?)?,
+                wv: Linear::dense(&mat(kv, dim, a(dim), 0.0)?)?,
+                wo: Linear::dense(&mat(dim, qd, a(qd), 0.0)?)?,
                 ffn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
-                gate: Linear::Dense(mat(ffn, dim, a(dim), 0.0)?),
-                up: Linear::Dense(mat(ffn, dim, a(dim), 0.0)?),
-                down: Linear::Dense(mat(dim, ffn, a(ffn), 0.0)?),
+                gate: Linear::dense(&mat(ffn, dim, a(dim), 0.0)?)?,
+                up: Linear::dense(&mat(ffn, dim, a(dim), 0.0)?)?,
+                down: Linear::dense(&mat(dim, ffn, a(ffn), 0.0)?)?,
             });
         }
         let norm = mat(1, dim, 0.2, 1.0)?.squeeze(0)?;
-        let output = Linear::Dense(mat(config.vocab_size, dim, a(dim), 0.0)?);
+        let output = Linear::dense(&mat(config.vocab_size, dim, a(dim), 0.0)?)?;
         let rope = Rope::new(config.head_dim, config.rope_base);
         Ok(Llama {
             output,
