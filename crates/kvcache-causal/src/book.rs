@@ -82,16 +82,26 @@ pub(crate) struct RemovePlan {
     /// Chunks of at most `max_batch` consecutive cells, each starting and ending at
     /// a shifted cell.
     pub chunks: Vec<ShiftChunk>,
+    /// The position delta of every cell of every chunk, chunk after chunk.
+    pub offsets: Vec<Pos>,
 }
 
-/// Cells `first..first + offsets.len()` whose keys move by `offsets[i]` positions
-/// (0 for cells in between that belong to other sequences).
+impl RemovePlan {
+    /// The position delta of each cell of `chunk` (0 for cells in between that
+    /// belong to other sequences).
+    pub(crate) fn offsets(&self, chunk: &ShiftChunk) -> &[Pos] {
+        &self.offsets[chunk.offsets.clone()]
+    }
+}
+
+/// Cells `first..first + offsets.len()` whose keys move; `offsets` indexes the
+/// plan's deltas.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ShiftChunk {
     /// First cell of the chunk.
     pub first: usize,
-    /// Position delta of each cell.
-    pub offsets: Vec<Pos>,
+    /// Where the chunk's deltas are in [`RemovePlan::offsets`].
+    pub offsets: Range<usize>,
 }
 
 /// Cells, configuration and the current pass of one cache.
@@ -383,6 +393,7 @@ impl Book {
             start: range.start,
             end: range.end,
             chunks: Vec::new(),
+            offsets: Vec::new(),
         };
         let delta = range.shift();
         let Some(end) = range.end.filter(|_| delta != 0) else {
@@ -411,7 +422,7 @@ impl Book {
             )));
         }
         spans.sort_unstable();
-        plan.chunks = chunk_shifts(&spans, self.config.max_batch, delta);
+        (plan.chunks, plan.offsets) = chunk_shifts(&spans, self.config.max_batch, delta);
         Ok(plan)
     }
 
@@ -533,8 +544,10 @@ impl Book {
 /// Splits the shifted cells (`spans`, sorted disjoint `start..end` cell ranges) into
 /// chunks of at most `max_batch` cells, each starting and ending at a shifted cell,
 /// so stretches of unshifted cells are skipped.
-fn chunk_shifts(spans: &[(usize, usize)], max_batch: usize, delta: Pos) -> Vec<ShiftChunk> {
+fn chunk_shifts(spans: &[(usize, usize)], max_batch: usize, delta: Pos) -> (Vec<ShiftChunk>, Vec<Pos>) {
     let mut chunks: Vec<ShiftChunk> = Vec::new();
+    let (first, last) = (spans[0].0, spans[spans.len() - 1].1);
+    let mut offsets: Vec<Pos> = Vec::with_capacity(last - first);
     for &(start, end) in spans {
         let mut at = start;
         while at < end {
@@ -542,17 +555,20 @@ fn chunk_shifts(spans: &[(usize, usize)], max_batch: usize, delta: Pos) -> Vec<S
             if !fits {
                 chunks.push(ShiftChunk {
                     first: at,
-                    offsets: Vec::new(),
+                    offsets: offsets.len()..offsets.len(),
                 });
             }
             let chunk = chunks.last_mut().expect("pushed above");
             let stop = end.min(chunk.first + max_batch);
-            chunk.offsets.resize(at - chunk.first, 0);
-            chunk.offsets.resize(stop - chunk.first, delta);
+            // Zeros for the unshifted cells since the chunk's last shifted cell.
+            let base = chunk.offsets.start;
+            offsets.resize(base + (at - chunk.first), 0);
+            offsets.resize(base + (stop - chunk.first), delta);
+            chunk.offsets.end = offsets.len();
             at = stop;
         }
     }
-    chunks
+    (chunks, offsets)
 }
 
 #[cfg(test)]
@@ -683,43 +699,24 @@ mod tests {
         assert_eq!(book.pass().range(), 0..3);
     }
 
+    /// Each chunk as (first cell, deltas).
+    fn chunked(spans: &[(usize, usize)], max_batch: usize, delta: Pos) -> Vec<(usize, Vec<Pos>)> {
+        let (chunks, offsets) = chunk_shifts(spans, max_batch, delta);
+        chunks
+            .iter()
+            .map(|c| (c.first, offsets[c.offsets.clone()].to_vec()))
+            .collect()
+    }
+
     #[test]
     fn shift_chunks_skip_unshifted_stretches() {
-        let chunks = chunk_shifts(&[(2, 5), (6, 7), (20, 23)], 4, -1);
         assert_eq!(
-            chunks,
-            vec![
-                ShiftChunk {
-                    first: 2,
-                    offsets: vec![-1; 3]
-                },
-                ShiftChunk {
-                    first: 6,
-                    offsets: vec![-1]
-                },
-                ShiftChunk {
-                    first: 20,
-                    offsets: vec![-1; 3]
-                },
-            ]
+            chunked(&[(2, 5), (6, 7), (20, 23)], 4, -1),
+            vec![(2, vec![-1; 3]), (6, vec![-1]), (20, vec![-1; 3])]
         );
-        let chunks = chunk_shifts(&[(0, 2), (3, 9)], 4, -2);
         assert_eq!(
-            chunks,
-            vec![
-                ShiftChunk {
-                    first: 0,
-                    offsets: vec![-2, -2, 0, -2]
-                },
-                ShiftChunk {
-                    first: 4,
-                    offsets: vec![-2; 4]
-                },
-                ShiftChunk {
-                    first: 8,
-                    offsets: vec![-2]
-                },
-            ]
+            chunked(&[(0, 2), (3, 9)], 4, -2),
+            vec![(0, vec![-2, -2, 0, -2]), (4, vec![-2; 4]), (8, vec![-2])]
         );
     }
 
@@ -752,12 +749,10 @@ mod tests {
             Err(CacheError::InvalidArgument(_))
         ));
         let plan = book.prepare_remove(0, PosRange::from(2..3), true).unwrap();
+        assert_eq!(plan.chunks.len(), 1);
         assert_eq!(
-            plan.chunks,
-            vec![ShiftChunk {
-                first: 3,
-                offsets: vec![-1]
-            }]
+            (plan.chunks[0].first, plan.offsets(&plan.chunks[0])),
+            (3, &[-1][..])
         );
         book.commit_remove(&plan);
         book.check();

@@ -60,7 +60,9 @@ pub struct CausalKvCache {
     storage: Storage,
     shift: Option<SharedKeyShift>,
     layer: usize,
-    /// The pass's mask `[batch_padded, range]`; `None` between passes.
+    /// The pass's mask `[batch_padded, range]`. After a metadata change ends the
+    /// pass it lingers, unreachable, until the next pass replaces it, so that a
+    /// removal never pays for freeing a large buffer.
     mask: Option<Tensor>,
 }
 
@@ -141,8 +143,11 @@ impl CausalKvCache {
     /// the last cell).
     pub fn cell(&self, cell: usize) -> Option<CellInfo> {
         let cells = self.book.cells();
-        (cell < cells.len() && cells.occupancy().is_used(cell)).then(|| CellInfo {
-            pos: cells.pos(cell),
+        if cell >= cells.len() {
+            return None;
+        }
+        Some(CellInfo {
+            pos: cells.position_of(cell)?,
             sequences: cells.sequences(cell).collect(),
         })
     }
@@ -250,14 +255,13 @@ impl CausalKvCache {
                 "layer {layer}: values have {v_cells} cells"
             );
         }
-        match (&self.mask, self.book.pass().mode()) {
-            (Some(mask), Some(_)) => assert_eq!(
+        if self.book.pass().mode().is_some() {
+            let mask = self.mask.as_ref().expect("a pass in progress has a mask");
+            assert_eq!(
                 mask.dims(),
                 &[self.book.mask_rows(), self.book.pass().range().len()],
                 "mask shape disagrees with the pass"
-            ),
-            (None, None) => {}
-            (mask, mode) => panic!("mask present: {}, pass mode: {mode:?}", mask.is_some()),
+            );
         }
     }
 
@@ -333,7 +337,7 @@ impl CausalKvCache {
                 let view = self
                     .storage
                     .key_view(store, chunk.first..chunk.first + chunk.offsets.len())?;
-                let keys = shift.shift(layer, &view, &chunk.offsets)?;
+                let keys = shift.shift(layer, &view, plan.offsets(chunk))?;
                 if keys.id() == view.id() {
                     continue; // returned unchanged: nothing to write
                 }
@@ -369,7 +373,6 @@ impl CausalKvCache {
 
     pub(crate) fn commit_remove(&mut self, prepared: PreparedRemove) -> Result<()> {
         self.book.commit_remove(&prepared.plan);
-        self.mask = None;
         for s in &prepared.shifted {
             self.storage.write_keys(s.layer, s.first, &s.keys)?;
         }
@@ -382,7 +385,6 @@ impl CausalKvCache {
 
     pub(crate) fn commit_copy_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) {
         self.book.commit_copy_prefix(src, dst, len);
-        self.mask = None;
     }
 
     pub(crate) fn shared_shift(&self) -> Option<&SharedKeyShift> {

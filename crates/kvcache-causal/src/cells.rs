@@ -12,14 +12,13 @@ use crate::placement::Move;
 use crate::seq_index::{Run, SeqIndex};
 use crate::seq_set::SeqSets;
 
-/// Position recorded for a free cell.
-pub(crate) const FREE_POS: Pos = -1;
-
 /// All cell metadata of one cache.
+///
+/// A cell's position is not stored per cell: it lives in the index of every
+/// sequence holding the cell (they agree, which [`Cells::check`] verifies), so
+/// shifting a sequence's positions costs a step per run, not per cell.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Cells {
-    /// Position of the token each cell holds ([`FREE_POS`] when free).
-    pos: Vec<Pos>,
     /// Sequences holding each cell.
     seqs: SeqSets,
     /// Used/free bitset.
@@ -29,11 +28,14 @@ pub(crate) struct Cells {
 }
 
 /// Frees `seq`'s hold on each cell of `run`; cells nobody else holds become free.
-fn release(pos: &mut [Pos], seqs: &mut SeqSets, occupancy: &mut Occupancy, seq: SeqId, run: Run) {
-    for cell in run.cells() {
-        if seqs.remove(cell, seq) == 0 {
+fn release(seqs: &mut SeqSets, occupancy: &mut Occupancy, seq: SeqId, run: Run) {
+    let cells = run.cells();
+    let emptied = seqs.remove_run(cells.clone(), seq);
+    if emptied == cells.len() {
+        occupancy.mark_free_range(cells);
+    } else if emptied > 0 {
+        for cell in cells.filter(|&c| seqs.count(c) == 0) {
             occupancy.mark_free(cell);
-            pos[cell] = FREE_POS;
         }
     }
 }
@@ -42,7 +44,6 @@ impl Cells {
     /// `cells` free cells for sequences `0..max_sequences`.
     pub(crate) fn new(cells: usize, max_sequences: usize) -> Self {
         Cells {
-            pos: vec![FREE_POS; cells],
             seqs: SeqSets::new(cells, max_sequences),
             occupancy: Occupancy::new(cells),
             index: vec![SeqIndex::default(); max_sequences],
@@ -51,7 +52,7 @@ impl Cells {
 
     /// Number of cells.
     pub(crate) fn len(&self) -> usize {
-        self.pos.len()
+        self.occupancy.cells()
     }
 
     /// Number of sequence ids.
@@ -69,9 +70,16 @@ impl Cells {
         &mut self.occupancy
     }
 
-    /// Position held by `cell` ([`FREE_POS`] when free).
-    pub(crate) fn pos(&self, cell: usize) -> Pos {
-        self.pos[cell]
+    /// Position held by `cell`, `None` when free. Searches the index of one holder
+    /// (a step per run): meant for inspection, not for hot paths.
+    pub(crate) fn position_of(&self, cell: usize) -> Option<Pos> {
+        let holder = self.seqs.iter(cell).next()?;
+        let cell = cell as u32;
+        self.index[holder]
+            .runs()
+            .iter()
+            .find(|r| r.cell <= cell && cell < r.end_cell())
+            .map(|r| r.pos + (cell - r.cell) as Pos)
     }
 
     /// Sequences holding `cell`.
@@ -100,7 +108,6 @@ impl Cells {
             !self.occupancy.is_used(cell),
             "placing sequence {seq} in used cell {cell}"
         );
-        self.pos[cell] = pos;
         self.seqs.insert(cell, seq);
         self.occupancy.mark_used(cell);
         self.index[seq].insert(pos, cell as u32);
@@ -109,12 +116,11 @@ impl Cells {
     /// Drops `seq`'s positions below `lo`.
     pub(crate) fn drop_below(&mut self, seq: SeqId, lo: Pos) {
         let Cells {
-            pos,
             seqs,
             occupancy,
             index,
         } = self;
-        index[seq].drop_below(lo, |run| release(pos, seqs, occupancy, seq, run));
+        index[seq].drop_below(lo, |run| release(seqs, occupancy, seq, run));
     }
 
     /// Drops `seq`'s positions `start..end` (to the end when `end` is `None`) and
@@ -122,31 +128,21 @@ impl Cells {
     /// no moved cell is shared.
     pub(crate) fn remove(&mut self, seq: SeqId, start: Pos, end: Option<Pos>) {
         let Cells {
-            pos,
             seqs,
             occupancy,
             index,
         } = self;
-        index[seq].remove(start, end, |run| release(pos, seqs, occupancy, seq, run));
-        if let Some(end) = end.filter(|&e| e != start) {
-            let delta = start - end;
-            for run in index[seq].visible(start, Pos::MAX) {
-                for p in &mut pos[run.cells()] {
-                    *p += delta;
-                }
-            }
-        }
+        index[seq].remove(start, end, |run| release(seqs, occupancy, seq, run));
     }
 
     /// Drops every position of `seq`.
     pub(crate) fn clear(&mut self, seq: SeqId) {
         let Cells {
-            pos,
             seqs,
             occupancy,
             index,
         } = self;
-        index[seq].clear(|run| release(pos, seqs, occupancy, seq, run));
+        index[seq].clear(|run| release(seqs, occupancy, seq, run));
     }
 
     /// Makes empty sequence `dst` hold `src`'s positions below `len`, in the same cells.
@@ -157,9 +153,7 @@ impl Cells {
         );
         let prefix = self.index[src].prefix(len);
         for run in prefix.runs() {
-            for cell in run.cells() {
-                self.seqs.insert(cell, dst);
-            }
+            self.seqs.insert_run(run.cells(), dst);
         }
         self.index[dst] = prefix;
     }
@@ -169,12 +163,10 @@ impl Cells {
     /// or not, so each index run can find its new cells.
     pub(crate) fn compact(&mut self, moves: &[Move], used_runs: &[Move]) {
         for m in moves {
-            let (src, dst, len) = (m.src as usize, m.dst as usize, m.len as usize);
-            self.pos.copy_within(src..src + len, dst);
-            self.seqs.copy_within(src, dst, len);
+            self.seqs
+                .copy_within(m.src as usize, m.dst as usize, m.len as usize);
         }
         let used = self.occupancy.used();
-        self.pos[used..].fill(FREE_POS);
         self.seqs.clear_from(used);
         self.occupancy.set_prefix_used(used);
         for index in &mut self.index {
@@ -189,8 +181,7 @@ impl Cells {
 
     /// Bytes of heap memory held by the metadata.
     pub(crate) fn capacity_bytes(&self) -> usize {
-        self.pos.capacity() * std::mem::size_of::<Pos>()
-            + self.seqs.capacity_bytes()
+        self.seqs.capacity_bytes()
             + self.occupancy.capacity_bytes()
             + self.index.capacity() * std::mem::size_of::<SeqIndex>()
             + self.index.iter().map(SeqIndex::capacity_bytes).sum::<usize>()
@@ -201,6 +192,7 @@ impl Cells {
         self.occupancy.check();
         let cells = self.len();
         let mut holders = vec![0usize; cells];
+        let mut position: Vec<Option<Pos>> = vec![None; cells];
         for (seq, index) in self.index.iter().enumerate() {
             index.check(seq);
             for run in index.runs() {
@@ -214,10 +206,10 @@ impl Cells {
                         self.seqs.contains(cell, seq),
                         "sequence {seq} indexes position {p} in cell {cell}, whose set lacks it"
                     );
+                    let recorded = *position[cell].get_or_insert(p);
                     assert_eq!(
-                        self.pos[cell], p,
-                        "sequence {seq} indexes position {p} in cell {cell}, which records {}",
-                        self.pos[cell]
+                        recorded, p,
+                        "cell {cell}: sequence {seq} says position {p}, another holder says {recorded}"
                     );
                     holders[cell] += 1;
                 }
@@ -241,13 +233,6 @@ impl Cells {
                 members > 0,
                 "cell {cell}: used bit disagrees with its {members} sequences"
             );
-            if members == 0 {
-                assert_eq!(
-                    self.pos[cell], FREE_POS,
-                    "free cell {cell} records position {}",
-                    self.pos[cell]
-                );
-            }
         }
     }
 }
@@ -270,11 +255,11 @@ mod tests {
         c.check();
         // Cell 1 stays for sequence 1; sequence 0's positions 2, 3 became 1, 2.
         assert_eq!(c.sequences(1).collect::<Vec<_>>(), vec![1]);
-        assert_eq!((c.pos(2), c.pos(3)), (1, 2));
+        assert_eq!((c.position_of(2), c.position_of(3)), (Some(1), Some(2)));
         c.drop_below(0, 2);
         c.check();
         assert_eq!(c.occupancy().used(), 3);
-        assert_eq!(c.pos(2), FREE_POS);
+        assert_eq!(c.position_of(2), None);
         c.clear(1);
         c.check();
         assert_eq!(c.occupancy().used(), 1);

@@ -33,6 +33,11 @@ impl Occupancy {
         }
     }
 
+    /// Number of cells.
+    pub(crate) fn cells(&self) -> usize {
+        self.cells
+    }
+
     /// Cells in use.
     pub(crate) fn used(&self) -> usize {
         self.used
@@ -61,6 +66,27 @@ impl Occupancy {
         self.words[cell / 64] &= !(1 << (cell % 64));
         self.used -= 1;
         self.first_open_word = self.first_open_word.min(cell / 64);
+    }
+
+    /// Marks every cell of `cells` (all used) free.
+    pub(crate) fn mark_free_range(&mut self, cells: Range<usize>) {
+        if cells.is_empty() {
+            return;
+        }
+        debug_assert_eq!(self.free_in(cells.clone()), 0, "freeing free cells in {cells:?}");
+        let (first, last) = (cells.start / 64, (cells.end - 1) / 64);
+        for w in first..=last {
+            let mut bits = !0u64;
+            if w == first {
+                bits &= !0u64 << (cells.start % 64);
+            }
+            if w == last && cells.end % 64 != 0 {
+                bits &= (1u64 << (cells.end % 64)) - 1;
+            }
+            self.words[w] &= !bits;
+        }
+        self.used -= cells.len();
+        self.first_open_word = self.first_open_word.min(first);
     }
 
     /// Makes cells `0..count` used and the rest free (the layout after compaction).
@@ -262,6 +288,10 @@ mod tests {
         let mut out = vec![];
         assert!(o.first_free(1, &mut out));
         assert_eq!(out, vec![3]);
+        o.mark_free_range(60..128);
+        o.check();
+        assert_eq!(o.used(), 60 - 1);
+        assert_eq!(o.used_runs().collect::<Vec<_>>(), vec![0..3, 4..60]);
         o.set_prefix_used(70);
         o.check();
         assert_eq!(o.used(), 70);

@@ -3,6 +3,8 @@
 //! All cells' sets live in one flat `Vec<u64>`, `words = ceil(max_sequences / 64)`
 //! words per cell, so a membership test is one load and a mask, never a search.
 
+use std::ops::Range;
+
 use kvcache_api::SeqId;
 
 /// The sequence set of every cell, stored as consecutive fixed-width bitsets.
@@ -52,6 +54,42 @@ impl SeqSets {
             self.shared -= 1;
         }
         count
+    }
+
+    /// Adds `seq` (not yet a member) to every cell of `cells`.
+    pub(crate) fn insert_run(&mut self, cells: Range<usize>, seq: SeqId) {
+        if self.words != 1 {
+            cells.for_each(|cell| {
+                self.insert(cell, seq);
+            });
+            return;
+        }
+        // One word per cell: a cell becomes shared when it had exactly one member.
+        let bit = 1u64 << seq;
+        let mut newly_shared = 0;
+        for word in &mut self.bits[cells] {
+            newly_shared += word.is_power_of_two() as usize;
+            *word |= bit;
+        }
+        self.shared += newly_shared;
+    }
+
+    /// Removes `seq` (a member) from every cell of `cells`; returns how many cells
+    /// became empty.
+    pub(crate) fn remove_run(&mut self, cells: Range<usize>, seq: SeqId) -> usize {
+        if self.words != 1 {
+            return cells.filter(|&cell| self.remove(cell, seq) == 0).count();
+        }
+        // One word per cell: a cell stops being shared when one member is left.
+        let keep = !(1u64 << seq);
+        let (mut emptied, mut unshared) = (0, 0);
+        for word in &mut self.bits[cells] {
+            *word &= keep;
+            emptied += (*word == 0) as usize;
+            unshared += word.is_power_of_two() as usize;
+        }
+        self.shared -= unshared;
+        emptied
     }
 
     /// Number of cells held by two or more sequences.
@@ -114,6 +152,18 @@ mod tests {
         assert_eq!(s.shared(), 1);
         assert!(s.contains(2, 5) && !s.contains(1, 5));
         assert_eq!(s.remove(1, 64), 2);
+        let mut one = SeqSets::new(6, 3);
+        one.insert_run(0..4, 0);
+        one.insert_run(2..6, 1);
+        assert_eq!(one.shared(), 2);
+        assert_eq!(one.remove_run(0..4, 0), 2);
+        assert_eq!(one.shared(), 0);
+        let mut wide = SeqSets::new(4, 100);
+        wide.insert_run(0..4, 99);
+        wide.insert_run(1..3, 5);
+        assert_eq!(wide.shared(), 2);
+        assert_eq!(wide.remove_run(0..4, 99), 2);
+        assert_eq!((wide.shared(), wide.count(1), wide.count(0)), (0, 1, 0));
         assert_eq!(s.iter(1).collect::<Vec<_>>(), vec![0, 129]);
         s.copy_within(1, 0, 2);
         assert_eq!(s.iter(0).collect::<Vec<_>>(), vec![0, 129]);

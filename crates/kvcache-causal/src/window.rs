@@ -94,8 +94,8 @@ pub(crate) fn cells_freed(cells: &Cells, keep: &[Pos]) -> usize {
     let mut freed = 0;
     for (seq, &line) in keep.iter().enumerate() {
         for run in cells.index(seq).visible(Pos::MIN, line.saturating_sub(1)) {
-            for cell in run.cells() {
-                let pos = cells.pos(cell);
+            for (k, cell) in run.cells().enumerate() {
+                let pos = run.pos + k as Pos;
                 let mut holders = cells.sequences(cell);
                 // Count each cell once, from its lowest holder.
                 if holders.next() == Some(seq) && holders.all(|other| pos < keep[other]) {
