@@ -6,7 +6,7 @@ use kvcache_api::{BoxedSnapshot, CacheError, Result, Snapshot, SnapshotCache};
 use mlx_rs::Array;
 
 use super::arrays::{compact_copy, shape_of};
-use super::snapshot::{check_consecutive, downcast_box, downcast_ref, RecurrentSnapshot};
+use super::snapshot::{downcast_ref, merge_keep_child, refuse_split, RecurrentSnapshot};
 
 /// The state of a recurrent layer (a convolution window, an SSM state, ...)
 /// after `offset` tokens: one or more arrays `[B, ...]` that the model replaces
@@ -163,14 +163,7 @@ impl SnapshotCache for RecurrentCache {
         parent: Option<BoxedSnapshot>,
         child: Option<BoxedSnapshot>,
     ) -> Result<Option<BoxedSnapshot>> {
-        let (Some(parent), Some(child)) = (parent, child) else {
-            return Ok(None);
-        };
-        let parent = downcast_box::<RecurrentSnapshot>(parent)?;
-        let mut child = downcast_box::<RecurrentSnapshot>(child)?;
-        check_consecutive(&parent.range, &child.range)?;
-        child.range = parent.range.start..child.range.end;
-        Ok(Some(child))
+        merge_keep_child::<RecurrentSnapshot>(parent, child)
     }
 
     fn split(
@@ -178,8 +171,7 @@ impl SnapshotCache for RecurrentCache {
         snapshot: BoxedSnapshot,
         _at: usize,
     ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        let snap = downcast_box::<RecurrentSnapshot>(snapshot)?;
-        Ok((None, Some(snap)))
+        refuse_split::<RecurrentSnapshot>(snapshot)
     }
 
     fn free(&mut self) {

@@ -8,7 +8,7 @@ use mlx_rs::Array;
 use super::arrays::{
     compact_seq_slice, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
 };
-use super::snapshot::{check_consecutive, downcast_box, downcast_ref, RotatingSnapshot};
+use super::snapshot::{downcast_ref, merge_keep_child, refuse_split, RotatingSnapshot};
 use super::DEFAULT_STEP;
 
 /// Keys and values of the last `W` positions of one layer, for sliding-window
@@ -265,14 +265,7 @@ impl SnapshotCache for RotatingKvCache {
         parent: Option<BoxedSnapshot>,
         child: Option<BoxedSnapshot>,
     ) -> Result<Option<BoxedSnapshot>> {
-        let (Some(parent), Some(child)) = (parent, child) else {
-            return Ok(None);
-        };
-        let parent = downcast_box::<RotatingSnapshot>(parent)?;
-        let mut child = downcast_box::<RotatingSnapshot>(child)?;
-        check_consecutive(&parent.range, &child.range)?;
-        child.range = parent.range.start..child.range.end;
-        Ok(Some(child))
+        merge_keep_child::<RotatingSnapshot>(parent, child)
     }
 
     fn split(
@@ -280,8 +273,7 @@ impl SnapshotCache for RotatingKvCache {
         snapshot: BoxedSnapshot,
         _at: usize,
     ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        let snap = downcast_box::<RotatingSnapshot>(snapshot)?;
-        Ok((None, Some(snap)))
+        refuse_split::<RotatingSnapshot>(snapshot)
     }
 
     fn free(&mut self) {

@@ -167,3 +167,46 @@ pub(crate) fn check_consecutive(parent: &Range<usize>, child: &Range<usize>) -> 
     }
     Ok(())
 }
+
+/// A snapshot that holds a cache's whole state at its end (a ring window, a
+/// recurrent state) rather than the tokens of its range: merging keeps the
+/// child, and splitting is refused.
+pub(crate) trait WholeStateSnapshot: Snapshot {
+    /// The range, for merging to widen.
+    fn range_mut(&mut self) -> &mut Range<usize>;
+}
+
+impl WholeStateSnapshot for RotatingSnapshot {
+    fn range_mut(&mut self) -> &mut Range<usize> {
+        &mut self.range
+    }
+}
+
+impl WholeStateSnapshot for RecurrentSnapshot {
+    fn range_mut(&mut self) -> &mut Range<usize> {
+        &mut self.range
+    }
+}
+
+/// `SnapshotCache::merge` for whole-state snapshots: the child, covering both ranges.
+pub(crate) fn merge_keep_child<S: WholeStateSnapshot>(
+    parent: Option<BoxedSnapshot>,
+    child: Option<BoxedSnapshot>,
+) -> Result<Option<BoxedSnapshot>> {
+    let (Some(parent), Some(child)) = (parent, child) else {
+        return Ok(None);
+    };
+    let parent = downcast_box::<S>(parent)?;
+    let mut child = downcast_box::<S>(child)?;
+    check_consecutive(&parent.range(), &child.range())?;
+    *child.range_mut() = parent.range().start..child.range().end;
+    Ok(Some(child))
+}
+
+/// `SnapshotCache::split` for whole-state snapshots: refused, `(None, Some(snapshot))`.
+pub(crate) fn refuse_split<S: WholeStateSnapshot>(
+    snapshot: BoxedSnapshot,
+) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
+    let snap = downcast_box::<S>(snapshot)?;
+    Ok((None, Some(snap)))
+}
