@@ -1,4 +1,4 @@
-//! P1 (match) and P2 (evict) of shared/spec/BENCHMARKS.md, on fake caches.
+//! P1 (match) and P2 (evict) of docs/BENCHMARKS.md, on fake caches.
 //!
 //! `cargo bench -p kvcache-mlx --bench trie` (add `-- --quick`, or set
 //! `TRIE_BENCH_QUICK=1`, for a smaller run). Plain `std` timing; every figure
