@@ -1,0 +1,20 @@
+//! Every cache type can move to another thread (one owner drives it at a time).
+
+use kvcache_api::SnapshotCache;
+use kvcache_mlx::trie::fake::FakeKv;
+use kvcache_mlx::trie::PrefixCache;
+
+fn assert_send<T: Send>() {}
+
+#[test]
+fn caches_are_send() {
+    assert_send::<PrefixCache<FakeKv>>();
+    assert_send::<PrefixCache<Box<dyn SnapshotCache>>>();
+    #[cfg(any(target_os = "macos", kvcache_mlx))]
+    {
+        assert_send::<kvcache_mlx::layers::KvCache>();
+        assert_send::<kvcache_mlx::layers::RotatingKvCache>();
+        assert_send::<kvcache_mlx::layers::RecurrentCache>();
+        assert_send::<PrefixCache<kvcache_mlx::layers::KvCache>>();
+    }
+}
