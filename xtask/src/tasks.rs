@@ -14,8 +14,11 @@ pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
     if chosen.targets {
         return cargo.run(&chosen.command(&["test", "--no-fail-fast"], args));
     }
-    cargo.run(&chosen.command(&["test", "--no-fail-fast", "--all-targets"], args))?;
-    // `--all-targets` leaves out doc tests.
+    // Every target but the benchmarks, which `cargo test` would run in full
+    // (they have their own harness); clippy still compiles them. Doc tests
+    // need a run of their own.
+    let targets = ["--lib", "--bins", "--tests", "--examples"];
+    cargo.run(&chosen.command(&[&["test", "--no-fail-fast"][..], &targets[..]].concat(), args))?;
     cargo.run(&chosen.command(&["test", "--no-fail-fast", "--doc"], args))
 }
 
@@ -100,7 +103,7 @@ fn strings(words: &[&str]) -> Vec<String> {
 struct Chosen {
     /// `-p`, `--package`, `--workspace`, `--exclude`: leave out our `--workspace`.
     packages: bool,
-    /// `--lib`, `--test NAME`, `--doc`, ...: leave out `--all-targets` and the doc-test run.
+    /// `--lib`, `--test NAME`, `--doc`, ...: leave out our target list and the doc-test run.
     targets: bool,
 }
 
