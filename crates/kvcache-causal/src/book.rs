@@ -12,7 +12,7 @@ use std::ops::Range;
 use kvcache_api::{Batch, CacheError, CausalConfig, ForwardMode, Pos, PosRange, Result, SeqId};
 
 use crate::cells::Cells;
-use crate::mask::{self, MaskValue, Query};
+use crate::mask::{self, Plan, Query};
 use crate::placement::{choose_cells, plan_compaction, Move};
 use crate::window::{self, Attention};
 
@@ -325,26 +325,34 @@ impl Book {
         self.pass.len().div_ceil(self.config.batch_padding) * self.config.batch_padding
     }
 
-    /// The pass's `[mask_rows, range.len()]` mask.
-    pub(crate) fn build_mask<T: MaskValue>(&mut self) -> Vec<T> {
+    /// Entries of the pass's `[mask_rows, range.len()]` mask.
+    #[cfg(test)]
+    pub(crate) fn mask_len(&self) -> usize {
+        self.mask_rows() * self.pass.range.len()
+    }
+
+    /// Plans the pass's `[mask_rows, range.len()]` mask into `plan`.
+    pub(crate) fn plan_mask(&mut self, plan: &mut Plan) {
         let rows = self.mask_rows();
         let pass = &self.pass;
         if pass.mode == Some(ForwardMode::Reserve) {
-            return mask::masked(rows, pass.range.len());
+            plan.reset(rows * pass.range.len());
+            return;
         }
         let queries = (0..pass.len()).map(|i| Query {
             seq: pass.sequences[i],
             pos: pass.positions[i],
             exempt: pass.exempt[i],
         });
-        mask::build(
+        mask::plan(
             &self.cells,
             &self.attention,
             queries,
             rows,
             pass.range.clone(),
             &mut self.scratch.spans,
-        )
+            plan,
+        );
     }
 
     /// Validates `set_causal(except)`; returns whether the exemptions change.
@@ -586,8 +594,11 @@ mod tests {
 
     fn grid(book: &mut Book) -> Vec<String> {
         let width = book.pass().range().len();
-        book.build_mask::<f32>()
-            .chunks(width)
+        let mut plan = Plan::default();
+        book.plan_mask(&mut plan);
+        let mut mask = vec![0.0f32; book.mask_len()];
+        mask::write(&Plan::default(), &plan, &mut mask);
+        mask.chunks(width)
             .map(|row| row.iter().map(|&v| if v == 0.0 { '0' } else { 'x' }).collect())
             .collect()
     }

@@ -4,14 +4,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use half::{bf16, f16};
 use kvcache_api::{
-    Batch, CacheError, CausalCache, CausalConfig, DType, ForwardMode, KeyShift, KvView, Pos, PosRange,
-    Result, SeqId,
+    Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KeyShift, KvView, Pos, PosRange, Result, SeqId,
 };
 
 use crate::book::{Book, RemovePlan};
 use crate::inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
+use crate::mask_buffer::MaskBuffer;
 use crate::storage::{same_storage, Storage};
 
 /// A shift function as the cache keeps it: shared by deep clones, never mutated.
@@ -64,6 +63,8 @@ pub struct CausalKvCache {
     /// pass it lingers, unreachable, until the next pass replaces it, so that a
     /// removal never pays for freeing a large buffer.
     mask: Option<Tensor>,
+    /// Where masks are written.
+    mask_buffer: MaskBuffer,
 }
 
 impl std::fmt::Debug for CausalKvCache {
@@ -116,6 +117,7 @@ impl CausalKvCache {
             shift,
             layer: 0,
             mask: None,
+            mask_buffer: MaskBuffer::default(),
         })
     }
 
@@ -267,13 +269,53 @@ impl CausalKvCache {
 
     /// A deep copy: new tensors on the same device, the same shift function.
     pub fn try_clone(&self) -> Result<Self> {
+        let (mask_buffer, mask) = self.mask_buffer.share(self.mask.as_ref());
         Ok(CausalKvCache {
             book: self.book.clone(),
             storage: self.storage.try_clone()?,
             shift: self.shift.clone(),
             layer: self.layer,
-            mask: self.mask.clone(),
+            mask,
+            mask_buffer,
         })
+    }
+
+    /// Makes this cache a deep copy of `source` (configuration, cells, the pass in
+    /// progress, stored keys and values, shift function), reusing this cache's
+    /// tensors and mask buffer where shapes allow: the cheap way for an engine to
+    /// checkpoint a cache and roll back to it. Views taken from this cache before
+    /// the call see the copied data.
+    ///
+    /// # Errors
+    /// [`CacheError::InvalidArgument`] if the caches live on different devices
+    /// (nothing changes); [`CacheError::Backend`] if a tensor copy fails, which
+    /// leaves this cache empty, configured like `source`.
+    pub fn try_clone_from(&mut self, source: &CausalKvCache) -> Result<()> {
+        if !self.device().same_device(source.device()) {
+            return Err(CacheError::InvalidArgument(format!(
+                "cannot copy a cache on {:?} into one on {:?}",
+                source.device().location(),
+                self.device().location()
+            )));
+        }
+        let copied = self.storage.copy_from(&source.storage).and_then(|()| {
+            let dtype = source.book.config().mask_dtype;
+            self.mask_buffer
+                .copy_from(&source.mask_buffer, source.mask.as_ref(), dtype)
+        });
+        match copied {
+            Ok(mask) => {
+                self.book.clone_from(&source.book);
+                self.shift.clone_from(&source.shift);
+                self.layer = source.layer;
+                self.mask = mask;
+                Ok(())
+            }
+            Err(error) => {
+                self.configure(source.book.config().clone())?;
+                Err(error)
+            }
+        }
     }
 
     /// Bytes of heap memory held by the bookkeeping (not the tensors); it does not
@@ -285,6 +327,12 @@ impl CausalKvCache {
     /// Bytes of key/value tensors allocated.
     pub fn storage_bytes(&self) -> usize {
         self.storage.bytes()
+    }
+
+    /// Bytes kept between passes to write masks into: the largest mask of a
+    /// non-reserve pass so far.
+    pub fn mask_buffer_bytes(&self) -> usize {
+        self.mask_buffer.bytes()
     }
 
     // ---- two-phase operations, shared with the layer-group wrapper ----
@@ -302,14 +350,7 @@ impl CausalKvCache {
     }
 
     fn build_mask(&mut self) -> Result<Tensor> {
-        let shape = (self.book.mask_rows(), self.book.pass().range().len());
-        let device = self.storage.device();
-        let tensor = match self.book.config().mask_dtype {
-            DType::F32 => Tensor::from_vec(self.book.build_mask::<f32>(), shape, device),
-            DType::F16 => Tensor::from_vec(self.book.build_mask::<f16>(), shape, device),
-            DType::BF16 => Tensor::from_vec(self.book.build_mask::<bf16>(), shape, device),
-        };
-        tensor.map_err(CacheError::backend)
+        self.mask_buffer.build(&mut self.book, self.storage.device())
     }
 
     pub(crate) fn prepare_set_causal(&self, except: &[usize]) -> Result<bool> {
@@ -406,6 +447,7 @@ impl CausalCache for CausalKvCache {
         self.storage = Storage::new(book.config(), self.storage.device().clone());
         self.book = book;
         self.mask = None;
+        self.mask_buffer = MaskBuffer::default();
         Ok(())
     }
 

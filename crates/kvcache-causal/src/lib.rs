@@ -18,8 +18,8 @@
 //!   consecutive cells), so trimming a sliding window, removing a range, copying a
 //!   prefix and building a mask row cost a step per run, not per cell;
 //! - masks are written row by row as fills of `-inf` and `0` over those runs, in the
-//!   mask dtype directly (f32, f16 or bf16); the mask is the only allocation of a
-//!   forward pass;
+//!   mask dtype directly (f32, f16 or bf16), into a buffer reused from pass to pass
+//!   (on the CPU a forward pass allocates nothing once the buffer has grown);
 //! - compaction (contiguous placement, or holes above
 //!   [`compact_threshold`](kvcache_api::CausalConfig::compact_threshold)) slides used
 //!   cells down in order and moves keys, values and metadata in step. Ollama's defrag
@@ -58,6 +58,7 @@ mod cells;
 mod inspect;
 mod layer_groups;
 mod mask;
+mod mask_buffer;
 mod occupancy;
 mod placement;
 mod rope;

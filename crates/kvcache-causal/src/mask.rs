@@ -1,10 +1,17 @@
-//! Attention masks written row by row from runs of visible cells.
+//! Attention masks, planned as runs of visible cells and written as differences.
 //!
 //! A row lists the cells its token may attend to. They come from the token's
 //! sequence index: the runs whose positions fall in the token's visible interval,
-//! found by binary search. Each row is then written in one left-to-right pass, a
-//! fill of `-inf` for every gap and of `0` for every run, so the cost is the bytes of
-//! the mask plus one step per run, never a membership test per entry.
+//! found by binary search, so planning a row costs a step per run, never a
+//! membership test per entry. The plan of a whole mask is its visible entries as
+//! sorted intervals of flat (row-major) indices: a [`Plan`].
+//!
+//! A buffer's content is described by the plan last written into it, so a new mask
+//! is written as the difference between the two plans: `0` where an entry becomes
+//! visible, `-inf` where it stops being visible, nothing elsewhere. A prefill pass
+//! repeated at the same shape writes nothing; a decode step writes a few entries per
+//! row; a fresh zeroed buffer (all visible) gets only its masked entries written.
+//! No entry is written twice, so the worst case is the bytes of the mask.
 
 use std::ops::Range;
 
@@ -48,25 +55,61 @@ pub(crate) struct Query {
     pub exempt: bool,
 }
 
-/// A fully masked `[rows, cols]` mask (reserve passes).
-pub(crate) fn masked<T: MaskValue>(rows: usize, cols: usize) -> Vec<T> {
-    vec![T::MASKED; rows * cols]
+/// The visible entries of a mask of `len` entries, as sorted, disjoint, non-adjacent
+/// `[start, end)` intervals of flat indices; every other entry is masked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    len: usize,
+    visible: Vec<(usize, usize)>,
 }
 
-/// The `[rows, range.len()]` mask of `queries` over the cells in `range`; rows past
-/// the queries are padding and fully masked. `spans` is scratch space.
-pub(crate) fn build<T: MaskValue>(
+impl Plan {
+    /// A plan of `len` entries, all visible (a zeroed buffer).
+    pub(crate) fn all_visible(len: usize) -> Plan {
+        let visible = if len == 0 { vec![] } else { vec![(0, len)] };
+        Plan { len, visible }
+    }
+
+    /// Entries the plan covers.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Makes this an all-masked plan of `len` entries, keeping the allocation.
+    pub(crate) fn reset(&mut self, len: usize) {
+        self.len = len;
+        self.visible.clear();
+    }
+
+    /// Appends the visible interval `[start, end)`, at or after every earlier one.
+    fn push(&mut self, start: usize, end: usize) {
+        debug_assert!(start < end && end <= self.len);
+        match self.visible.last_mut() {
+            Some(last) if last.1 == start => last.1 = end,
+            Some(last) => {
+                debug_assert!(last.1 < start, "intervals out of order");
+                self.visible.push((start, end));
+            }
+            None => self.visible.push((start, end)),
+        }
+    }
+}
+
+/// Plans the `[rows, range.len()]` mask of `queries` over the cells in `range` into
+/// `plan`; rows past the queries are padding, fully masked. `spans` is scratch.
+pub(crate) fn plan(
     cells: &Cells,
     attention: &Attention,
     queries: impl ExactSizeIterator<Item = Query>,
     rows: usize,
     range: Range<usize>,
     spans: &mut Vec<(u32, u32)>,
-) -> Vec<T> {
+    plan: &mut Plan,
+) {
     let width = range.len();
-    let mut out = Vec::with_capacity(rows * width);
     debug_assert!(queries.len() <= rows);
-    for query in queries {
+    plan.reset(rows * width);
+    for (row, query) in queries.enumerate() {
         spans.clear();
         let (lo, hi) = attention.visible(query.pos, query.exempt);
         for run in cells.index(query.seq).visible(lo, hi) {
@@ -76,42 +119,81 @@ pub(crate) fn build<T: MaskValue>(
             );
             spans.push((run.cell - range.start as u32, run.len));
         }
-        push_row(&mut out, width, spans);
+        if !spans.is_sorted_by_key(|&(start, _)| start) {
+            spans.sort_unstable_by_key(|&(start, _)| start);
+        }
+        let base = row * width;
+        for &(start, len) in spans.iter() {
+            let start = base + start as usize;
+            plan.push(start, start + len as usize);
+        }
     }
-    out.resize(rows * width, T::MASKED);
-    out
 }
 
-/// Appends one row of `width` entries, visible exactly on `spans` (disjoint
-/// `(start, len)` pairs in any order).
-///
-/// Few sorted spans (prefill) are written in one left-to-right pass; many short
-/// spans (interleaved decode tokens) or unsorted ones are written over a masked row,
-/// which costs less per span.
-fn push_row<T: MaskValue>(out: &mut Vec<T>, width: usize, spans: &[(u32, u32)]) {
-    let row = out.len();
-    let few = spans.len() * 64 <= width;
-    if few && spans.windows(2).all(|w| w[0].0 < w[1].0) {
-        for &(start, len) in spans {
-            out.resize(row + start as usize, T::MASKED);
-            out.resize(row + (start + len) as usize, T::VISIBLE);
-        }
-        out.resize(row + width, T::MASKED);
-    } else {
-        out.resize(row + width, T::MASKED);
-        let line = &mut out[row..];
-        for &(start, len) in spans {
-            match len {
-                1 => line[start as usize] = T::VISIBLE,
-                _ => line[start as usize..(start + len) as usize].fill(T::VISIBLE),
+/// Makes `out` hold the mask `new`, given that its first `old.len()` entries hold
+/// the mask `old` (entries past that are unknown and written in full).
+pub(crate) fn write<T: MaskValue>(old: &Plan, new: &Plan, out: &mut [T]) {
+    assert_eq!(out.len(), new.len, "mask buffer and plan disagree");
+    let known = old.len.min(new.len);
+    let (out_known, out_unknown) = out.split_at_mut(known);
+    // Known region: write the symmetric difference of the two visible sets.
+    let mut old_runs = old
+        .visible
+        .iter()
+        .map(|&(a, b)| (a, b.min(known)))
+        .filter(|r| r.0 < r.1);
+    let mut new_runs = new
+        .visible
+        .iter()
+        .map(|&(a, b)| (a, b.min(known)))
+        .filter(|r| r.0 < r.1);
+    let (mut o, mut n) = (old_runs.next(), new_runs.next());
+    loop {
+        match (o, n) {
+            (None, None) => break,
+            (Some((a, b)), None) => {
+                out_known[a..b].fill(T::MASKED);
+                o = old_runs.next();
+            }
+            (None, Some((a, b))) => {
+                out_known[a..b].fill(T::VISIBLE);
+                n = new_runs.next();
+            }
+            (Some((oa, ob)), Some((na, _))) if oa < na => {
+                // Visible only before: masked now.
+                out_known[oa..ob.min(na)].fill(T::MASKED);
+                o = if ob <= na { old_runs.next() } else { Some((na, ob)) };
+            }
+            (Some((oa, _)), Some((na, nb))) if na < oa => {
+                // Visible only now.
+                out_known[na..nb.min(oa)].fill(T::VISIBLE);
+                n = if nb <= oa { new_runs.next() } else { Some((oa, nb)) };
+            }
+            (Some((_, ob)), Some((_, nb))) => {
+                // Both start together: their overlap is already right.
+                o = if ob <= nb { old_runs.next() } else { Some((nb, ob)) };
+                n = if nb <= ob { new_runs.next() } else { Some((ob, nb)) };
             }
         }
     }
+    // Unknown region: write it in full, visible exactly on the new plan.
+    let mut at = known;
+    for &(a, b) in &new.visible {
+        if b <= known {
+            continue;
+        }
+        let a = a.max(known);
+        out_unknown[at - known..a - known].fill(T::MASKED);
+        out_unknown[a - known..b - known].fill(T::VISIBLE);
+        at = b;
+    }
+    out_unknown[at - known..].fill(T::MASKED);
 }
 
 #[cfg(test)]
 mod tests {
     use kvcache_api::{CausalConfig, SlidingWindow};
+    use proptest::prelude::*;
 
     use super::*;
 
@@ -119,6 +201,15 @@ mod tests {
         mask.chunks(width)
             .map(|row| row.iter().map(|&v| if v == 0.0 { '0' } else { 'x' }).collect())
             .collect()
+    }
+
+    /// The mask `plan` describes, entry by entry.
+    fn dense(plan: &Plan) -> Vec<f32> {
+        let mut out = vec![f32::MASKED; plan.len];
+        for &(a, b) in &plan.visible {
+            out[a..b].fill(f32::VISIBLE);
+        }
+        out
     }
 
     #[test]
@@ -132,26 +223,88 @@ mod tests {
         }
         let q = |seq, pos, exempt| Query { seq, pos, exempt };
         let queries = [q(0, 1, false), q(0, 2, false), q(1, 0, false), q(0, 1, true)];
-        let mut spans = vec![];
-        let mask = build::<f32>(&cells, &attention, queries.into_iter(), 5, 0..4, &mut spans);
+        let (mut spans, mut planned) = (vec![], Plan::default());
+        plan(
+            &cells,
+            &attention,
+            queries.into_iter(),
+            5,
+            0..4,
+            &mut spans,
+            &mut planned,
+        );
+        // Stale content must not survive: write over an all-visible buffer.
+        let mut mask = vec![0.0f32; 5 * 4];
+        write(&Plan::all_visible(20), &planned, &mut mask);
         assert_eq!(grid(&mask, 4), vec!["00xx", "x0x0", "xx0x", "00x0", "xxxx"]);
-        let half = build::<f16>(&cells, &attention, queries.into_iter(), 4, 0..4, &mut spans);
+        let mut half = vec![f16::ONE; 5 * 4];
+        write(&Plan::default(), &planned, &mut half);
         assert_eq!(half[0], f16::ZERO);
         assert!(half[2].is_infinite() && half[2].is_sign_negative());
+        assert_eq!(
+            planned.visible,
+            vec![(0, 2), (5, 6), (7, 8), (10, 11), (12, 14), (15, 16)]
+        );
     }
 
     #[test]
-    fn unsorted_spans_are_written_too() {
-        let mut out = Vec::<f32>::new();
-        push_row(&mut out, 6, &[(4, 2), (0, 1)]);
-        assert_eq!(grid(&out, 6), vec!["0xxx00"]);
-        push_row(&mut out, 6, &[]);
-        assert_eq!(grid(&out, 6)[1], "xxxxxx");
-        // Many short spans take the masked-row path.
-        let spans: Vec<(u32, u32)> = (0..70).map(|i| (2 * i, 1)).collect();
-        push_row(&mut out, 140, &spans);
-        let row = &grid(&out[12..], 140)[0];
-        assert_eq!(row.matches('0').count(), 70);
-        assert!(row.starts_with("0x0x") && row.ends_with("0x"));
+    fn adjacent_spans_merge_and_unsorted_runs_are_sorted() {
+        let mut plan = Plan::default();
+        plan.reset(8);
+        plan.push(0, 2);
+        plan.push(2, 3);
+        plan.push(5, 6);
+        assert_eq!(plan.visible, vec![(0, 3), (5, 6)]);
+        // Cells out of position order in a row still plan sorted.
+        let config = CausalConfig::new(1, 16, 8);
+        let attention = Attention::new(&config);
+        let mut cells = Cells::new(8, 1);
+        for (cell, pos) in [(3, 0), (1, 1), (5, 2)] {
+            cells.place(cell, 0, pos);
+        }
+        let query = Query {
+            seq: 0,
+            pos: 2,
+            exempt: false,
+        };
+        let (mut spans, mut planned) = (vec![], Plan::default());
+        self::plan(
+            &cells,
+            &attention,
+            [query].into_iter(),
+            1,
+            0..8,
+            &mut spans,
+            &mut planned,
+        );
+        assert_eq!(planned.visible, vec![(1, 2), (3, 4), (5, 6)]);
+    }
+
+    /// A random plan of up to `max_len` entries.
+    fn any_plan(max_len: usize) -> impl Strategy<Value = Plan> {
+        (0..=max_len).prop_flat_map(|len| {
+            proptest::collection::vec(any::<bool>(), len).prop_map(move |bits| {
+                let mut plan = Plan::default();
+                plan.reset(len);
+                for (i, &visible) in bits.iter().enumerate() {
+                    if visible {
+                        plan.push(i, i + 1);
+                    }
+                }
+                plan
+            })
+        })
+    }
+
+    proptest! {
+        /// Writing the difference over a buffer that holds `old` gives exactly the
+        /// mask of `new`, whatever the lengths and whatever lies past `old`.
+        #[test]
+        fn writing_a_difference_equals_writing_in_full(old in any_plan(64), new in any_plan(64), junk: bool) {
+            let mut buffer = vec![if junk { 0.0 } else { f32::MASKED }; old.len.max(new.len)];
+            buffer[..old.len].copy_from_slice(&dense(&old));
+            write(&old, &new, &mut buffer[..new.len]);
+            prop_assert_eq!(&buffer[..new.len], &dense(&new)[..]);
+        }
     }
 }

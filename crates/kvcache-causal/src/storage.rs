@@ -320,6 +320,40 @@ impl Storage {
         })
     }
 
+    /// Makes this storage a deep copy of `source` (on the same device), writing into
+    /// this storage's tensors where a layer's shapes match and copying otherwise.
+    pub(crate) fn copy_from(&mut self, source: &Storage) -> Result<()> {
+        let same_kind =
+            self.dtype == source.dtype && self.layout == source.layout && self.cells == source.cells;
+        self.layers.resize_with(source.layers.len(), || None);
+        for (mine, theirs) in self.layers.iter_mut().zip(&source.layers) {
+            *mine = match (mine.take(), theirs) {
+                (_, None) => None,
+                (Some(kept), Some(theirs))
+                    if same_kind
+                        && kept.keys.dims() == theirs.keys.dims()
+                        && kept.values.dims() == theirs.values.dims() =>
+                {
+                    kept.keys
+                        .slice_set(&theirs.keys, 0, 0)
+                        .map_err(CacheError::backend)?;
+                    kept.values
+                        .slice_set(&theirs.values, 0, 0)
+                        .map_err(CacheError::backend)?;
+                    Some(kept)
+                }
+                (_, Some(theirs)) => Some(LayerStore {
+                    keys: theirs.keys.copy().map_err(CacheError::backend)?,
+                    values: theirs.values.copy().map_err(CacheError::backend)?,
+                }),
+            };
+        }
+        self.dtype = source.dtype;
+        self.layout = source.layout;
+        self.cells = source.cells;
+        Ok(())
+    }
+
     /// Bytes of key/value storage allocated.
     pub(crate) fn bytes(&self) -> usize {
         self.layers()

@@ -355,6 +355,63 @@ fn clones_are_deep_and_views_alias_storage() {
 }
 
 #[test]
+fn a_copy_and_its_original_never_write_into_each_others_mask() {
+    let mut cache = cache_with(None);
+    let mut copy = cache.try_clone().unwrap();
+    let mask = |c: &CausalKvCache| common::host(&c.get().unwrap().mask);
+    let (copy_mask, cache_mask) = (mask(&copy), mask(&cache));
+    assert_eq!(copy_mask, cache_mask);
+    // Passes of a different shape on each side rewrite their masks in place.
+    cache
+        .start_forward(&Batch::sequence(0, 4, 1).unwrap(), ForwardMode::Compute)
+        .unwrap();
+    assert_ne!(mask(&cache), cache_mask);
+    assert_eq!(mask(&copy), copy_mask);
+    let moved_on = mask(&cache);
+    copy.start_forward(
+        &Batch::from_tokens([(0, 4), (1, 3)]).unwrap(),
+        ForwardMode::Compute,
+    )
+    .unwrap();
+    assert_eq!(mask(&cache), moved_on);
+    assert_eq!(mask(&copy).len(), 2 * copy.pass_range().unwrap().len());
+    copy.check();
+    cache.check();
+}
+
+#[test]
+fn copying_into_an_existing_cache_makes_an_independent_equal_copy() {
+    let source = cache_with(None);
+    let mut target = CausalKvCache::new(CausalConfig::new(2, 4, 4), common::device(), None).unwrap();
+    // Give the target a history of its own, with storage and a mask buffer.
+    target
+        .start_forward(&Batch::sequence(1, 0, 3).unwrap(), ForwardMode::Compute)
+        .unwrap();
+    target.set_layer(0);
+    target.put(&kv(&[7.0; 3]), &kv(&[7.0; 3])).unwrap();
+    target.try_clone_from(&source).unwrap();
+    assert_eq!(target.state().unwrap(), source.state().unwrap());
+    target.check();
+    // Both now evolve alike, and neither sees the other's writes.
+    let mut twin = source.try_clone().unwrap();
+    for cache in [&mut target, &mut twin] {
+        cache
+            .start_forward(&Batch::sequence(0, 4, 1).unwrap(), ForwardMode::Compute)
+            .unwrap();
+        cache.set_layer(1);
+        cache.put(&kv(&[5.0]), &kv(&[5.0])).unwrap();
+    }
+    assert_eq!(target.state().unwrap(), twin.state().unwrap());
+    assert_ne!(target.state().unwrap(), source.state().unwrap());
+    target.check();
+    // A different configuration is copied too.
+    let mut other = CausalKvCache::new(CausalConfig::new(1, 8, 2), common::device(), None).unwrap();
+    other.try_clone_from(&source).unwrap();
+    assert_eq!(other.state().unwrap(), source.state().unwrap());
+    assert_eq!(other.config(), source.config());
+}
+
+#[test]
 fn caches_can_move_between_threads() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<CausalKvCache>();
