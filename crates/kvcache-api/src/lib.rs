@@ -9,6 +9,9 @@
 //!   state pages out to [`Snapshot`]s, so a prefix trie can switch conversations.
 //!   Implemented on mlx-rs by `kvcache-mlx`.
 //!
+//! Caches are `Send` and driven by one owner; [`Shared`] lets several threads
+//! take turns on one cache.
+//!
 //! This crate has no tensor dependency: tensors appear as associated types.
 //! Every fallible operation returns [`CacheError`]; bad input leaves the cache
 //! unchanged.
@@ -29,10 +32,12 @@ mod batch;
 mod causal;
 mod config;
 mod error;
+mod shared;
 mod snapshot;
 
 pub use batch::{Batch, Pos, SeqId};
 pub use causal::{CausalCache, ForwardMode, KeyShift, KvView, PosRange};
 pub use config::{CausalConfig, DType, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
+pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};
