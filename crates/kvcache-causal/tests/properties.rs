@@ -3,6 +3,8 @@
 //! checked after every step against a naive model (`common::reference`): what each
 //! query token sees through the real mask and storage, every stored key and value,
 //! `can_resume`, and the errors of rejected steps, which must change nothing.
+//! Checkpoints (`try_clone`) and rollbacks into the live cache (`try_clone_from`)
+//! switch branches mid-schedule.
 
 mod common;
 
@@ -95,6 +97,10 @@ enum Op {
     Copy { src: usize, dst: usize, len: u8 },
     /// A call the cache must reject without changing anything.
     Bad { kind: u8, arg: u8 },
+    /// Keep a deep copy of the cache (`try_clone`) and of the model.
+    Checkpoint,
+    /// Copy the checkpoint back into the cache (`try_clone_from`), a branch switch.
+    Rollback,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -110,6 +116,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(seq, start, len)| Op::Remove { seq, start, len }),
         1 => (0..4usize, 0..4usize, any::<u8>()).prop_map(|(src, dst, len)| Op::Copy { src, dst, len }),
         1 => (0..8u8, any::<u8>()).prop_map(|(kind, arg)| Op::Bad { kind, arg }),
+        1 => prop_oneof![Just(Op::Checkpoint), Just(Op::Rollback)],
     ]
 }
 
@@ -130,6 +137,15 @@ struct Run {
     device: candle_core::Device,
     next_val: f32,
     /// Tokens of the pass in progress, if any.
+    pass: Option<Vec<(SeqId, Pos)>>,
+    stored: bool,
+    checkpoint: Option<Checkpoint>,
+}
+
+/// A copy of the cache and everything the run knows about it.
+struct Checkpoint {
+    cache: CausalKvCache,
+    model: Reference,
     pass: Option<Vec<(SeqId, Pos)>>,
     stored: bool,
 }
@@ -349,6 +365,36 @@ impl Run {
         }
     }
 
+    fn checkpoint(&mut self) {
+        let cache = self.cache.try_clone().unwrap();
+        assert!(
+            cache.state().unwrap() == self.cache.state().unwrap(),
+            "checkpoint differs"
+        );
+        cache.check();
+        self.checkpoint = Some(Checkpoint {
+            cache,
+            model: self.model.clone(),
+            pass: self.pass.clone(),
+            stored: self.stored,
+        });
+    }
+
+    fn rollback(&mut self) -> Result<(), TestCaseError> {
+        let Some(saved) = &self.checkpoint else {
+            return Ok(());
+        };
+        self.cache.try_clone_from(&saved.cache).unwrap();
+        prop_assert!(
+            self.cache.state().unwrap() == saved.cache.state().unwrap(),
+            "rollback differs"
+        );
+        self.model = saved.model.clone();
+        self.pass = saved.pass.clone();
+        self.stored = saved.stored;
+        Ok(())
+    }
+
     fn compare(&self) -> Result<(), TestCaseError> {
         self.cache.check();
         if self.stored {
@@ -389,6 +435,7 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
         next_val: 0.0,
         pass: None,
         stored: false,
+        checkpoint: None,
     };
     for op in ops {
         match op {
@@ -401,6 +448,8 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Remove { seq, start, len } => r.remove(seq, start, len)?,
             Op::Copy { src, dst, len } => r.copy(src, dst, len)?,
             Op::Bad { kind, arg } => r.bad(kind, arg)?,
+            Op::Checkpoint => r.checkpoint(),
+            Op::Rollback => r.rollback()?,
         }
         r.compare()?;
     }
