@@ -72,8 +72,9 @@ impl From<RangeFull> for PosRange {
 
 /// What [`CausalCache::get`] returns for the current layer and forward pass.
 ///
-/// All three are views into cache-owned storage (no copies); they stay valid
-/// until the next `start_forward` or `put` on the same layer.
+/// All three are views into cache-owned storage (no copies) that the cache
+/// overwrites in place: they stay valid until the next `start_forward`,
+/// `set_causal` or `put` on the same layer. Copy one to keep it longer.
 #[derive(Debug, Clone)]
 pub struct KvView<T> {
     /// Keys of the pass's cell range: `[cells, kv_heads, head_dim]`.
