@@ -276,7 +276,8 @@ impl CausalConfig {
     ///
     /// Memory is the window's memory (or the window); with several sequences it is
     /// at least `window + 1`, one spare token per sequence; a memory that would
-    /// reach `capacity` means unbounded.
+    /// reach `capacity` means unbounded. Meaningless, but no panic, for a
+    /// configuration that [`CausalConfig::validate`] rejects.
     pub fn effective_memory(&self) -> Option<usize> {
         let w = self.window?;
         let mut memory = w.memory.unwrap_or(w.window);
@@ -284,18 +285,23 @@ impl CausalConfig {
             memory = memory.max(w.window + 1);
         }
         // Ollama compares its memory (ours minus one) with the capacity.
-        (memory - 1 < self.capacity).then_some(memory)
+        (memory.saturating_sub(1) < self.capacity).then_some(memory)
     }
 
     /// Number of cells the cache allocates: `max_sequences * (M - 1) + max_batch`
     /// with bounded memory `M`, else `max_sequences * capacity`, rounded up to the
-    /// cache padding.
+    /// cache padding. Saturates rather than panics for a configuration that
+    /// [`CausalConfig::validate`] rejects.
     pub fn num_cells(&self) -> usize {
         let cells = match self.effective_memory() {
-            Some(m) => self.max_sequences * (m - 1) + self.max_batch,
-            None => self.max_sequences * self.capacity,
+            Some(m) => self
+                .max_sequences
+                .saturating_mul(m.saturating_sub(1))
+                .saturating_add(self.max_batch),
+            None => self.max_sequences.saturating_mul(self.capacity),
         };
-        cells.div_ceil(self.cache_padding) * self.cache_padding
+        let padding = self.cache_padding.max(1);
+        cells.div_ceil(padding).saturating_mul(padding)
     }
 }
 

@@ -110,9 +110,11 @@ impl CausalKvCache {
         device: Device,
         shift: Option<SharedKeyShift>,
     ) -> Result<Self> {
-        let storage = Storage::new(&config, device);
+        // The book validates the configuration before anything is sized from it.
+        let book = Book::new(config)?;
+        let storage = Storage::new(book.config(), device);
         Ok(CausalKvCache {
-            book: Book::new(config)?,
+            book,
             storage,
             shift,
             layer: 0,

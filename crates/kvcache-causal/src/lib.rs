@@ -71,3 +71,4 @@ pub use cache::{CausalKvCache, SharedKeyShift};
 pub use inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
 pub use layer_groups::LayerGroupCache;
 pub use rope::{RopeLayout, RopeShift};
+pub use storage::MAX_LAYERS;

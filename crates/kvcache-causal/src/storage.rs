@@ -30,6 +30,10 @@ pub(crate) fn same_storage(a: &Tensor, b: &Tensor) -> bool {
     address(a) == address(b)
 }
 
+/// Layer indices a cache accepts (`0..MAX_LAYERS`); `put` on a layer past them is
+/// rejected, so a corrupt index cannot size the per-layer table.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// The key and value tensors of one layer.
 #[derive(Debug)]
 pub(crate) struct LayerStore {
@@ -105,6 +109,11 @@ impl Storage {
         values: &Tensor,
         batch: usize,
     ) -> Result<HeadDims> {
+        if layer >= MAX_LAYERS {
+            return Err(CacheError::InvalidArgument(format!(
+                "layer {layer} is past the supported {MAX_LAYERS} layers"
+            )));
+        }
         for (what, t) in [("keys", keys), ("values", values)] {
             if t.dtype() != self.dtype {
                 return Err(CacheError::DTypeMismatch {

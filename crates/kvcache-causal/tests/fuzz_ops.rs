@@ -52,10 +52,9 @@ fn committed_corpus_replays_cleanly() {
 }
 
 /// Found by `causal_ops` (cases 0 and 19 of the generated run): invalid
-/// configurations panic in `CausalKvCache::new` instead of being rejected. The
-/// driver skips them while `causal::AVOID_KNOWN_BUGS` is set.
+/// configurations panicked in `CausalKvCache::new` instead of being rejected (it
+/// sized storage before validating; fixed).
 #[test]
-#[ignore = "bug: CausalKvCache::new sizes storage (CausalConfig::num_cells) before validating the config"]
 fn invalid_configs_are_rejected_by_new_not_a_panic() {
     let configs = [
         CausalConfig::new(1, 12, 1).with_window(SlidingWindow::new(0)),
@@ -78,12 +77,10 @@ fn invalid_configs_are_rejected_by_new_not_a_panic() {
     }
 }
 
-/// Found by `causal_ops`: a huge layer index panics in `put` (`layer + 1`
-/// overflows sizing the per-layer storage); `1 << 40` would abort the process on
-/// allocation instead. The driver stops before such a `put` while
-/// `causal::AVOID_KNOWN_BUGS` is set.
+/// Found by `causal_ops`: a huge layer index panicked in `put` (`layer + 1`
+/// overflowed sizing the per-layer storage; `1 << 40` would have aborted on
+/// allocation). Fixed: layers past `MAX_LAYERS` are rejected.
 #[test]
-#[ignore = "bug: put grows per-layer storage to layer + 1 slots with no bound on the layer index"]
 fn huge_layer_index_is_rejected_not_a_panic() {
     let mut cache = CausalKvCache::new(CausalConfig::new(1, 4, 1), Device::Cpu, None).unwrap();
     cache
