@@ -11,6 +11,9 @@ pub enum DemoError {
     /// A tensor operation failed.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),
+    /// An mlx-rs operation failed (the `mlx` backend).
+    #[error("mlx error: {0}")]
+    Mlx(String),
     /// The KV cache rejected an operation.
     #[error("cache error: {0}")]
     Cache(#[from] CacheError),

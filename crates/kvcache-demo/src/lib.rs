@@ -11,6 +11,8 @@
 //! - [`mod@bench`]: benchmarks E1 (chat reuse) and E2 (batched vs sequential decode).
 //! - [`check`]: runs cache schedules and compares with full recompute.
 //! - [`paths`]: where the model and fixtures live.
+//! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): the same
+//!   Llama on mlx-rs arrays through `kvcache_mlx`'s layer caches and prefix trie.
 #![deny(missing_docs)]
 
 pub mod bench;
@@ -20,6 +22,8 @@ mod config;
 pub mod engine;
 mod error;
 pub mod layer_cache;
+#[cfg(any(target_os = "macos", kvcache_mlx))]
+pub mod mlx;
 pub mod model;
 pub mod paths;
 pub mod tokenizer;

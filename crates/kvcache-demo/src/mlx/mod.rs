@@ -1,0 +1,28 @@
+//! The Llama of [`crate::model`] on mlx-rs arrays, running through the
+//! `kvcache_mlx` layer caches and prefix trie (`--backend mlx`).
+//!
+//! - [`weights`]: every weight as f32 host data, read from the GGUF with the
+//!   same candle reader and dequantization the candle model uses, or random.
+//! - [`model`]: [`MlxLlama`], the forward pass (RoPE, grouped-query attention,
+//!   RMSNorm, SwiGLU, f32) without a cache (the reference) and through
+//!   per-layer [`kvcache_api::LayerCache`]s such as
+//!   [`kvcache_mlx::layers::KvCache`].
+//! - [`chat`]: [`MlxChatServer`], multi-conversation chat through
+//!   [`kvcache_mlx::trie::PrefixCache`] over mlx `KvCache`s.
+//!
+//! Compiled on macOS, and on Linux with `--cfg kvcache_mlx` (what `cargo xtask`
+//! passes together with the patched mlx-sys), like `kvcache_mlx::layers`.
+//! Arrays live on mlx's default device (the CPU on Linux, the GPU on macOS).
+
+pub mod chat;
+pub mod model;
+pub mod weights;
+
+pub use chat::MlxChatServer;
+pub use model::MlxLlama;
+pub use weights::{HostTensor, HostWeights};
+
+/// Maps an mlx-rs error to [`crate::DemoError::Mlx`].
+pub(crate) fn mlx_err(e: impl std::fmt::Display) -> crate::DemoError {
+    crate::DemoError::Mlx(e.to_string())
+}
