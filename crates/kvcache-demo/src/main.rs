@@ -11,11 +11,12 @@ use candle_core::Device;
 use kvcache_api::{CausalConfig, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_demo::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
-use kvcache_demo::chat::{ChatServer, Reuse};
+use kvcache_demo::chat::{ChatServer, Reuse, TurnOutcome};
 use kvcache_demo::engine::{Engine, EngineConfig, Event, Request, Stats};
 use kvcache_demo::tokenizer::{chatml, Message, Role};
 use kvcache_demo::trace::Trace;
 use kvcache_demo::{paths, ChatTokenizer, DemoError, Llama, LoadProgress, ModelFile, Result, WeightMode};
+use kvcache_mlx::trie::Stats as TrieStats;
 
 const HELP: &str = "\
 kvcache-demo: SmolLM2-135M-Instruct served through the kvcache-rs caches
@@ -27,9 +28,12 @@ USAGE: kvcache-demo [FLAGS]
   --conversations N     conversations to answer in the batching demo (default 6)
   --slots N             sequences decoding at once (default 4)
   --max-new N           tokens to generate per reply (default 32)
-  --backend NAME        causal (kvcache-causal on candle) | mlx (default causal)
-  --device NAME         cpu | cuda | metal (default cpu)
-  --weights KIND        f32 (dequantized, default) | q (keep GGUF quantization)
+  --backend NAME        causal (default): everything on candle; the chat's trie drives candle layer caches
+                        mlx: the prefix-trie chat runs the model on mlx-rs through kvcache-mlx's KvCache
+                        (needs an mlx build: `cargo xtask demo` on Linux, or macOS); the batching, window
+                        and shift parts and the benchmarks stay on candle (the causal cache is candle-only)
+  --device NAME         cpu | cuda | metal (default cpu) for candle; mlx uses its default device
+  --weights KIND        f32 (dequantized, default) | q (keep GGUF quantization; candle only, mlx is f32)
   --window N            sliding window of the windowed run (default 48)
   --context N           context of the context-shift run (default 64)
   --turns N             turns per conversation in the prefix-trie chat (default 3)
@@ -176,17 +180,21 @@ fn main() -> ExitCode {
 fn run() -> Result<()> {
     let Some(args) = parse_args()? else { return Ok(()) };
     let start = Instant::now();
-    match args.backend.as_str() {
-        "causal" => {}
-        "mlx" => return Err(DemoError::InvalidArgument(
-            "--backend mlx: the mlx-rs layer caches are not wired into the demo yet; use --backend causal"
-                .into(),
-        )),
+    let mlx = match args.backend.as_str() {
+        "causal" => false,
+        "mlx" => true,
         other => {
             return Err(DemoError::InvalidArgument(format!(
                 "--backend: causal or mlx, got {other:?}"
             )))
         }
+    };
+    if mlx && !mlx_chat::AVAILABLE {
+        return Err(DemoError::InvalidArgument(
+            "--backend mlx: this build has no mlx-rs; run it through `cargo xtask demo -- --backend mlx` \
+             (Linux) or build on macOS"
+                .into(),
+        ));
     }
     let dev = device(&args.device)?;
     let path = args.model.clone().or_else(paths::model_path).ok_or_else(|| {
@@ -197,6 +205,9 @@ fn run() -> Result<()> {
     })?;
     let (model, tokenizer) = load(&path, &dev, args.weights)?;
 
+    if (args.bench_e1 || args.bench_e2) && mlx {
+        println!("note: --backend mlx applies to the chat demo; the benchmarks measure the candle engine");
+    }
     if args.bench_e1 {
         return bench_e1(&model, &args);
     }
@@ -205,7 +216,24 @@ fn run() -> Result<()> {
     }
     let skip = |part: &str| args.skip.iter().any(|s| s == part);
     if !skip("chat") {
-        chat_demo(&model, &tokenizer, &args)?;
+        if mlx {
+            mlx_chat::run(&path, &tokenizer, &args)?;
+        } else {
+            let mut server = ChatServer::new(&model, Reuse::Trie, 1 << 30)?;
+            chat_demo(
+                "candle layer caches (kvcache-demo's CandleKv)",
+                &tokenizer,
+                &args,
+                &mut |prompt, n, eos| server.generate(prompt, n, eos),
+            )?;
+            print_trie_stats(&server.trie_stats().expect("a trie server"));
+        }
+    }
+    if mlx && ["batching", "window", "shift"].iter().any(|p| !skip(p)) {
+        println!(
+            "\n(--backend mlx: the parts below run on candle through kvcache-causal, the multi-sequence \
+             cache, which has no mlx-rs storage; the mlx backend is the prefix trie above)"
+        );
     }
     if !skip("batching") {
         batching_demo(&model, &tokenizer, &args)?;
@@ -484,13 +512,20 @@ const FOLLOW_UPS: &[&str] = &[
     "Thank you!",
 ];
 
-fn chat_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+/// A chat server's `generate(prompt, n_predict, eos)`.
+type Generate<'a> = dyn FnMut(&[u32], usize, Option<u32>) -> Result<TurnOutcome> + 'a;
+
+fn chat_demo(
+    caches: &str,
+    tokenizer: &ChatTokenizer,
+    args: &Args,
+    generate: &mut Generate<'_>,
+) -> Result<()> {
     let convs = args.conversations.min(args.prompts.len()).max(1);
     println!(
-        "\n== prefix trie: {convs} conversations x {} turns, interleaved, one live sequence ==",
+        "\n== prefix trie: {convs} conversations x {} turns, interleaved, one live sequence of {caches} ==",
         args.turns
     );
-    let mut server = ChatServer::new(model, Reuse::Trie, 1 << 30)?;
     let mut history: Vec<Vec<Message>> = vec![vec![Message::new(Role::System, SYSTEM_PROMPT)]; convs];
     let eos = tokenizer.eos_token_id();
     for turn in 0..args.turns {
@@ -502,7 +537,7 @@ fn chat_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()
             };
             messages.push(Message::new(Role::User, user.clone()));
             let prompt = tokenizer.encode(&chatml(messages, true))?;
-            let out = server.generate(&prompt, args.max_new, Some(eos))?;
+            let out = generate(&prompt, args.max_new, Some(eos))?;
             let reply_tokens: Vec<u32> = out.generated.iter().copied().filter(|&t| t != eos).collect();
             let reply = tokenizer.decode(&reply_tokens)?.trim().to_string();
             println!(
@@ -522,22 +557,91 @@ fn chat_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<()
             messages.push(Message::new(Role::Assistant, reply));
         }
     }
-    if let Some(s) = server.trie_stats() {
-        println!(
-            "prefix trie: {} hits, {} misses, {} prompt tokens reused, {} evaluated; {} page-outs, {} page-ins; \
-             {} nodes, {} snapshots, {:.1} MB paged out",
-            s.hits,
-            s.misses,
-            s.reused_tokens,
-            s.evaluated_tokens,
-            s.page_outs,
-            s.page_ins,
-            s.nodes,
-            s.snapshots,
-            s.paged_out_bytes as f64 / 1e6
-        );
-    }
     Ok(())
+}
+
+fn print_trie_stats(s: &TrieStats) {
+    println!(
+        "prefix trie: {} hits, {} misses, {} prompt tokens reused, {} evaluated; {} page-outs, {} page-ins; \
+         {} nodes, {} snapshots, {:.1} MB paged out",
+        s.hits,
+        s.misses,
+        s.reused_tokens,
+        s.evaluated_tokens,
+        s.page_outs,
+        s.page_ins,
+        s.nodes,
+        s.snapshots,
+        s.paged_out_bytes as f64 / 1e6
+    );
+}
+
+/// `--backend mlx`: the prefix-trie chat on [`kvcache_demo::mlx`].
+#[cfg(any(target_os = "macos", kvcache_mlx))]
+mod mlx_chat {
+    use std::path::Path;
+    use std::time::Instant;
+
+    use kvcache_demo::mlx::{MlxChatServer, MlxLlama};
+    use kvcache_demo::{ChatTokenizer, LoadProgress, ModelFile, Result};
+
+    use super::{chat_demo, flush, print_trie_stats, Args};
+
+    /// Whether this build has the mlx backend.
+    pub const AVAILABLE: bool = true;
+
+    /// Loads the model on mlx (f32) and runs the chat demo through the trie.
+    pub fn run(path: &Path, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
+        let t0 = Instant::now();
+        let file = ModelFile::open(path)?;
+        let mut last = 0;
+        let mut progress = |p: LoadProgress| {
+            let pct = p.done * 100 / p.total.max(1);
+            if pct >= last + 10 || p.done == p.total {
+                last = pct;
+                print!(
+                    "\rloading weights into mlx-rs (F32): {pct:3}% ({}/{} tensors)",
+                    p.done, p.total
+                );
+                flush();
+            }
+        };
+        let model = MlxLlama::load(&file, &mut progress)?;
+        let device = mlx_rs::Device::try_default()
+            .map(|d| format!("{d:?}"))
+            .unwrap_or_else(|e| format!("<{e}>"));
+        println!(
+            "\nloaded the mlx model in {:.2} s (mlx default device: {device})",
+            t0.elapsed().as_secs_f64()
+        );
+        let mut server = MlxChatServer::new(&model, 1 << 30)?;
+        chat_demo(
+            "mlx-rs KvCaches (kvcache-mlx)",
+            tokenizer,
+            args,
+            &mut |prompt, n, eos| server.generate(prompt, n, eos),
+        )?;
+        print_trie_stats(&server.trie_stats());
+        Ok(())
+    }
+}
+
+/// Builds without mlx-rs (plain cargo on Linux) have no mlx backend.
+#[cfg(not(any(target_os = "macos", kvcache_mlx)))]
+mod mlx_chat {
+    use std::path::Path;
+
+    use kvcache_demo::{ChatTokenizer, Result};
+
+    use super::Args;
+
+    /// Whether this build has the mlx backend.
+    pub const AVAILABLE: bool = false;
+
+    /// Never called: `run` checks [`AVAILABLE`] first.
+    pub fn run(_path: &Path, _tokenizer: &ChatTokenizer, _args: &Args) -> Result<()> {
+        unreachable!("no mlx backend in this build")
+    }
 }
 
 fn bench_e1(model: &Llama, args: &Args) -> Result<()> {
