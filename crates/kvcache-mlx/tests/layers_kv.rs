@@ -422,6 +422,58 @@ fn restore_over_a_rewound_cache_writes_in_place() {
     assert_eq!(live(&cache), a);
 }
 
+#[test]
+fn views_held_across_a_restore_keep_their_values() {
+    let mut ids = Ids::default();
+    let mut cache = KvCache::with_step(64).unwrap();
+    let a = ids.next(40);
+    write(&mut cache, &a);
+    let snap = cache.snapshot(10).unwrap().unwrap();
+    assert!(cache.restore(None, 10).unwrap());
+    let b = ids.next(30);
+    let (k, v) = SMALL.kv(&b);
+    // Views of the live buffer, still held while the snapshot is restored: the
+    // restore must not write into the buffer they see.
+    let (kb, vb) = cache.update(&k, &v).unwrap();
+    let seen = [&a[..10], &b[..]].concat();
+    assert_eq!(ids_of(&kb, &vb), seen);
+    assert!(cache.restore(None, 10).unwrap());
+    assert!(cache.restore(Some(&*snap), 40).unwrap());
+    assert_eq!(live(&cache), a);
+    assert_eq!(
+        ids_of(&kb, &vb),
+        seen,
+        "the held views still show what they showed"
+    );
+    assert_eq!(snap_ids(&snap), a[10..]);
+}
+
+#[test]
+fn restore_into_an_empty_cache_of_exactly_the_snapshot_copies_it() {
+    let mut ids = Ids::default();
+    let mut cache = KvCache::with_step(4).unwrap();
+    let a = ids.next(8);
+    write(&mut cache, &a);
+    let whole = cache.snapshot(0).unwrap().unwrap();
+    cache.free();
+    assert!(cache.restore(Some(&*whole), 8).unwrap());
+    assert_eq!(cache.capacity(), 8);
+    assert_eq!(live(&cache), a);
+    let s = kv_of(&whole);
+    for live in cache.state() {
+        for copy in [s.keys(), s.values()] {
+            assert!(!overlaps(&data_range(&live), &data_range(copy)));
+        }
+    }
+    // Writing to the live cache leaves the snapshot as it was, and growth works.
+    assert!(cache.restore(None, 4).unwrap());
+    let b = ids.next(6);
+    write(&mut cache, &b);
+    assert_eq!(live(&cache), [&a[..4], &b[..]].concat());
+    assert_eq!(cache.capacity(), 12);
+    assert_eq!(snap_ids(&whole), a);
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Write(usize),

@@ -121,6 +121,10 @@ pub(crate) fn seq_write(
     rows: Range<usize>,
     origin: Origin,
 ) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    if origin == Origin::Owned && super::host::write_rows(buf, start, update, rows.clone())? {
+        return Ok(());
+    }
     let end = start + rows.len();
     let range = (.., .., dim(start)?..dim(end)?, ..);
     let dtype = buf.dtype();
@@ -170,6 +174,14 @@ pub(crate) fn grow_write(
         Some(b) if seq_len(b) >= end => seq_write(b, start, update, rows, origin),
         _ => {
             let len = round_up(end, step).min(max_len);
+            // A new buffer that is exactly all of an owned `update`: one memcpy.
+            #[cfg(target_os = "linux")]
+            if origin == Origin::Owned && start == 0 && rows == (0..seq_len(update)) && len == end {
+                if let Some(copy) = super::host::whole_copy(update)? {
+                    *buf = Some(copy);
+                    return Ok(());
+                }
+            }
             let dtype = update.dtype();
             let wide = match origin {
                 Origin::Owned => wide_dtype(update).unwrap_or(dtype),

@@ -31,11 +31,16 @@
 //! - Paging copies (snapshot, restore, merge, split) move the cache's own
 //!   row-contiguous arrays as the widest unsigned integers that tile a row (u64
 //!   for f16 rows of 64): mlx's CPU copy loop moves one element per step, so
-//!   this is 2-3x faster than copying f16 elements, and bit-exact.
+//!   this is 2-3x faster than copying f16 elements, and bit-exact. On Linux,
+//!   restores copy with `memcpy` instead where they can: into a buffer made
+//!   exclusive the way mlx decides to write in place, or into a new buffer that
+//!   is exactly the snapshot (see `host.rs`).
 //!
 //! Every type here is `Send` (mlx arrays are `Send`, not `Sync`).
 
 mod arrays;
+#[cfg(target_os = "linux")]
+mod host;
 mod kv;
 mod recurrent;
 mod rotating;
