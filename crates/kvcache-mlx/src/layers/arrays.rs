@@ -206,9 +206,9 @@ pub(crate) fn grow_write(
     }
 }
 
-/// An evaluated copy of positions `[start, end)` of `buf`, one of the cache's
-/// own row-contiguous `[B, H, L, D]` arrays, in a buffer of its own exactly
-/// `nbytes()` long.
+/// Evaluated copies of positions `[start, end)` of each `buf`, one of the
+/// cache's own row-contiguous `[B, H, L, D]` arrays, each in a buffer of its own
+/// exactly `nbytes()` long.
 ///
 /// mlx's `copy` always shares the source buffer, and `contiguous` shares it
 /// when the slice is row-contiguous and the buffer at most 16 KiB larger;
@@ -216,25 +216,41 @@ pub(crate) fn grow_write(
 /// leak). The copy is made by `Concatenate`, which always allocates, on a wide
 /// integer view of the buffer (see [`Origin::Owned`]), and then checked: should
 /// an mlx version hand back a shared buffer anyway, the data is copied on the
-/// host instead.
-pub(crate) fn compact_seq_slice(buf: &Array, start: usize, end: usize) -> Result<Array> {
-    let dtype = buf.dtype();
-    let wide = wide_dtype(buf).unwrap_or(dtype);
-    // Reinterpret the whole buffer before slicing: a view of a row-contiguous
-    // array is free, a view of a strided slice would copy.
-    let slice = seq_slice(&reinterpret(buf, wide)?, start, end)?;
-    let copy = concat_fresh(vec![slice.clone()])?;
-    copy.eval().map_err(backend)?;
-    if owns_its_buffer(&copy, &slice) {
-        let copy = reinterpret(&copy, dtype)?;
-        copy.eval().map_err(backend)?;
-        return Ok(copy);
+/// host instead. All copies are evaluated together: every evaluation hands the
+/// work to mlx's stream thread and waits for it, which on a loaded machine
+/// costs as much as a small copy.
+pub(crate) fn compact_seq_slices<const N: usize>(parts: [(&Array, usize, usize); N]) -> Result<[Array; N]> {
+    let mut slices = Vec::with_capacity(N);
+    let mut copies = Vec::with_capacity(N);
+    for &(buf, start, end) in &parts {
+        let dtype = buf.dtype();
+        let wide = wide_dtype(buf).unwrap_or(dtype);
+        // Reinterpret the whole buffer before slicing: a view of a row-contiguous
+        // array is free, a view of a strided slice would copy.
+        let slice = seq_slice(&reinterpret(buf, wide)?, start, end)?;
+        copies.push(reinterpret(&concat_fresh(vec![slice.clone()])?, dtype)?);
+        slices.push(slice);
     }
-    host_copy(&seq_slice(buf, start, end)?)
+    eval(&copies)?;
+    let copies = copies
+        .into_iter()
+        .zip(&slices)
+        .zip(parts)
+        .map(|((copy, slice), (buf, start, end))| {
+            if owns_its_buffer(&copy, slice) {
+                Ok(copy)
+            } else {
+                host_copy(&seq_slice(buf, start, end)?)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(copies
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one copy per part")))
 }
 
 /// An evaluated copy of any array `a` in a buffer of its own, exactly
-/// `a.nbytes()` long (see [`compact_seq_slice`]), copied element-wise.
+/// `a.nbytes()` long (see [`compact_seq_slices`]), copied element-wise.
 pub(crate) fn compact_copy(a: &Array) -> Result<Array> {
     if a.ndim() == 0 {
         let flat = compact_copy(&a.reshape(&[1]).map_err(backend)?)?;
@@ -422,7 +438,7 @@ mod tests {
             let view = seq_slice(&buf, 2, 10).unwrap();
             let copies = [
                 compact_copy(&view).unwrap(),
-                compact_seq_slice(&buf, 2, 10).unwrap(),
+                compact_seq_slices([(&buf, 2, 10)]).unwrap()[0].clone(),
                 host_copy(&view).unwrap(),
             ];
             for copy in copies {

@@ -5,7 +5,7 @@ use std::fmt;
 use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
 use mlx_rs::Array;
 
-use super::arrays::{compact_seq_slice, eval, grow_write, seq_concat, seq_len, seq_slice, KvLayout, Origin};
+use super::arrays::{compact_seq_slices, eval, grow_write, seq_concat, seq_len, seq_slice, KvLayout, Origin};
 use super::snapshot::{check_consecutive, downcast_box, downcast_ref, KvSnapshot};
 use super::DEFAULT_STEP;
 
@@ -116,8 +116,7 @@ impl SnapshotCache for KvCache {
         if from >= self.offset {
             return Ok(None);
         }
-        let keys = compact_seq_slice(k, from, self.offset)?;
-        let values = compact_seq_slice(v, from, self.offset)?;
+        let [keys, values] = compact_seq_slices([(k, from, self.offset), (v, from, self.offset)])?;
         Ok(Some(Box::new(KvSnapshot {
             keys,
             values,
@@ -190,10 +189,12 @@ impl SnapshotCache for KvCache {
         }
         let mid = at - from;
         let len = to - from;
-        let pk = compact_seq_slice(&snap.keys, 0, mid)?;
-        let pv = compact_seq_slice(&snap.values, 0, mid)?;
-        let ck = compact_seq_slice(&snap.keys, mid, len)?;
-        let cv = compact_seq_slice(&snap.values, mid, len)?;
+        let [pk, pv, ck, cv] = compact_seq_slices([
+            (&snap.keys, 0, mid),
+            (&snap.values, 0, mid),
+            (&snap.keys, mid, len),
+            (&snap.values, mid, len),
+        ])?;
         let parent = KvSnapshot {
             keys: pk,
             values: pv,

@@ -6,7 +6,7 @@ use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, Snaps
 use mlx_rs::Array;
 
 use super::arrays::{
-    compact_seq_slice, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
+    compact_seq_slices, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
 };
 use super::snapshot::{downcast_ref, merge_keep_child, refuse_split, RotatingSnapshot};
 use super::DEFAULT_STEP;
@@ -217,8 +217,7 @@ impl SnapshotCache for RotatingKvCache {
             return Ok(None);
         }
         let n = self.offset.min(self.window);
-        let keys = compact_seq_slice(k, 0, n)?;
-        let values = compact_seq_slice(v, 0, n)?;
+        let [keys, values] = compact_seq_slices([(k, 0, n), (v, 0, n)])?;
         Ok(Some(Box::new(RotatingSnapshot {
             keys,
             values,
