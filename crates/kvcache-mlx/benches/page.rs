@@ -6,7 +6,9 @@
 //! Optional arguments after `--`: `--runs N` (default 9), `--tokens N` (default 8192).
 //!
 //! The machines are shared and noisy: every run times the memcpy baseline next
-//! to the operations, and the table reports medians.
+//! to the operations, and the table reports medians. The last column counts the
+//! minor page faults an operation took (Linux): 0 means its new buffers came from
+//! memory the allocator had recycled, not fresh pages from the kernel.
 
 #[cfg(not(any(target_os = "macos", kvcache_mlx)))]
 fn main() {
@@ -101,6 +103,7 @@ mod p3 {
         name: &'static str,
         times: Vec<Duration>,
         bases: Vec<Duration>,
+        faults: Vec<u64>,
     }
 
     impl Row {
@@ -109,10 +112,12 @@ mod p3 {
                 name,
                 times: Vec::new(),
                 bases: Vec::new(),
+                faults: Vec::new(),
             }
         }
 
-        fn push(&mut self, base: Duration, time: Duration) {
+        fn push(&mut self, base: Duration, time: Duration, faults: u64) {
+            self.faults.push(faults);
             self.bases.push(base);
             self.times.push(time);
         }
@@ -128,6 +133,18 @@ mod p3 {
             ratios.sort_by(f64::total_cmp);
             ratios[ratios.len() / 2]
         }
+    }
+
+    /// Minor page faults of this process so far (Linux; 0 elsewhere).
+    fn minor_faults() -> u64 {
+        std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| {
+                // Fields after the command name, which ends with the last ')'.
+                let rest = &s[s.rfind(')')? + 2..];
+                rest.split(' ').nth(7)?.parse().ok()
+            })
+            .unwrap_or(0)
     }
 
     fn median(mut xs: Vec<Duration>) -> Duration {
@@ -159,7 +176,7 @@ mod p3 {
         // compared with it as a ratio, run by run: the load on these shared
         // machines changes from second to second.
         let mut rows: [Row; 4] = [
-            Row::new("memcpy into 60 new Vec<u8> (fresh memory, for reference)"),
+            Row::new("memcpy into 60 new Vec<u8> (new allocations, for reference)"),
             Row::new("snapshot [256, 256+N) of every layer (compact copies)"),
             Row::new("restore over a cache rewound to 256 (buffer reused in place)"),
             Row::new("restore [0, N) into empty caches (new buffers)"),
@@ -168,20 +185,24 @@ mod p3 {
             // What paging out pays on top of copying: fresh memory, one buffer
             // per layer and K/V.
             let base = memcpy();
+            let f = minor_faults();
             let t = Instant::now();
             let copies: Vec<Vec<u8>> = src.chunks(bytes / (2 * LAYERS)).map(<[u8]>::to_vec).collect();
             black_box(&copies);
-            rows[0].push(base, t.elapsed());
+            let time = t.elapsed();
+            rows[0].push(base, time, minor_faults() - f);
             drop(copies);
 
             // Page out [PREFIX, end) of every layer.
             let base = memcpy();
+            let f = minor_faults();
             let t = Instant::now();
             let snaps: Vec<BoxedSnapshot> = live
                 .iter_mut()
                 .map(|c| c.snapshot(PREFIX).unwrap().unwrap())
                 .collect();
-            rows[1].push(base, t.elapsed());
+            let time = t.elapsed();
+            rows[1].push(base, time, minor_faults() - f);
             assert_eq!(snaps.iter().map(|s| s.size_bytes()).sum::<usize>(), bytes);
 
             // Page back in over a cache rewound to the prefix.
@@ -189,23 +210,27 @@ mod p3 {
                 assert!(c.restore(None, PREFIX).unwrap());
             }
             let base = memcpy();
+            let f = minor_faults();
             let t = Instant::now();
             for (c, s) in live.iter_mut().zip(&snaps) {
                 assert!(c.restore(Some(&**s), end).unwrap());
             }
             eval_all(&live);
-            rows[2].push(base, t.elapsed());
+            let time = t.elapsed();
+            rows[2].push(base, time, minor_faults() - f);
             drop(snaps);
 
             // Page in to empty caches (a new buffer per layer).
             let mut empty: Vec<KvCache> = (0..LAYERS).map(|_| KvCache::new()).collect();
             let base = memcpy();
+            let f = minor_faults();
             let t = Instant::now();
             for (c, s) in empty.iter_mut().zip(&from_zero) {
                 assert!(c.restore(Some(&**s), tokens).unwrap());
             }
             eval_all(&empty);
-            rows[3].push(base, t.elapsed());
+            let time = t.elapsed();
+            rows[3].push(base, time, minor_faults() - f);
             if run == 0 {
                 check(&empty[0], &array(tokens, 1), &array(tokens, 2));
             }
@@ -226,16 +251,21 @@ mod p3 {
             base.as_secs_f64() * 1e3,
             gbs(base)
         );
-        println!("| operation | median ms | GB/s | vs adjacent memcpy (median of per-run ratios) |");
-        println!("|---|---|---|---|");
+        println!(
+            "| operation | median ms | GB/s | vs adjacent memcpy (median of per-run ratios) | page faults (median) |"
+        );
+        println!("|---|---|---|---|---|");
         for row in rows {
             let m = median(row.times.clone());
+            let mut faults = row.faults.clone();
+            faults.sort_unstable();
             println!(
-                "| {} | {:.2} | {:.2} | {:.0}% |",
+                "| {} | {:.2} | {:.2} | {:.0}% | {} |",
                 row.name,
                 m.as_secs_f64() * 1e3,
                 gbs(m),
-                100.0 * row.median_ratio()
+                100.0 * row.median_ratio(),
+                faults[faults.len() / 2]
             );
         }
     }
