@@ -62,6 +62,12 @@ fn geometry(a: &Array, b: &Array) -> Option<(usize, usize)> {
     same.then(|| (sa[0] as usize * sa[1] as usize, sa[3] as usize * a.item_size()))
 }
 
+/// Copies of at least this many bytes in all use non-temporal stores: the
+/// rows written are more than a core's cache would keep anyway, and writing
+/// them around the cache spares reading every destination line first (what a
+/// large `memcpy`, the baseline of P3, does too).
+const STREAM_MIN_BYTES: usize = 1 << 20;
+
 /// Copies positions `src_rows` of every head of `src` to positions starting at
 /// `dst_start` of the same head of `dst`; both are `[B, H, L, D]` row-major
 /// bytes with `heads = B * H` and `row` bytes per position.
@@ -69,11 +75,59 @@ fn copy_rows(dst: &mut [u8], src: &[u8], heads: usize, row: usize, src_rows: Ran
     let src_len = src.len() / (heads * row);
     let dst_len = dst.len() / (heads * row);
     let n = src_rows.len() * row;
+    let stream = n * heads >= STREAM_MIN_BYTES;
     for h in 0..heads {
         let s = (h * src_len + src_rows.start) * row;
         let d = (h * dst_len + dst_start) * row;
-        dst[d..d + n].copy_from_slice(&src[s..s + n]);
+        copy_bytes(&mut dst[d..d + n], &src[s..s + n], stream);
     }
+}
+
+/// `dst.copy_from_slice(src)`, with non-temporal stores when `stream` is set
+/// and the target has them (x86-64: SSE2, part of its baseline).
+fn copy_bytes(dst: &mut [u8], src: &[u8], stream: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        stream_copy(dst, src);
+        return;
+    }
+    let _ = stream;
+    dst.copy_from_slice(src);
+}
+
+/// `dst.copy_from_slice(src)` writing 64-byte blocks with `movntdq`.
+#[cfg(target_arch = "x86_64")]
+fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    assert_eq!(dst.len(), src.len(), "copy between slices of different lengths");
+    // Plain copies up to the first 16-byte aligned destination byte and after
+    // the last whole block.
+    let head = dst.as_ptr().align_offset(16).min(dst.len());
+    let body = (dst.len() - head) / 64 * 64;
+    let (dst_head, rest) = dst.split_at_mut(head);
+    let (dst_body, dst_tail) = rest.split_at_mut(body);
+    let (src_head, rest) = src.split_at(head);
+    let (src_body, src_tail) = rest.split_at(body);
+    dst_head.copy_from_slice(src_head);
+    for (d, s) in dst_body.chunks_exact_mut(64).zip(src_body.chunks_exact(64)) {
+        for i in 0..4 {
+            // SAFETY: `s[16 * i..]` holds 16 readable bytes (an unaligned load is
+            // allowed); `d[16 * i..]` holds 16 writable bytes at a 16-byte
+            // aligned address (`d` starts at an aligned address and advances in
+            // 64-byte steps), which `_mm_stream_si128` requires; SSE2 is enabled
+            // on every x86-64 target. `d` and `s` are distinct slices, so they do
+            // not overlap.
+            unsafe {
+                let v = _mm_loadu_si128(s.as_ptr().add(16 * i).cast::<__m128i>());
+                _mm_stream_si128(d.as_mut_ptr().add(16 * i).cast::<__m128i>(), v);
+            }
+        }
+    }
+    dst_tail.copy_from_slice(src_tail);
+    // Non-temporal stores are weakly ordered: fence them before anything else
+    // (mlx's stream thread) may read the buffer.
+    // SAFETY: `sfence` has no preconditions beyond SSE, enabled on x86-64.
+    unsafe { _mm_sfence() };
 }
 
 /// Writes positions `rows` of `update` at `[start, start + rows.len())` of
@@ -212,6 +266,42 @@ mod tests {
             "past the buffer's end"
         );
         assert_eq!(values(&buf), before, "nothing was written");
+    }
+
+    #[test]
+    fn streaming_copies_are_exact_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        for offset in [0, 1, 5, 15, 16, 17, 63] {
+            for len in [0, 1, 15, 16, 63, 64, 65, 200, 1000, 4000 - offset] {
+                for stream in [false, true] {
+                    let mut dst = vec![0xAAu8; 4096];
+                    copy_bytes(&mut dst[offset..offset + len], &src[3..3 + len], stream);
+                    assert_eq!(
+                        &dst[offset..offset + len],
+                        &src[3..3 + len],
+                        "{offset} {len} {stream}"
+                    );
+                    assert!(
+                        dst[..offset].iter().all(|&b| b == 0xAA),
+                        "{offset} {len} {stream}"
+                    );
+                    assert!(
+                        dst[offset + len..].iter().all(|&b| b == 0xAA),
+                        "{offset} {len} {stream}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_writes_stream_and_stay_exact() {
+        // 2 heads x 4096 positions x 64 f32 = 2 MiB per array: above STREAM_MIN_BYTES.
+        let update = iota(&[1, 2, 4096, 64], 0.5);
+        let mut buf = iota(&[1, 2, 4224, 64], -1.0);
+        let want = expected(&buf, 100, &update, 0..4096);
+        assert!(write_rows(&mut buf, 100, &update, 0..4096).unwrap());
+        assert_eq!(values(&buf), want);
     }
 
     #[test]
