@@ -616,9 +616,15 @@ impl Llama {
         // Strided views go to the matmul as they are: `gemm` reads any strides, and
         // a copy of every cached key and value per layer cost more than the products.
         let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
-        let scores = (q.matmul(&kt)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.reshape((kvh, g, n, cells))?.broadcast_add(&ctx.mask)?;
-        let probs = softmax_last(&scores)?.reshape((kvh, g * n, cells))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
+        let probs = match masked_softmax_cpu(&scores, &ctx.mask, scale as f32)? {
+            Some(p) => p,
+            None => {
+                let scores = (scores * scale)?.reshape((kvh, g, n, cells))?;
+                softmax_last(&scores.broadcast_add(&ctx.mask)?)?.reshape((kvh, g * n, cells))?
+            }
+        };
         let v = if ctx.permuted {
             ctx.values.transpose(1, 2)? // [kvh, hd, cells] -> [kvh, cells, hd]
         } else {
@@ -630,6 +636,62 @@ impl Llama {
             .permute((2, 0, 1, 3))?
             .reshape((n, h * hd))?)
     }
+}
+
+/// `softmax(scores * scale + mask)` over the last dimension in one pass per row, for
+/// f32 on the CPU (`None` otherwise): `scores: [heads, rows, cells]` whose row `r`
+/// takes mask row `r % n` of `mask: [n, cells]`.
+///
+/// The same as candle's scale, broadcast add, max, subtract, exp, sum and divide, but
+/// without their seven tensors the size of `scores` (fresh, page-faulted memory at
+/// prefill sizes: it cost more than the products at a few hundred cached tokens).
+fn masked_softmax_cpu(scores: &Tensor, mask: &Tensor, scale: f32) -> Result<Option<Tensor>> {
+    use candle_core::Storage;
+    let (heads, rows, cells) = scores.dims3()?;
+    let (n, mcells) = mask.dims2()?;
+    if !scores.device().is_cpu()
+        || scores.dtype() != DType::F32
+        || mask.dtype() != DType::F32
+        || mcells != cells
+        || n == 0
+        || rows % n != 0
+    {
+        return Ok(None);
+    }
+    let (scores, mask) = (scores.contiguous()?, mask.contiguous()?);
+    let (ss, sl) = scores.storage_and_layout();
+    let (ms, ml) = mask.storage_and_layout();
+    let (Storage::Cpu(ss), Storage::Cpu(ms)) = (&*ss, &*ms) else {
+        return Ok(None);
+    };
+    let sv = &ss.as_slice::<f32>()?[sl.start_offset()..][..heads * rows * cells];
+    let mv = &ms.as_slice::<f32>()?[ml.start_offset()..][..n * cells];
+    let mut out = vec![0f32; sv.len()];
+    for (r, (src, dst)) in sv
+        .chunks_exact(cells)
+        .zip(out.chunks_exact_mut(cells))
+        .enumerate()
+    {
+        let m = &mv[(r % n) * cells..(r % n + 1) * cells];
+        let mut max = f32::NEG_INFINITY;
+        for ((d, &s), &mk) in dst.iter_mut().zip(src).zip(m) {
+            *d = s * scale + mk;
+            max = max.max(*d);
+        }
+        let mut sum = 0f32;
+        for d in dst.iter_mut() {
+            *d = (*d - max).exp();
+            sum += *d;
+        }
+        for d in dst.iter_mut() {
+            *d /= sum;
+        }
+    }
+    Ok(Some(Tensor::from_vec(
+        out,
+        (heads, rows, cells),
+        scores.device(),
+    )?))
 }
 
 /// `x * w / sqrt(mean(x^2) + eps)` over the last dimension.
