@@ -142,6 +142,33 @@ pub(crate) fn seq_write(
     Ok(())
 }
 
+/// Evaluated copies of each output's parts (the cache's own row-contiguous
+/// `[B, H, *, D]` arrays of one dtype) joined along the sequence axis, each in a
+/// buffer of its own (see [`compact_seq_slices`]).
+pub(crate) fn compact_seq_concats<const N: usize>(outputs: [&[&Array]; N]) -> Result<[Array; N]> {
+    #[cfg(target_os = "linux")]
+    {
+        let runs: Vec<Vec<(&Array, Range<usize>)>> = outputs
+            .iter()
+            .map(|parts| parts.iter().map(|&p| (p, 0..seq_len(p))).collect())
+            .collect();
+        let views: Vec<&[(&Array, Range<usize>)]> = runs.iter().map(Vec::as_slice).collect();
+        if let Some(copies) = super::host::compact_rows(&views)? {
+            return Ok(copies
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one copy per output")));
+        }
+    }
+    let joined = outputs
+        .iter()
+        .map(|parts| seq_concat(parts.iter().map(|&p| p.clone()).collect(), Origin::Owned))
+        .collect::<Result<Vec<_>>>()?;
+    eval(&joined)?;
+    Ok(joined
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one copy per output")))
+}
+
 /// `[B, H, n, D]` zeros shaped and typed like `like`.
 pub(crate) fn seq_zeros(like: &Array, n: usize) -> Result<Array> {
     let mut shape = like.shape().to_vec();
@@ -220,6 +247,17 @@ pub(crate) fn grow_write(
 /// work to mlx's stream thread and waits for it, which on a loaded machine
 /// costs as much as a small copy.
 pub(crate) fn compact_seq_slices<const N: usize>(parts: [(&Array, usize, usize); N]) -> Result<[Array; N]> {
+    // On Linux, one memcpy-class pass straight into mlx's new buffers.
+    #[cfg(target_os = "linux")]
+    {
+        let runs = parts.map(|(buf, start, end)| [(buf, start..end)]);
+        let outputs: Vec<&[(&Array, Range<usize>)]> = runs.iter().map(|r| &r[..]).collect();
+        if let Some(copies) = super::host::compact_rows(&outputs)? {
+            return Ok(copies
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one copy per part")));
+        }
+    }
     let mut slices = Vec::with_capacity(N);
     let mut copies = Vec::with_capacity(N);
     for &(buf, start, end) in &parts {

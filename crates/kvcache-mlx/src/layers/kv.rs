@@ -5,7 +5,9 @@ use std::fmt;
 use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
 use mlx_rs::Array;
 
-use super::arrays::{compact_seq_slices, eval, grow_write, seq_concat, seq_len, seq_slice, KvLayout, Origin};
+use super::arrays::{
+    compact_seq_concats, compact_seq_slices, grow_write, seq_len, seq_slice, KvLayout, Origin,
+};
 use super::snapshot::{check_consecutive, downcast_box, downcast_ref, KvSnapshot};
 use super::DEFAULT_STEP;
 
@@ -164,9 +166,8 @@ impl SnapshotCache for KvCache {
         let (c, tokens) = KvLayout::of(&child.keys, &child.values)?;
         p.check(&c, tokens)
             .map_err(|e| CacheError::InvalidArgument(format!("cannot merge: {e}")))?;
-        let keys = seq_concat(vec![parent.keys.clone(), child.keys.clone()], Origin::Owned)?;
-        let values = seq_concat(vec![parent.values.clone(), child.values.clone()], Origin::Owned)?;
-        eval([&keys, &values])?;
+        let [keys, values] =
+            compact_seq_concats([&[&parent.keys, &child.keys], &[&parent.values, &child.values]])?;
         Ok(Some(Box::new(KvSnapshot {
             keys,
             values,

@@ -32,9 +32,11 @@
 //!   row-contiguous arrays as the widest unsigned integers that tile a row (u64
 //!   for f16 rows of 64): mlx's CPU copy loop moves one element per step, so
 //!   this is 2-3x faster than copying f16 elements, and bit-exact. On Linux,
-//!   restores copy with `memcpy` instead where they can: into a buffer made
-//!   exclusive the way mlx decides to write in place, or into a new buffer that
-//!   is exactly the snapshot (see `host.rs`).
+//!   paging copies use `memcpy`-class host copies instead where they can:
+//!   snapshots, merges and splits into new buffers that mlx allocates for a
+//!   `load` from a reader of ours, restores into a buffer made exclusive the
+//!   way mlx decides to write in place, or into a new buffer that is exactly
+//!   the snapshot (see `host.rs`).
 //!
 //! Every type here is `Send` (mlx arrays are `Send`, not `Sync`).
 
