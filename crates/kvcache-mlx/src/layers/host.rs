@@ -455,8 +455,10 @@ extern "C" fn reader_read(desc: *mut c_void, data: *mut c_char, n: usize) -> usi
 }
 
 extern "C" fn reader_read_at(desc: *mut c_void, data: *mut c_char, n: usize, off: usize) -> usize {
-    // SAFETY: called by mlx with the descriptor of a live reader.
-    read_at(unsafe { reader(desc) }, data, n, off)
+    // SAFETY: called by mlx with the descriptor of a live reader; only shared
+    // access is taken, so even concurrent reads of parts of the data (which mlx
+    // 0.32 does not make) would not alias a `&mut`: the plan is behind a mutex.
+    read_at(unsafe { &*desc.cast::<Reader>() }, data, n, off)
 }
 
 /// Reads up to `n` bytes at `off` of the header-then-payload stream into
