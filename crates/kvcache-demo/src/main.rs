@@ -163,6 +163,19 @@ fn device(name: &str) -> Result<Device> {
     }
 }
 
+/// Prints weight-loading progress after `label`, every 10%, on one line.
+fn load_progress(label: String) -> impl FnMut(LoadProgress) {
+    let mut last = 0;
+    move |p: LoadProgress| {
+        let pct = p.done * 100 / p.total.max(1);
+        if pct >= last + 10 || p.done == p.total {
+            last = pct;
+            print!("\r{label}: {pct:3}% ({}/{} tensors)", p.done, p.total);
+            flush();
+        }
+    }
+}
+
 fn flush() {
     let _ = std::io::stdout().flush();
 }
@@ -257,18 +270,7 @@ fn load(path: &std::path::Path, dev: &Device, weights: WeightMode) -> Result<(Ll
         "config: {} layers, dim {}, {} heads / {} KV heads of {}, FFN {}, vocab {}, rope base {}",
         c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size, c.rope_base
     );
-    let mut last = 0;
-    let mut progress = |p: LoadProgress| {
-        let pct = p.done * 100 / p.total.max(1);
-        if pct >= last + 10 || p.done == p.total {
-            last = pct;
-            print!(
-                "\rloading weights ({weights:?}): {pct:3}% ({}/{} tensors)",
-                p.done, p.total
-            );
-            flush();
-        }
-    };
+    let mut progress = load_progress(format!("loading weights ({weights:?})"));
     let model = file.load(dev, weights, &mut progress)?;
     let tokenizer = file.tokenizer()?;
     println!(
@@ -583,7 +585,7 @@ mod mlx_chat {
     use std::time::Instant;
 
     use kvcache_demo::mlx::{MlxChatServer, MlxLlama};
-    use kvcache_demo::{ChatTokenizer, LoadProgress, ModelFile, Result};
+    use kvcache_demo::{ChatTokenizer, ModelFile, Result};
 
     use super::{chat_demo, flush, print_trie_stats, Args};
 
@@ -594,18 +596,7 @@ mod mlx_chat {
     pub fn run(path: &Path, tokenizer: &ChatTokenizer, args: &Args) -> Result<()> {
         let t0 = Instant::now();
         let file = ModelFile::open(path)?;
-        let mut last = 0;
-        let mut progress = |p: LoadProgress| {
-            let pct = p.done * 100 / p.total.max(1);
-            if pct >= last + 10 || p.done == p.total {
-                last = pct;
-                print!(
-                    "\rloading weights into mlx-rs (F32): {pct:3}% ({}/{} tensors)",
-                    p.done, p.total
-                );
-                flush();
-            }
-        };
+        let mut progress = super::load_progress("loading weights into mlx-rs (F32)".into());
         let model = MlxLlama::load(&file, &mut progress)?;
         let device = mlx_rs::Device::try_default()
             .map(|d| format!("{d:?}"))
