@@ -4,10 +4,14 @@
 //!
 //! Knobs: `KVCACHE_E1_REQUESTS` (default 80), `KVCACHE_E1_PREDICT` (default 32),
 //! `KVCACHE_E1_POLICIES` (default `trie,single,none`), `KVCACHE_E2_RUNS` (default 5),
-//! `KVCACHE_E2_TOKENS` (default 32), `KVCACHE_BENCH` (`e1`, `e2` or both, default both).
+//! `KVCACHE_E2_TOKENS` (default 32), `KVCACHE_BENCH` (`e1`, `e2` or both, default both),
+//! `KVCACHE_E1_VERBOSE=1` (a line per request and policy).
+//!
+//! E1 alternates the policies request by request (one server each, in one process),
+//! so their times to first token are taken under the same machine load.
 
 use candle_core::Device;
-use kvcache_demo::bench::{e1_chat_reuse, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
+use kvcache_demo::bench::{e1_chat_reuse_interleaved, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
 use kvcache_demo::chat::Reuse;
 use kvcache_demo::tokenizer::{chatml, Message, Role};
 use kvcache_demo::trace::Trace;
@@ -55,17 +59,44 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let requests = knob("KVCACHE_E1_REQUESTS", 80);
         let predict = knob("KVCACHE_E1_PREDICT", 32);
         let policies = std::env::var("KVCACHE_E1_POLICIES").unwrap_or_else(|_| "trie,single,none".into());
-        let mut reports = Vec::new();
-        for name in policies.split(',') {
-            let reuse = match name {
-                "trie" => Reuse::Trie,
-                "single" => Reuse::SingleEntry,
-                "none" => Reuse::None,
-                other => return Err(format!("unknown policy {other:?}").into()),
-            };
-            let r = e1_chat_reuse(&model, &trace, reuse, requests, predict, 4 << 30, &mut |_| {})?;
+        let verbose = std::env::var("KVCACHE_E1_VERBOSE").is_ok_and(|v| v == "1");
+        let reuses = policies
+            .split(',')
+            .map(|name| match name {
+                "trie" => Ok(Reuse::Trie),
+                "single" => Ok(Reuse::SingleEntry),
+                "none" => Ok(Reuse::None),
+                other => Err(format!("unknown policy {other:?}")),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        println!(
+            "E1: {requests} requests x {predict} generated tokens, policies {policies} alternating per request"
+        );
+        let reports = e1_chat_reuse_interleaved(
+            &model,
+            &trace,
+            &reuses,
+            requests,
+            predict,
+            4 << 30,
+            &mut |reuse, row| {
+                if verbose {
+                    println!(
+                    "  {:<12} request {:2} (conversation {}, turn {}): {:4} prompt tokens, {:4} evaluated (min {:4}), TTFT {:7.1} ms",
+                    reuse.name(),
+                    row.idx,
+                    row.conv,
+                    row.turn,
+                    row.outcome.prompt_tokens,
+                    row.outcome.evaluated,
+                    row.min_prefill,
+                    row.outcome.time_to_first_token.as_secs_f64() * 1e3
+                );
+                }
+            },
+        )?;
+        for r in &reports {
             println!("E1 {r}");
-            reports.push(r);
         }
         let trie = reports.iter().find(|r| r.reuse == Reuse::Trie);
         let none = reports.iter().find(|r| r.reuse == Reuse::None);

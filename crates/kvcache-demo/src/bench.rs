@@ -346,3 +346,50 @@ pub fn e1_chat_reuse(
         elapsed: start.elapsed(),
     })
 }
+
+/// Runs the first `requests` requests of the E1 trace through one [`ChatServer`]
+/// per policy in `policies`, alternating: each request goes to every server in
+/// turn before the next request, so that the policies' times to first token are
+/// taken under the same machine load (a shared machine's load drifts over the
+/// tens of minutes a policy takes alone). `log` sees each request of each policy
+/// as it finishes. Returns one report per policy, in the order given; each
+/// report's `elapsed` is the time spent in that policy's requests.
+pub fn e1_chat_reuse_interleaved(
+    model: &Llama,
+    trace: &Trace,
+    policies: &[Reuse],
+    requests: usize,
+    n_predict: usize,
+    budget_bytes: usize,
+    log: &mut dyn FnMut(Reuse, &E1Row),
+) -> Result<Vec<E1Report>> {
+    let mut servers = policies
+        .iter()
+        .map(|&reuse| ChatServer::new(model, reuse, budget_bytes))
+        .collect::<Result<Vec<_>>>()?;
+    let mut reports: Vec<E1Report> = policies
+        .iter()
+        .map(|&reuse| E1Report {
+            reuse,
+            rows: Vec::new(),
+            elapsed: Duration::ZERO,
+        })
+        .collect();
+    for r in trace.requests.iter().take(requests) {
+        for (server, report) in servers.iter_mut().zip(&mut reports) {
+            let start = Instant::now();
+            let outcome = server.generate(&r.token_ids, n_predict, None)?;
+            report.elapsed += start.elapsed();
+            let row = E1Row {
+                idx: r.idx,
+                conv: r.conv,
+                turn: r.turn,
+                min_prefill: r.min_prefill,
+                outcome,
+            };
+            log(report.reuse, &row);
+            report.rows.push(row);
+        }
+    }
+    Ok(reports)
+}
