@@ -587,7 +587,7 @@ mod mlx_chat {
     use kvcache_demo::mlx::{MlxChatServer, MlxLlama};
     use kvcache_demo::{ChatTokenizer, ModelFile, Result};
 
-    use super::{chat_demo, flush, print_trie_stats, Args};
+    use super::{chat_demo, print_trie_stats, Args};
 
     /// Whether this build has the mlx backend.
     pub const AVAILABLE: bool = true;
