@@ -18,6 +18,60 @@ use crate::engine::argmax;
 use crate::layer_cache::CandleKv;
 use crate::{DemoError, Llama, Result};
 
+/// One chat turn through a prefix trie, for any model: `forward` runs tokens
+/// through the session's layer caches and returns its hidden rows (at least the
+/// last), `pick` chooses the next token from them. Greedy, `n_predict` tokens,
+/// stopping after `eos` if given; the turn's tokens are recorded and the session
+/// closed, so the trie keeps the conversation.
+pub fn trie_turn<C, H>(
+    trie: &mut PrefixCache<C>,
+    prompt: &[u32],
+    n_predict: usize,
+    eos: Option<u32>,
+    mut forward: impl FnMut(&[u32], &mut [C]) -> Result<H>,
+    mut pick: impl FnMut(&H) -> Result<u32>,
+) -> Result<TurnOutcome>
+where
+    C: SnapshotCache,
+{
+    if prompt.is_empty() || n_predict == 0 {
+        return Err(DemoError::InvalidArgument(
+            "empty prompt or nothing to generate".into(),
+        ));
+    }
+    let t0 = Instant::now();
+    let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
+    let mut session = trie.begin(prompt)?;
+    let matched = session.cached();
+    let evaluated = session.remaining().len();
+    let mut last = None;
+    session.prefill(|tokens, caches| -> Result<()> {
+        last = Some(forward(tokens, caches)?);
+        Ok(())
+    })?;
+    let last = last.ok_or_else(|| DemoError::InvalidArgument("nothing evaluated".into()))?;
+    let mut token = pick(&last)?;
+    drop(last);
+    let time_to_first_token = t0.elapsed();
+    let mut generated = vec![token];
+    session.record(token);
+    while !done(&generated) {
+        let h = forward(&[token], session.caches_mut())?;
+        token = pick(&h)?;
+        generated.push(token);
+        session.record(token);
+    }
+    session.close()?;
+    Ok(TurnOutcome {
+        prompt_tokens: prompt.len(),
+        matched,
+        evaluated,
+        time_to_first_token,
+        total: t0.elapsed(),
+        generated,
+    })
+}
+
 /// How requests reuse earlier work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reuse {
@@ -117,37 +171,17 @@ impl<'m> ChatServer<'m> {
         let model = self.model;
         let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
         match &mut self.state {
-            State::Trie(trie) => {
-                let mut session = trie.begin(prompt)?;
-                let matched = session.cached();
-                let evaluated = session.remaining().len();
-                let mut last = None;
-                session.prefill(|tokens, caches| -> Result<()> {
+            State::Trie(trie) => trie_turn(
+                trie,
+                prompt,
+                n_predict,
+                eos,
+                |tokens, caches| {
                     let h = model.hidden_layers(tokens, caches)?;
-                    last = Some(h.narrow(0, tokens.len() - 1, 1)?);
-                    Ok(())
-                })?;
-                let last = last.ok_or_else(|| DemoError::InvalidArgument("nothing evaluated".into()))?;
-                let mut token = pick(model, &last)?;
-                let ttft = t0.elapsed();
-                let mut generated = vec![token];
-                session.record(token);
-                while !done(&generated) {
-                    let h = model.hidden_layers(&[token], session.caches_mut())?;
-                    token = pick(model, &h)?;
-                    generated.push(token);
-                    session.record(token);
-                }
-                session.close()?;
-                Ok(TurnOutcome {
-                    prompt_tokens: prompt.len(),
-                    matched,
-                    evaluated,
-                    time_to_first_token: ttft,
-                    total: t0.elapsed(),
-                    generated,
-                })
-            }
+                    Ok(h.narrow(0, tokens.len() - 1, 1)?)
+                },
+                |h| pick(model, h),
+            ),
             State::Live { caches, tokens } => {
                 let matched = if self.reuse == Reuse::SingleEntry {
                     let common = tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();

@@ -6,14 +6,12 @@
 //! the rest (pausing where the trie wants branch-point snapshots), then decodes
 //! greedily, and closing the session stores what the caches hold.
 
-use std::time::Instant;
-
 use kvcache_mlx::layers::KvCache;
 use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
 
 use super::MlxLlama;
-use crate::chat::TurnOutcome;
-use crate::{DemoError, Result};
+use crate::chat::{trie_turn, TurnOutcome};
+use crate::Result;
 
 /// A chat server in miniature on mlx: one model, one live sequence of mlx
 /// `KvCache`s, and the prefix trie shared across conversations.
@@ -54,43 +52,14 @@ impl<'m> MlxChatServer<'m> {
     /// Answers `prompt` with `n_predict` greedy tokens (stopping after `eos` if
     /// given).
     pub fn generate(&mut self, prompt: &[u32], n_predict: usize, eos: Option<u32>) -> Result<TurnOutcome> {
-        if prompt.is_empty() || n_predict == 0 {
-            return Err(DemoError::InvalidArgument(
-                "empty prompt or nothing to generate".into(),
-            ));
-        }
-        let t0 = Instant::now();
         let model = self.model;
-        let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
-        let mut session = self.trie.begin(prompt)?;
-        let matched = session.cached();
-        let evaluated = session.remaining().len();
-        let mut next = None;
-        session.prefill(|tokens, caches| -> Result<()> {
-            let h = model.hidden_layers(tokens, caches)?;
-            next = Some(h);
-            Ok(())
-        })?;
-        let last = next.ok_or_else(|| DemoError::InvalidArgument("nothing evaluated".into()))?;
-        let mut token = model.next_token(&last)?;
-        drop(last);
-        let ttft = t0.elapsed();
-        let mut generated = vec![token];
-        session.record(token);
-        while !done(&generated) {
-            let h = model.hidden_layers(&[token], session.caches_mut())?;
-            token = model.next_token(&h)?;
-            generated.push(token);
-            session.record(token);
-        }
-        session.close()?;
-        Ok(TurnOutcome {
-            prompt_tokens: prompt.len(),
-            matched,
-            evaluated,
-            time_to_first_token: ttft,
-            total: t0.elapsed(),
-            generated,
-        })
+        trie_turn(
+            &mut self.trie,
+            prompt,
+            n_predict,
+            eos,
+            |tokens, caches| model.hidden_layers(tokens, caches),
+            |h| model.next_token(h),
+        )
     }
 }
