@@ -85,6 +85,23 @@ pub enum CacheError {
     #[error("invalid state: {0}")]
     InvalidState(String),
 
+    /// Keys and values of another shape than the cache's (or the store's): another
+    /// model, another number of layers or heads, another dtype.
+    #[error("layout mismatch in {what}: expected {expected}, got {got}")]
+    LayoutMismatch {
+        /// The field that differs (`"layers"`, `"kv_heads"`, `"dtype"`, `"model"`, ...).
+        what: &'static str,
+        /// The cache's value.
+        expected: String,
+        /// The value received.
+        got: String,
+    },
+
+    /// A namespace (a tenant's cache salt) that is empty, too long or has a
+    /// character outside the allowed set; see `Namespace`.
+    #[error("invalid namespace: {0}")]
+    InvalidNamespace(String),
+
     /// Any other argument the cache rejects (an inverted range, a bad config value).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

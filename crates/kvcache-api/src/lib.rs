@@ -32,6 +32,7 @@ mod batch;
 mod causal;
 mod config;
 mod error;
+pub mod host;
 mod shared;
 mod snapshot;
 
@@ -39,5 +40,6 @@ pub use batch::{Batch, Pos, SeqId};
 pub use causal::{CausalCache, ForwardMode, KeyShift, KvView, PosRange};
 pub use config::{CausalConfig, DType, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
+pub use host::{Fetched, Fingerprint, HostKv, KvLayout, LayerRows, LayerRowsMut, Namespace, PrefixStore};
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};

@@ -4,7 +4,7 @@
 use std::any::Any;
 use std::ops::Range;
 
-use crate::Result;
+use crate::{LayerRows, LayerRowsMut, Result};
 
 /// Paged-out state of one layer's cache for the token range [`range`](Self::range).
 ///
@@ -66,6 +66,31 @@ pub trait SnapshotCache: Send {
 
     /// Drops all live state; the offset becomes 0.
     fn free(&mut self);
+
+    /// Copies the live rows `rows` (token offsets, `rows.end <= offset`) into
+    /// `out`, one layer of a [`HostKv`](crate::HostKv) holding `rows.len()` tokens.
+    ///
+    /// Returns `Ok(false)`, writing nothing, when this cache cannot cut its state
+    /// into token rows (a rotating window, a recurrent state: the default), or
+    /// when `rows` is not live. A shape or dtype other than `out`'s is a
+    /// [`LayoutMismatch`](crate::CacheError::LayoutMismatch) error.
+    fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
+        let _ = (rows, out);
+        Ok(false)
+    }
+
+    /// Appends rows `rows` of `src` (indices into `src`, one layer of a
+    /// [`HostKv`](crate::HostKv)) after the live state, advancing the offset by
+    /// `rows.len()`.
+    ///
+    /// Returns `Ok(false)`, changing nothing, when this cache cannot take rows
+    /// (the default). A shape or dtype other than the cache's is a
+    /// [`LayoutMismatch`](crate::CacheError::LayoutMismatch) error that changes
+    /// nothing.
+    fn append_rows(&mut self, src: LayerRows<'_>, rows: Range<usize>) -> Result<bool> {
+        let _ = (src, rows);
+        Ok(false)
+    }
 }
 
 impl<C: SnapshotCache + ?Sized> SnapshotCache for Box<C> {
@@ -94,6 +119,12 @@ impl<C: SnapshotCache + ?Sized> SnapshotCache for Box<C> {
     }
     fn free(&mut self) {
         (**self).free()
+    }
+    fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
+        (**self).read_rows(rows, out)
+    }
+    fn append_rows(&mut self, src: LayerRows<'_>, rows: Range<usize>) -> Result<bool> {
+        (**self).append_rows(src, rows)
     }
 }
 
