@@ -65,6 +65,8 @@ where
     Ok(TurnOutcome {
         prompt_tokens: prompt.len(),
         matched,
+        restored: 0,
+        tiers: Vec::new(),
         evaluated,
         time_to_first_token,
         total: t0.elapsed(),
@@ -101,6 +103,10 @@ pub struct TurnOutcome {
     pub prompt_tokens: usize,
     /// Prompt tokens restored from earlier work.
     pub matched: usize,
+    /// Of `matched`, tokens restored from a prefix store.
+    pub restored: usize,
+    /// `(tier, tokens)` for each store tier that served some.
+    pub tiers: Vec<(&'static str, usize)>,
     /// Prompt tokens evaluated.
     pub evaluated: usize,
     /// From receiving the prompt to the first generated token.
@@ -212,6 +218,8 @@ impl<'m> ChatServer<'m> {
                 Ok(TurnOutcome {
                     prompt_tokens: prompt.len(),
                     matched,
+                    restored: 0,
+                    tiers: Vec::new(),
                     evaluated: rest.len(),
                     time_to_first_token: ttft,
                     total: t0.elapsed(),

@@ -10,7 +10,9 @@ use std::any::Any;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
+use kvcache_api::{
+    BoxedSnapshot, CacheError, KvLayout, LayerCache, LayerRows, LayerRowsMut, Result, Snapshot, SnapshotCache,
+};
 
 fn be(e: candle_core::Error) -> CacheError {
     CacheError::backend(e)
@@ -97,6 +99,17 @@ impl CandleKv {
             (Some(k), Some(v)) => Ok((k.narrow(1, 0, self.offset)?, v.narrow(1, 0, self.offset)?)),
             _ => candle_core::bail!("empty layer cache"),
         }
+    }
+
+    /// Checks that host rows of `layout` fit this cache (f32, same heads and dims).
+    fn expect_layout(&self, layout: &KvLayout) -> Result<()> {
+        let mine = KvLayout::new(
+            layout.layers,
+            self.kv_heads,
+            self.head_dim,
+            kvcache_api::DType::F32,
+        );
+        mine.expect(layout)
     }
 
     /// Appends `[kv_heads, n, head_dim]` keys and values.
@@ -225,6 +238,68 @@ impl SnapshotCache for CandleKv {
         self.values = None;
         self.offset = 0;
     }
+
+    /// Host rows are `[kv_heads, rows, head_dim]` f32, like the live buffers.
+    fn read_rows(&self, rows: Range<usize>, mut out: LayerRowsMut<'_>) -> Result<bool> {
+        self.expect_layout(&out.layout)?;
+        if rows.end > self.offset || rows.start > rows.end || out.tokens != rows.len() {
+            return Ok(false);
+        }
+        let (k, v) = self.live().map_err(be)?;
+        let n = rows.len();
+        for (tensor, keys) in [(k, true), (v, false)] {
+            let data = tensor
+                .narrow(1, rows.start, n)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(be)?;
+            for head in 0..self.kv_heads {
+                let dst = if keys {
+                    out.head_keys(head, 0..n)
+                } else {
+                    out.head_values(head, 0..n)
+                };
+                let src = &data[head * n * self.head_dim..(head + 1) * n * self.head_dim];
+                for (d, x) in dst.chunks_exact_mut(4).zip(src) {
+                    d.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn append_rows(&mut self, src: LayerRows<'_>, rows: Range<usize>) -> Result<bool> {
+        self.expect_layout(&src.layout)?;
+        if rows.end > src.tokens || rows.start > rows.end {
+            return Err(CacheError::InvalidArgument(format!(
+                "rows {rows:?} outside the {} held",
+                src.tokens
+            )));
+        }
+        if rows.is_empty() {
+            return Ok(true);
+        }
+        let n = rows.len();
+        let gather = |keys: bool| -> Result<Tensor> {
+            let mut data = Vec::with_capacity(self.kv_heads * n * self.head_dim);
+            for head in 0..self.kv_heads {
+                let bytes = if keys {
+                    src.head_keys(head, rows.clone())
+                } else {
+                    src.head_values(head, rows.clone())
+                };
+                data.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                );
+            }
+            Tensor::from_vec(data, (self.kv_heads, n, self.head_dim), &self.device).map_err(be)
+        };
+        let (k, v) = (gather(true)?, gather(false)?);
+        self.append(&k, &v)?;
+        Ok(true)
+    }
 }
 
 impl LayerCache for CandleKv {
@@ -251,5 +326,51 @@ impl LayerCache for CandleKv {
 
     fn state(&self) -> Vec<Tensor> {
         self.live().map(|(k, v)| vec![k, v]).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvcache_api::{DType as KvDType, HostKv};
+
+    fn filled(tokens: usize) -> CandleKv {
+        let mut cache = CandleKv::new(2, 4, &Device::Cpu);
+        let n = 2 * tokens * 4;
+        let keys = Tensor::arange(0f32, n as f32, &Device::Cpu).unwrap();
+        let keys = keys.reshape((1, 2, tokens, 4)).unwrap();
+        let values = (&keys * -1.0).unwrap();
+        cache.update(&keys, &values).unwrap();
+        cache
+    }
+
+    #[test]
+    fn rows_go_to_the_host_and_back() {
+        let source = filled(7);
+        let layout = KvLayout::new(1, 2, 4, KvDType::F32);
+        let mut kv = HostKv::zeroed(layout, 2, 5);
+        assert!(source.read_rows(2..7, kv.layer_mut(0)).unwrap());
+        // Head 1, token 2 of the source: elements (1 * 7 + 2) * 4 ..
+        let first = f32::from_le_bytes(kv.layer(0).head_keys(1, 0..1)[..4].try_into().unwrap());
+        assert_eq!(first, 36.0);
+
+        // A cache holding the first two rows takes the other five from the host.
+        let mut target = filled(7);
+        target.restore(None, 2).unwrap();
+        assert!(target.append_rows(kv.layer(0), 0..5).unwrap());
+        assert_eq!(target.offset(), 7);
+        for (a, b) in source.state().iter().zip(target.state()) {
+            let diff = (a - &b).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
+        }
+        // Rows that are not live, and host rows of another shape, are refused.
+        assert!(!source
+            .read_rows(5..9, HostKv::zeroed(layout, 5, 4).layer_mut(0))
+            .unwrap());
+        let other = KvLayout::new(1, 3, 4, KvDType::F32);
+        assert!(target
+            .append_rows(HostKv::zeroed(other, 0, 1).layer(0), 0..1)
+            .is_err());
+        assert_eq!(target.offset(), 7);
     }
 }

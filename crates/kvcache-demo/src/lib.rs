@@ -9,6 +9,8 @@
 //! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
 //! - [`trace`]: the E1 chat trace.
 //! - [`mod@bench`]: benchmarks E1 (chat reuse) and E2 (batched vs sequential decode).
+//! - [`replica`], [`store_bench`]: engine processes sharing a prefix store, and
+//!   benchmarks E3 (restart over a disk store) and E4 (two replicas over Redis).
 //! - [`check`]: runs cache schedules and compares with full recompute.
 //! - [`paths`]: where the model and fixtures live.
 //! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): the same
@@ -26,6 +28,8 @@ pub mod layer_cache;
 pub mod mlx;
 pub mod model;
 pub mod paths;
+pub mod replica;
+pub mod store_bench;
 pub mod tokenizer;
 pub mod trace;
 

@@ -1,0 +1,321 @@
+//! Engine processes that share a prefix store: the store benchmarks E3 (a
+//! restart over a disk store) and E4 (two replicas over one Redis), and the
+//! demo's conversation continued by a second process.
+//!
+//! A *replica* is this crate's binary started with `--replica`: it loads the
+//! model, opens a chat server over the prefix trie and the store its flags
+//! name, prints `ready`, then answers one command per line on stdin with one
+//! JSON line on stdout:
+//!
+//! | command | answer |
+//! |---|---|
+//! | `run I` | [`TurnLine`] of trace request `I` through the trie and the store |
+//! | `recompute I` | [`TurnLine`] of request `I` evaluated from scratch (no reuse) |
+//! | `flush` | `{"flushed":true}` once the store has written everything queued |
+//!
+//! End of input flushes the store and exits. [`Replica`] is the other end: it
+//! spawns one, sends commands and reads the answers.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::chat::{ChatServer, Reuse, TurnOutcome};
+use crate::trace::Trace;
+use crate::{DemoError, Llama, Result};
+
+/// One answered request, as a replica reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnLine {
+    /// Index in the trace.
+    pub idx: usize,
+    /// Conversation.
+    pub conv: usize,
+    /// Turn in the conversation, from 1.
+    pub turn: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens restored (trie and store together).
+    pub cached: usize,
+    /// Of those, tokens restored from the store.
+    pub restored: usize,
+    /// `(tier, tokens)` the store served.
+    pub tiers: Vec<(String, usize)>,
+    /// Prompt tokens evaluated.
+    pub evaluated: usize,
+    /// Time to first token, milliseconds.
+    pub ttft_ms: f64,
+}
+
+impl TurnLine {
+    fn new(request: &crate::trace::Request, outcome: &TurnOutcome) -> Self {
+        TurnLine {
+            idx: request.idx,
+            conv: request.conv,
+            turn: request.turn,
+            prompt_tokens: outcome.prompt_tokens,
+            cached: outcome.matched,
+            restored: outcome.restored,
+            tiers: outcome
+                .tiers
+                .iter()
+                .map(|(name, n)| ((*name).to_owned(), *n))
+                .collect(),
+            evaluated: outcome.evaluated,
+            ttft_ms: outcome.time_to_first_token.as_secs_f64() * 1e3,
+        }
+    }
+}
+
+/// Serves replica commands from `input` to `output` (see the module docs) with
+/// `server` for `run` and a fresh no-reuse server per `recompute`; `flush`
+/// waits for `store` to drain.
+pub fn serve(
+    model: &Llama,
+    trace: &Trace,
+    server: &mut ChatServer<'_>,
+    flush: &dyn Fn(),
+    n_predict: usize,
+    input: impl BufRead,
+    mut output: impl Write,
+) -> Result<()> {
+    let io = |e: std::io::Error| DemoError::io(Path::new("<stdout>"), e);
+    writeln!(output, "ready").map_err(io)?;
+    output.flush().map_err(io)?;
+    for line in input.lines() {
+        let line = line.map_err(|e| DemoError::io(Path::new("<stdin>"), e))?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let answer = match words.as_slice() {
+            [] => continue,
+            ["flush"] => {
+                flush();
+                "{\"flushed\":true}".to_owned()
+            }
+            [command @ ("run" | "recompute"), index] => {
+                let i: usize = index
+                    .parse()
+                    .map_err(|_| DemoError::InvalidArgument(format!("not a request index: {index:?}")))?;
+                let request = trace.requests.get(i).ok_or_else(|| {
+                    DemoError::InvalidArgument(format!("request {i} of {}", trace.requests.len()))
+                })?;
+                let outcome = if *command == "run" {
+                    server.generate(&request.token_ids, n_predict, None)?
+                } else {
+                    ChatServer::new(model, Reuse::None, 0)?.generate(&request.token_ids, n_predict, None)?
+                };
+                serde_json::to_string(&TurnLine::new(request, &outcome))
+                    .map_err(|e| DemoError::Format(e.to_string()))?
+            }
+            _ => {
+                return Err(DemoError::InvalidArgument(format!(
+                    "unknown replica command {line:?}"
+                )))
+            }
+        };
+        writeln!(output, "{answer}").map_err(io)?;
+        output.flush().map_err(io)?;
+    }
+    flush();
+    Ok(())
+}
+
+/// A replica process, spawned and driven over its stdin and stdout.
+#[derive(Debug)]
+pub struct Replica {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    label: String,
+}
+
+impl Replica {
+    /// Starts `exe --replica ARGS` and waits for its `ready` line (the model is
+    /// loaded and the store open).
+    pub fn spawn(exe: &Path, args: &[String], label: &str) -> Result<Self> {
+        let mut child = Command::new(exe)
+            .arg("--replica")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| DemoError::io(exe, e))?;
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut replica = Replica {
+            child,
+            stdin,
+            stdout,
+            label: label.to_owned(),
+        };
+        let first = replica.read_line()?;
+        if first != "ready" {
+            return Err(DemoError::Format(format!(
+                "{label}: expected `ready`, got {first:?}"
+            )));
+        }
+        Ok(replica)
+    }
+
+    /// Runs trace request `i` through the replica's trie and store.
+    pub fn run(&mut self, i: usize) -> Result<TurnLine> {
+        self.ask(&format!("run {i}"))
+    }
+
+    /// Evaluates trace request `i` from scratch in the replica (its time to
+    /// first token without any reuse, under the same load).
+    pub fn recompute(&mut self, i: usize) -> Result<TurnLine> {
+        self.ask(&format!("recompute {i}"))
+    }
+
+    /// Waits until the replica's store has written everything queued.
+    pub fn flush(&mut self) -> Result<()> {
+        self.send("flush")?;
+        let line = self.read_line()?;
+        if line.contains("flushed") {
+            Ok(())
+        } else {
+            Err(DemoError::Format(format!(
+                "{}: flush answered {line:?}",
+                self.label
+            )))
+        }
+    }
+
+    /// Stops the replica the way an engine is shut down: its input closes, it
+    /// writes what its store still has queued and exits.
+    pub fn stop(mut self) -> Result<()> {
+        drop(self.stdin.take());
+        let status = self
+            .child
+            .wait()
+            .map_err(|e| DemoError::io(Path::new(&self.label), e))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(DemoError::Format(format!("{} exited with {status}", self.label)))
+        }
+    }
+
+    fn ask(&mut self, command: &str) -> Result<TurnLine> {
+        self.send(command)?;
+        let line = self.read_line()?;
+        serde_json::from_str(&line).map_err(|e| DemoError::Format(format!("{}: {e} in {line:?}", self.label)))
+    }
+
+    fn send(&mut self, command: &str) -> Result<()> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| DemoError::InvalidArgument(format!("{} is stopping", self.label)))?;
+        writeln!(stdin, "{command}")
+            .and_then(|()| stdin.flush())
+            .map_err(|e| DemoError::io(Path::new(&self.label), e))
+    }
+
+    fn read_line(&mut self) -> Result<String> {
+        let mut line = String::new();
+        let n = self
+            .stdout
+            .read_line(&mut line)
+            .map_err(|e| DemoError::io(Path::new(&self.label), e))?;
+        if n == 0 {
+            return Err(DemoError::Format(format!("{} closed its output", self.label)));
+        }
+        Ok(line.trim_end().to_owned())
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        // A replica left running (an error on our side) is killed by its pid.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A `redis-server` of our own on a Unix socket in a temporary directory,
+/// stopped (by its process id) when dropped.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl RedisServer {
+    /// Starts `redis-server` from `PATH` with no persistence, at most
+    /// `max_memory` bytes (least recently used keys evicted), listening on a
+    /// socket only, and waits until it answers `PING`.
+    pub fn start(max_memory: usize) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("kvcache-redis-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&dir).map_err(|e| DemoError::io(&dir, e))?;
+        let socket = dir.join("redis.sock");
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--save", "", "--appendonly", "no"])
+            .arg("--unixsocket")
+            .arg(&socket)
+            .args([
+                "--maxmemory",
+                &max_memory.to_string(),
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ])
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| DemoError::io(Path::new("redis-server (apt-get install redis-server)"), e))?;
+        let server = RedisServer { child, dir };
+        for _ in 0..200 {
+            if server.ping() {
+                return Ok(server);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        Err(DemoError::Format(
+            "redis-server did not answer PING within 5 s".into(),
+        ))
+    }
+
+    /// The server's Unix socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("redis.sock")
+    }
+
+    /// The URL the `redis` crate connects with.
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket().display())
+    }
+
+    fn ping(&self) -> bool {
+        use std::io::Read;
+        let Ok(mut stream) = std::os::unix::net::UnixStream::connect(self.socket()) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut reply = [0u8; 7];
+        stream.write_all(b"PING\r\n").is_ok()
+            && stream.read_exact(&mut reply).is_ok()
+            && &reply == b"+PONG\r\n"
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
