@@ -1,7 +1,9 @@
 //! Node storage: a `Vec` of nodes addressed by `u32` indices, with a free list.
 //!
 //! Invariants (checked by [`PrefixCache::check`](super::PrefixCache::check)):
-//! - slot [`ROOT`] always holds the live root, whose edge is empty (`[0, 0)`);
+//! - slot [`ROOT`] always holds the live root of the shared namespace, whose
+//!   edge is empty (`[0, 0)`); every other namespace's root is a node like it
+//!   (no parent, empty edge) in some other slot;
 //! - a live node's `children` are sorted by their first edge token, with no
 //!   duplicates, and each entry's token is the child's first token;
 //! - a dead slot is on the free list exactly once and owns no snapshots.
@@ -13,7 +15,7 @@ use kvcache_api::BoxedSnapshot;
 /// Index of a node in the arena.
 pub(crate) type NodeId = u32;
 
-/// The root's slot.
+/// The shared namespace's root slot.
 pub(crate) const ROOT: NodeId = 0;
 
 /// "No node" (the root's parent).
@@ -67,6 +69,11 @@ impl Node {
             live: true,
             key: None,
         }
+    }
+
+    /// True for a namespace's root (no parent, empty edge at offset 0).
+    pub fn is_root(&self) -> bool {
+        self.parent == NONE
     }
 
     /// True when every one of `layers` layers has a snapshot.

@@ -1,20 +1,24 @@
 //! [`PrefixCache`]: the trie, the live caches behind its active path, paging
-//! between them, and eviction.
+//! between them, eviction, and the optional [`PrefixStore`] behind it.
 //!
 //! Invariants between operations (see [`PrefixCache::check`]):
-//! - the active path is a root-down chain, and exactly its nodes carry `active`;
+//! - each namespace has its own root; the active path is a root-down chain
+//!   from one of them, and exactly its nodes carry `active`;
 //! - at rest every layer's offset equals the active path's end;
 //! - `paged_out` and `snapshots` equal the sums over the nodes;
-//! - the eviction index holds exactly the candidates (not the root, not active,
-//!   at most one child, at least one snapshot), each under its current key.
+//! - the eviction index holds exactly the candidates (not a root, not active,
+//!   at least one snapshot), each under its current key;
+//! - above the budget, every snapshot lies on the active path.
 
 use std::cmp::Reverse;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
 
-use kvcache_api::{BoxedSnapshot, CacheError, Result, SnapshotCache};
+use kvcache_api::{BoxedSnapshot, CacheError, HostKv, Namespace, PrefixStore, Result, SnapshotCache};
 
-use super::arena::{common_prefix, Arena, EvictKey, Node, NodeId, ROOT};
+use super::arena::{common_prefix, Arena, EvictKey, Node, NodeId, NONE, ROOT};
 use super::session::Session;
 use super::stats::Stats;
 
@@ -30,8 +34,21 @@ use super::stats::Stats;
 /// Snapshot memory is bounded by a byte budget: above it, nodes off the active
 /// path are evicted, least recently used first (then deepest, then largest),
 /// through an ordered index, so an eviction costs `O(log n)` and not a walk of
-/// the trie. Explicit user snapshots are evicted only after every other
-/// candidate.
+/// the trie. A leaf is removed, a node with one child is merged into it, and a
+/// branch point with several children loses its snapshots but stays (Ollama's
+/// way); so the budget holds except for snapshots on the active path. Explicit
+/// user snapshots are evicted only after every other candidate.
+///
+/// Requests carry a [`Namespace`] ([`begin_in`](Self::begin_in)): each
+/// namespace has its own root, so prefixes are never shared across namespaces;
+/// switching to another namespace's path rewinds the live caches to 0.
+///
+/// With a [`PrefixStore`] ([`set_store`](Self::set_store)), closing a session
+/// writes the prompt's keys and values the store lacks into it (write-through),
+/// and `begin` restores from the store the run of tokens past what the trie
+/// restored, before the engine evaluates the rest. Layers that cannot be cut
+/// into token rows (rotating windows, recurrent states) neither write nor
+/// restore: models with such layers reuse prefixes only within the process.
 ///
 /// `C` is the layer cache type; `Box<dyn SnapshotCache>` serves models that mix
 /// layer kinds. The trie only uses the [`SnapshotCache`] contract.
@@ -49,6 +66,19 @@ pub struct PrefixCache<C> {
     pub(super) snapshots: usize,
     pub(super) over_budget: bool,
     pub(super) counters: Stats,
+    /// Every namespace's root; the shared namespace's is [`ROOT`].
+    pub(super) roots: BTreeMap<Namespace, NodeId>,
+    /// The inverse of `roots`.
+    pub(super) root_names: HashMap<NodeId, Namespace>,
+    /// The store behind the trie, if any.
+    pub(super) store: Option<StoreLink>,
+}
+
+/// A [`PrefixStore`] and the deadline of its reads.
+#[derive(Clone)]
+pub(super) struct StoreLink {
+    pub store: Arc<dyn PrefixStore>,
+    pub deadline: Duration,
 }
 
 /// The result of walking the trie along a prompt.
@@ -76,7 +106,11 @@ impl<C: SnapshotCache> PrefixCache<C> {
         for cache in &mut caches {
             cache.free();
         }
+        let shared = Namespace::shared();
         Ok(PrefixCache {
+            roots: BTreeMap::from([(shared.clone(), ROOT)]),
+            root_names: HashMap::from([(ROOT, shared)]),
+            store: None,
             arena: Arena::new(),
             caches,
             active: vec![ROOT],
@@ -90,32 +124,53 @@ impl<C: SnapshotCache> PrefixCache<C> {
         })
     }
 
-    /// Prepares the live caches for `prompt` and returns the session that
-    /// evaluates it.
+    /// Prepares the live caches for `prompt` in the shared namespace and
+    /// returns the session that evaluates it: [`begin_in`](Self::begin_in)
+    /// with [`Namespace::shared`].
+    pub fn begin(&mut self, prompt: &[u32]) -> Result<Session<'_, C>> {
+        self.begin_in(&Namespace::shared(), prompt)
+    }
+
+    /// Prepares the live caches for `prompt` in `namespace` and returns the
+    /// session that evaluates it.
     ///
-    /// The longest cached prefix is restored, but never the whole prompt: at
-    /// least the last token is always left to evaluate, so that the engine has
-    /// logits to sample from. An empty prompt is an
+    /// The longest prefix cached in that namespace is restored, but never the
+    /// whole prompt: at least the last token is always left to evaluate, so
+    /// that the engine has logits to sample from. With a store set, the run of
+    /// tokens the store holds past what the trie restored is then fetched
+    /// (within the store's deadline) and appended to every layer; if some
+    /// layer refuses the rows, the layers are rewound and the request goes on
+    /// without them. An empty prompt is an
     /// [`InvalidArgument`](CacheError::InvalidArgument) error that changes nothing.
     ///
     /// A backend error while paging frees the live caches, leaves the trie at
-    /// its root (consistent, with its snapshots kept) and is returned.
-    pub fn begin(&mut self, prompt: &[u32]) -> Result<Session<'_, C>> {
+    /// the namespace's root (consistent, with its snapshots kept) and is returned.
+    pub fn begin_in(&mut self, namespace: &Namespace, prompt: &[u32]) -> Result<Session<'_, C>> {
         if prompt.is_empty() {
             return Err(CacheError::InvalidArgument(
                 "empty prompt: nothing to evaluate".into(),
             ));
         }
         self.clock += 1;
-        let mut m = self.find(prompt);
+        let root = self.root_for(namespace);
+        let mut m = self.find_from(root, prompt);
         let structural = m.matched;
         self.leave_one(&mut m, prompt.len());
         let partial = m.partial.map(|p| (p, m.matched));
-        let cached = self.switch_to(&m.path, partial)?;
+        let cached = match self.switch_to(&m.path, partial) {
+            Ok(cached) => cached,
+            Err(e) => {
+                self.prune_root(root);
+                return Err(e);
+            }
+        };
+        let from_trie = cached;
+        let cached = self.restore_from_store(namespace, prompt, cached);
 
         // Where prefill must stop so that the trie can take snapshots the match
         // could not restore: ends of nodes that lack some layer's snapshot, and
-        // the branch point inside a partially matched edge.
+        // the branch point inside a partially matched edge (unless a restore
+        // from the store went past it: then the trie already branched there).
         let mut pending: Vec<usize> = m
             .path
             .iter()
@@ -124,8 +179,9 @@ impl<C: SnapshotCache> PrefixCache<C> {
             .map(|n| n.end)
             .collect();
         if let Some((_, at)) = partial {
-            if at > cached {
+            if at >= cached && at > from_trie && !pending.contains(&at) {
                 pending.push(at);
+                pending.sort_unstable();
             }
         }
 
@@ -139,6 +195,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
         tracing::debug!(
             total = prompt.len(),
             matched = structural,
+            from_trie,
             cached,
             left = prompt.len() - cached,
             pending = ?pending,
@@ -146,13 +203,51 @@ impl<C: SnapshotCache> PrefixCache<C> {
             if cached > 0 { "hit" } else { "miss" }
         );
         self.enforce_budget();
-        Ok(Session::new(self, prompt, cached, pending))
+        Ok(Session::new(self, namespace, prompt, cached, pending))
     }
 
-    /// Tokens of `tokens` the trie holds as a path from the root (a structural
-    /// match: no paging, no "leave one token" rule).
+    /// Tokens of `tokens` the trie holds as a path from the shared namespace's
+    /// root (a structural match: no paging, no "leave one token" rule).
     pub fn lookup(&self, tokens: &[u32]) -> usize {
-        self.find(tokens).matched
+        self.lookup_in(&Namespace::shared(), tokens)
+    }
+
+    /// Tokens of `tokens` the trie holds as a path from `namespace`'s root.
+    pub fn lookup_in(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
+        self.roots
+            .get(namespace)
+            .map_or(0, |&root| self.find_from(root, tokens).matched)
+    }
+
+    /// Puts `store` behind the trie: sessions write their prompts' keys and
+    /// values through to it when they close, and `begin` restores from it what
+    /// the trie lacks, waiting at most `deadline` for each read.
+    ///
+    /// The store's layout must have as many layers as the trie has caches
+    /// ([`LayoutMismatch`](CacheError::LayoutMismatch) otherwise, changing
+    /// nothing); the layers themselves check heads, dimensions and dtype when
+    /// they read or append rows.
+    pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, deadline: Duration) -> Result<()> {
+        let layers = store.layout().layers;
+        if layers != self.caches.len() {
+            return Err(CacheError::LayoutMismatch {
+                what: "layers",
+                expected: self.caches.len().to_string(),
+                got: layers.to_string(),
+            });
+        }
+        self.store = Some(StoreLink { store, deadline });
+        Ok(())
+    }
+
+    /// Takes the store away (the trie keeps working in memory only).
+    pub fn remove_store(&mut self) -> Option<Arc<dyn PrefixStore>> {
+        self.store.take().map(|link| link.store)
+    }
+
+    /// The store behind the trie, if any.
+    pub fn store(&self) -> Option<&Arc<dyn PrefixStore>> {
+        self.store.as_ref().map(|link| &link.store)
     }
 
     /// Counters and current state.
@@ -193,13 +288,17 @@ impl<C: SnapshotCache> PrefixCache<C> {
         self.min_offset()
     }
 
-    /// Drops every node and snapshot and frees the live caches. Counters stay.
+    /// Drops every node and snapshot of every namespace and frees the live
+    /// caches. Counters and the store stay.
     pub fn clear(&mut self) {
         for cache in &mut self.caches {
             cache.free();
         }
         self.arena = Arena::new();
         self.active = vec![ROOT];
+        let shared = Namespace::shared();
+        self.roots = BTreeMap::from([(shared.clone(), ROOT)]);
+        self.root_names = HashMap::from([(ROOT, shared)]);
         self.index.clear();
         self.paged_out = 0;
         self.snapshots = 0;
@@ -207,15 +306,19 @@ impl<C: SnapshotCache> PrefixCache<C> {
     }
 
     /// The trie as indented text, one node per line: edge tokens, offsets,
-    /// snapshots held, and the `user` / `active` flags.
+    /// snapshots held, and the `user` / `active` flags. The shared namespace
+    /// comes first (as `root`), then every other one (as `root "name"`).
     pub fn dump(&self) -> String {
         let mut out = String::new();
-        let mut stack = vec![(ROOT, 0usize)];
+        let mut stack: Vec<(NodeId, usize)> = self.roots.values().rev().map(|&r| (r, 0)).collect();
         while let Some((id, depth)) = stack.pop() {
             let n = self.arena.get(id);
             let indent = "  ".repeat(depth);
             if id == ROOT {
                 let _ = write!(out, "root");
+            } else if n.is_root() {
+                let name = self.root_names.get(&id).map_or("?", Namespace::as_str);
+                let _ = write!(out, "root {name:?}");
             } else if n.tokens.len() <= 12 {
                 let _ = write!(out, "{indent}{:?} [{},{})", n.tokens, n.start, n.end);
             } else {
@@ -227,7 +330,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             if n.user {
                 out.push_str(" user");
             }
-            if n.active && id != ROOT {
+            if n.active && !n.is_root() {
                 out.push_str(" active");
             }
             out.push('\n');
@@ -240,10 +343,10 @@ impl<C: SnapshotCache> PrefixCache<C> {
 
     // ---- matching ----
 
-    /// Walks the trie from the root along `tokens`.
-    pub(super) fn find(&self, tokens: &[u32]) -> Match {
-        let mut path = vec![ROOT];
-        let mut node = ROOT;
+    /// Walks the trie from `root` along `tokens`.
+    pub(super) fn find_from(&self, root: NodeId, tokens: &[u32]) -> Match {
+        let mut path = vec![root];
+        let mut node = root;
         let mut pos = 0;
         while pos < tokens.len() {
             let Some(child) = self.arena.get(node).child(tokens[pos]) else {
@@ -282,12 +385,174 @@ impl<C: SnapshotCache> PrefixCache<C> {
             None => m
                 .path
                 .pop()
-                .expect("a match of a non-empty prompt ends below the root"),
+                .expect("a match of a whole non-empty prompt ends below the root"),
         };
         if self.arena.get(node).start < target {
             m.partial = Some(node);
         }
         m.matched = target;
+    }
+
+    // ---- namespaces ----
+
+    /// `namespace`'s root, made (empty, off the active path) if it has none.
+    fn root_for(&mut self, namespace: &Namespace) -> NodeId {
+        if let Some(&root) = self.roots.get(namespace) {
+            return root;
+        }
+        let root = self.arena.alloc(Node::new(Vec::new(), 0, NONE, self.clock));
+        self.roots.insert(namespace.clone(), root);
+        self.root_names.insert(root, namespace.clone());
+        root
+    }
+
+    /// Releases `id` if it is a root of a namespace other than the shared one
+    /// that holds nothing and is off the active path (so that namespaces seen
+    /// once cost nothing once their prefixes are evicted).
+    pub(super) fn prune_root(&mut self, id: NodeId) {
+        let n = self.arena.get(id);
+        if id == ROOT || !n.live || !n.is_root() || n.active || !n.children.is_empty() {
+            return;
+        }
+        if let Some(name) = self.root_names.remove(&id) {
+            self.roots.remove(&name);
+        }
+        self.arena.release(id);
+    }
+
+    // ---- the store ----
+
+    /// Restores from the store the run of `prompt` past `cached` (never its
+    /// last token) into every layer, extending the active path with it, and
+    /// returns how many prompt tokens the live caches now hold.
+    ///
+    /// Nothing changes when there is no store, it answers `None` or nothing
+    /// past `cached`, or what it answers does not fit. When some layer refuses
+    /// the rows (or fails), the layers are rewound to `cached`; should that
+    /// fail too, they are freed and the request starts from the root.
+    fn restore_from_store(&mut self, namespace: &Namespace, prompt: &[u32], cached: usize) -> usize {
+        let Some(link) = self.store.clone() else {
+            return cached;
+        };
+        let want = prompt.len() - 1;
+        if cached >= want {
+            return cached;
+        }
+        let Some(fetched) = link
+            .store
+            .fetch(namespace, &prompt[..want], cached, link.deadline)
+        else {
+            return cached;
+        };
+        let kv = fetched.kv;
+        let end = kv.end().min(want);
+        if kv.layout().layers != self.caches.len() || kv.start() > cached || end <= cached {
+            if end > cached {
+                tracing::warn!(
+                    range = ?kv.range(),
+                    layers = kv.layout().layers,
+                    cached,
+                    "prefix cache: ignoring a store answer that does not fit"
+                );
+            }
+            return cached;
+        }
+        let kv = if kv.range() == (cached..end) {
+            kv
+        } else {
+            match kv.slice(cached..end) {
+                Ok(kv) => kv,
+                Err(error) => {
+                    tracing::warn!(%error, "prefix cache: ignoring a store answer");
+                    return cached;
+                }
+            }
+        };
+        let mut taken = true;
+        for (i, cache) in self.caches.iter_mut().enumerate() {
+            match cache.append_rows(kv.layer(i), 0..kv.tokens()) {
+                Ok(true) if cache.offset() == end => {}
+                Ok(true) => {
+                    tracing::warn!(
+                        layer = i,
+                        offset = cache.offset(),
+                        end,
+                        "prefix cache: rows appended to the wrong offset"
+                    );
+                    taken = false;
+                }
+                Ok(false) => taken = false,
+                Err(error) => {
+                    tracing::warn!(%error, layer = i, "prefix cache: appending stored rows failed");
+                    taken = false;
+                }
+            }
+            if !taken {
+                break;
+            }
+        }
+        if !taken {
+            self.counters.store_rejected += 1;
+            let mut rewound = true;
+            for cache in &mut self.caches {
+                if cache.offset() != cached {
+                    rewound &= matches!(cache.restore(None, cached), Ok(true));
+                }
+            }
+            if !rewound {
+                let _ = self.fail(CacheError::InvalidState(format!(
+                    "could not rewind the layers to {cached} after a refused store restore"
+                )));
+                return 0;
+            }
+            return cached;
+        }
+        self.advance(&prompt[cached..end]);
+        let restored = (end - cached) as u64;
+        self.counters.store_hits += 1;
+        self.counters.store_tokens += restored;
+        for (tier, tokens) in fetched.tiers {
+            *self.counters.store_tier_tokens.entry(tier).or_default() += tokens as u64;
+        }
+        end
+    }
+
+    /// Writes the keys and values of `prompt` (the prompt tokens the live
+    /// caches hold, from offset 0) that the store does not hold yet through to
+    /// it. Nothing is written when there is no store or some layer cannot cut
+    /// its state into rows.
+    pub(super) fn write_through(&mut self, namespace: &Namespace, prompt: &[u32]) {
+        let Some(link) = self.store.clone() else {
+            return;
+        };
+        let held = prompt.len();
+        if held == 0 || self.caches.iter().any(|c| c.offset() < held) {
+            return;
+        }
+        let block = link.store.block_tokens().max(1);
+        let mut from = link.store.known_prefix(namespace, prompt).min(held);
+        if from == held {
+            return;
+        }
+        from -= from % block;
+        let layout = *link.store.layout();
+        if layout.layers != self.caches.len() {
+            return;
+        }
+        let mut kv = HostKv::zeroed(layout, from, held - from);
+        for (i, cache) in self.caches.iter().enumerate() {
+            match cache.read_rows(from..held, kv.layer_mut(i)) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(error) => {
+                    tracing::warn!(%error, layer = i, "prefix cache: reading rows for the store failed");
+                    return;
+                }
+            }
+        }
+        link.store.submit(namespace, prompt, kv);
+        self.counters.store_writes += 1;
+        self.counters.store_tokens_written += (held - from) as u64;
     }
 
     // ---- switching paths ----
@@ -301,8 +566,11 @@ impl<C: SnapshotCache> PrefixCache<C> {
             common += 1;
         }
         let partial_live = partial.is_some_and(|(p, _)| self.arena.get(p).active);
+        // `common == 0`: the new path belongs to another namespace, whose
+        // prefixes share nothing with the live ones.
         let ancestor = match partial {
             Some((_, at)) if partial_live => at,
+            _ if common == 0 => 0,
             _ => self.arena.get(path[common - 1]).end,
         };
 
@@ -310,7 +578,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
         // leaf: the live state is the leaf's, not an interior node's.
         if self.active.len() > common {
             let leaf = *self.active.last().expect("the active path holds the root");
-            if self.fill_snapshots(leaf)? {
+            if !self.arena.get(leaf).is_root() && self.fill_snapshots(leaf)? {
                 self.counters.page_outs += 1;
             }
         }
@@ -326,8 +594,16 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 }
             }
         }
-        for id in self.active.split_off(common) {
+        let left = self.active.split_off(common);
+        for &id in &left {
             self.set_active(id, false);
+        }
+        if common == 0 {
+            // Another namespace: its root starts the active path, and the old
+            // namespace's root goes if nothing hangs from it any more.
+            self.set_active(path[0], true);
+            self.active.push(path[0]);
+            self.prune_root(left[0]);
         }
 
         // Page in along the whole new path; a cache already past a node skips it.
@@ -452,7 +728,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
     }
 
     /// After a failed cache operation: frees the live caches and falls back to
-    /// the root. The trie keeps its nodes and snapshots.
+    /// the active namespace's root. The trie keeps its nodes and snapshots.
     pub(super) fn fail(&mut self, error: CacheError) -> CacheError {
         tracing::warn!(%error, "prefix cache: cache operation failed, freeing the live caches");
         for cache in &mut self.caches {
@@ -507,7 +783,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
         if pos < tokens.len() {
             let rest = &tokens[pos..];
             let node = self.arena.get(cur);
-            if cur != ROOT && node.children.is_empty() && !node.user && node.n_snaps == 0 {
+            if !node.is_root() && node.children.is_empty() && !node.user && node.n_snaps == 0 {
                 // A leaf only the live caches back: grow its edge in place.
                 let node = self.arena.get_mut(cur);
                 node.tokens.extend_from_slice(rest);
@@ -646,8 +922,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
 
     /// The eviction key `node` must be indexed under, or `None` if it is protected.
     pub(super) fn candidate_key(id: NodeId, node: &Node) -> Option<EvictKey> {
-        let candidate =
-            id != ROOT && node.live && !node.active && node.children.len() <= 1 && node.n_snaps > 0;
+        let candidate = !node.is_root() && node.live && !node.active && node.n_snaps > 0;
         candidate.then_some((node.user, node.stamp, Reverse(node.end), Reverse(node.bytes), id))
     }
 
@@ -658,7 +933,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
     }
 
     /// Evicts candidates, first to last, until the snapshots fit the budget or
-    /// only protected nodes hold any.
+    /// only the active path holds any.
     pub(super) fn enforce_budget(&mut self) {
         let mut over = false;
         while self.paged_out > self.budget {
@@ -673,7 +948,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             tracing::debug!(
                 paged_out = self.paged_out,
                 budget = self.budget,
-                "prefix cache: over budget, only protected nodes hold snapshots"
+                "prefix cache: over budget, only the active path holds snapshots"
             );
         }
         self.over_budget = over;
@@ -681,20 +956,31 @@ impl<C: SnapshotCache> PrefixCache<C> {
 
     /// Evicts candidate `id`: a leaf is removed (and its parent merged into its
     /// remaining child when it is an ordinary node left with one), a node with
-    /// one child is merged into it.
+    /// one child is merged into it, and a branch point with several children
+    /// drops its snapshots and stays (the paths through it page in up to its
+    /// start, and the next request along one heals it: see
+    /// [`Session::pending_snapshot`]).
     fn evict(&mut self, id: NodeId) {
         self.counters.evictions += 1;
-        if self.arena.get(id).children.is_empty() {
-            let parent = self.remove_leaf(id);
-            let p = self.arena.get(parent);
-            if parent != ROOT && !p.user && !p.active && p.children.len() == 1 {
-                self.counters.auto_merges += 1;
-                self.merge_into_child(parent);
-            } else {
-                self.refresh(parent);
+        match self.arena.get(id).children.len() {
+            0 => {
+                let parent = self.remove_leaf(id);
+                let p = self.arena.get(parent);
+                if !p.is_root() && !p.user && !p.active && p.children.len() == 1 {
+                    self.counters.auto_merges += 1;
+                    self.merge_into_child(parent);
+                } else {
+                    self.refresh(parent);
+                    self.prune_root(parent);
+                }
             }
-        } else {
-            self.merge_into_child(id);
+            1 => self.merge_into_child(id),
+            _ => {
+                self.counters.branch_evictions += 1;
+                self.unindex(id);
+                self.take_snaps(id);
+                self.refresh(id);
+            }
         }
     }
 
@@ -764,7 +1050,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
     }
 
     pub(super) fn mark_user(&mut self, id: NodeId) {
-        if id != ROOT {
+        if !self.arena.get(id).is_root() {
             self.arena.get_mut(id).user = true;
             self.refresh(id);
         }
@@ -811,12 +1097,18 @@ mod tests {
         let c = |id, n: &Node| PrefixCache::<FakeKv>::candidate_key(id, n);
         let mut n = node(1, 4, 16, false);
         assert!(c(3, &n).is_some());
-        assert!(c(ROOT, &n).is_none(), "the root");
+        let mut root = node(1, 0, 16, false);
+        root.parent = NONE;
+        assert!(c(ROOT, &root).is_none(), "the shared root");
+        assert!(c(9, &root).is_none(), "another namespace's root");
         n.active = true;
         assert!(c(3, &n).is_none(), "on the active path");
         n.active = false;
         n.children = vec![(1, 7), (2, 8)];
-        assert!(c(3, &n).is_none(), "a branch point with several children");
+        assert!(
+            c(3, &n).is_some(),
+            "a branch point with several children: its snapshots go, it stays"
+        );
         n.children.pop();
         assert!(c(3, &n).is_some(), "one child: merged into it when evicted");
         n.n_snaps = 0;

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use kvcache_api::{CacheError, Result, SnapshotCache};
+use kvcache_api::{CacheError, Namespace, Result, SnapshotCache};
 
 use super::arena::{NodeId, NONE, ROOT};
 use super::cache::PrefixCache;
@@ -12,19 +12,24 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// panicking with a precise message on the first violation. Walks the whole
     /// trie: meant for tests, after every operation.
     ///
-    /// - the root has an empty edge at offset 0; every other node's start
-    ///   equals its parent's end and its edge holds `end - start > 0` tokens;
+    /// - every namespace has one root (the shared one in slot 0), with an empty
+    ///   edge at offset 0, no parent and no snapshots, and the root map and its
+    ///   inverse agree; a root other than the shared one holds children or is
+    ///   on the active path (empty ones are released);
+    /// - every other node's start equals its parent's end and its edge holds
+    ///   `end - start > 0` tokens;
     /// - parent and child links agree; siblings' edges start with distinct
     ///   tokens, and children are sorted by that token;
-    /// - every node is reachable from the root, and the free list holds exactly
-    ///   the dead slots;
+    /// - every node is reachable from exactly one root, and the free list holds
+    ///   exactly the dead slots;
     /// - each snapshot ends at its node's end; per-node and total byte and
     ///   snapshot counts equal the sums of `size_bytes` and of snapshots;
-    /// - the eviction index holds exactly the eligible nodes (not the root, not
-    ///   active, at most one child, some snapshot) under their current keys;
-    /// - the active path is a root-down chain and exactly its nodes are marked
-    ///   active;
-    /// - the snapshots fit the budget, or no eviction candidate is left;
+    /// - the eviction index holds exactly the eligible nodes (not a root, not
+    ///   active, some snapshot) under their current keys;
+    /// - the active path is a chain down from one root and exactly its nodes
+    ///   are marked active;
+    /// - the snapshots fit the budget, or every snapshot lies on the active
+    ///   path (then `over_budget` is set, and only then);
     /// - every live cache stands at the active path's end.
     pub fn check(&self) {
         self.check_structure();
@@ -42,26 +47,51 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// Every invariant of [`check`](Self::check) but the live caches' offsets.
     pub(super) fn check_structure(&self) {
         let layers = self.caches.len();
-        let root = self.arena.get(ROOT);
-        assert!(root.live, "the root slot is dead");
-        assert!(
-            root.tokens.is_empty() && root.start == 0 && root.end == 0,
-            "the root has an edge"
+        assert_eq!(
+            self.roots.get(&Namespace::shared()),
+            Some(&ROOT),
+            "the shared namespace's root is not slot {ROOT}"
         );
-        assert_eq!(root.parent, NONE, "the root has a parent");
-        assert!(root.snaps.is_empty(), "the root holds snapshots");
+        assert_eq!(
+            self.roots.len(),
+            self.root_names.len(),
+            "the root map and its inverse differ in size"
+        );
+        for (name, &id) in &self.roots {
+            assert_eq!(
+                self.root_names.get(&id),
+                Some(name),
+                "root {id} of namespace {name:?} is named otherwise in the inverse map"
+            );
+            let root = self.arena.get(id);
+            assert!(root.live, "the root slot {id} of {name:?} is dead");
+            assert!(
+                root.tokens.is_empty() && root.start == 0 && root.end == 0,
+                "the root of {name:?} has an edge"
+            );
+            assert_eq!(root.parent, NONE, "the root of {name:?} has a parent");
+            assert!(
+                root.snaps.is_empty() && root.n_snaps == 0,
+                "the root of {name:?} holds snapshots"
+            );
+            assert!(
+                id == ROOT || root.active || !root.children.is_empty(),
+                "the root of {name:?} is empty and inactive but was kept"
+            );
+        }
 
         let mut reached = 0usize;
         let mut bytes = 0usize;
         let mut snapshots = 0usize;
+        let mut active_bytes = 0usize;
         let mut candidates = 0usize;
         let mut active_marked = 0usize;
-        let mut stack = vec![ROOT];
+        let mut stack: Vec<NodeId> = self.roots.values().copied().collect();
         while let Some(id) = stack.pop() {
             let n = self.arena.get(id);
             reached += 1;
             assert!(n.live, "node {id} is reachable but dead");
-            if id != ROOT {
+            if !self.root_names.contains_key(&id) {
                 let p = self.arena.get(n.parent);
                 assert!(p.live, "node {id}'s parent {} is dead", n.parent);
                 assert_eq!(
@@ -135,6 +165,9 @@ impl<C: SnapshotCache> PrefixCache<C> {
             );
             bytes += node_bytes;
             snapshots += node_snaps;
+            if n.active {
+                active_bytes += node_bytes;
+            }
 
             // Eviction index.
             let want = Self::candidate_key(id, n);
@@ -198,10 +231,10 @@ impl<C: SnapshotCache> PrefixCache<C> {
         );
 
         // Active path.
-        assert_eq!(
-            self.active.first(),
-            Some(&ROOT),
-            "the active path does not start at the root"
+        let first = self.active.first().copied();
+        assert!(
+            first.is_some_and(|id| self.root_names.contains_key(&id)),
+            "the active path does not start at a namespace's root: {first:?}"
         );
         for pair in self.active.windows(2) {
             assert_eq!(
@@ -224,12 +257,18 @@ impl<C: SnapshotCache> PrefixCache<C> {
             "nodes marked active off the active path"
         );
 
-        // Budget: above it only when no candidate is left.
+        // Budget: above it only with every snapshot on the active path (which
+        // also leaves no eviction candidate).
         assert!(
-            self.paged_out <= self.budget || self.index.is_empty(),
-            "{} paged-out bytes over the {}-byte budget with {} eviction candidates left",
+            self.paged_out <= self.budget || active_bytes == self.paged_out,
+            "{} paged-out bytes over the {}-byte budget, {} of them off the active path",
             self.paged_out,
             self.budget,
+            self.paged_out - active_bytes
+        );
+        assert!(
+            self.paged_out <= self.budget || self.index.is_empty(),
+            "over the budget with {} eviction candidates left",
             self.index.len()
         );
         assert_eq!(

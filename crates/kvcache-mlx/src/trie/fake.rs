@@ -4,7 +4,9 @@
 //! restore produced can be compared with a from-scratch evaluation:
 //!
 //! - [`FakeKv`]: a rewindable KV cache whose state is the list of tokens it
-//!   holds; snapshots hold the tokens of their range.
+//!   holds; snapshots hold the tokens of their range. It reads and appends
+//!   host rows in the layout [`FakeKv::layout`] (one head of one `f32`-sized
+//!   element: the token id's bits as the key, their complement as the value).
 //! - [`FakeRecurrent`]: a non-rewindable recurrent state (a running hash of
 //!   every token seen). It cannot rewind its live state and restores only at a
 //!   snapshot's exact end offset; it cannot split snapshots.
@@ -16,14 +18,19 @@
 //! Every snapshot they create and drop is counted in a shared [`Counters`], so
 //! a test can prove that each snapshot was dropped exactly once or is still
 //! owned by the trie. [`feed_all`] plays the model: it appends tokens to every
-//! layer.
+//! layer. [`MemStore`] is an in-memory [`PrefixStore`] to put behind a trie.
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
-use kvcache_api::{BoxedSnapshot, CacheError, Result, Snapshot, SnapshotCache};
+use kvcache_api::{
+    BoxedSnapshot, CacheError, DType, Fetched, HostKv, KvLayout, LayerRows, LayerRowsMut, Namespace,
+    PrefixStore, Result, Snapshot, SnapshotCache,
+};
 
 /// Bytes a [`FakeRecurrent`] snapshot reports: a recurrent state has a fixed size.
 pub const RECURRENT_STATE_BYTES: usize = 64;
@@ -34,7 +41,9 @@ struct Inner {
     dropped: AtomicUsize,
     fed: AtomicUsize,
     restored: AtomicUsize,
+    appended: AtomicUsize,
     fail_restore: AtomicBool,
+    fail_append: AtomicBool,
 }
 
 /// Shared counters of the fakes created with it. Cloning shares the counters.
@@ -72,10 +81,21 @@ impl Counters {
         self.0.restored.load(Ordering::Relaxed)
     }
 
+    /// Tokens appended from host rows by `append_rows`, summed over layers.
+    pub fn appended_tokens(&self) -> usize {
+        self.0.appended.load(Ordering::Relaxed)
+    }
+
     /// While set, every `restore` from a snapshot fails with a backend error
     /// (to exercise the trie's recovery).
     pub fn set_fail_restore(&self, fail: bool) {
         self.0.fail_restore.store(fail, Ordering::Relaxed);
+    }
+
+    /// While set, every [`FakeKv::append_rows`] fails with a backend error,
+    /// changing nothing.
+    pub fn set_fail_append(&self, fail: bool) {
+        self.0.fail_append.store(fail, Ordering::Relaxed);
     }
 
     fn created_one(&self) {
@@ -192,6 +212,18 @@ impl FakeKv {
         &self.tokens
     }
 
+    /// The host layout of `layers` fake KV layers: one head of dimension 1 in
+    /// `f32`-sized elements, whose little-endian bytes are the token id (keys)
+    /// and its bitwise complement (values).
+    pub fn layout(layers: usize) -> KvLayout {
+        KvLayout::new(layers, 1, 1, DType::F32)
+    }
+
+    /// Checks that `layout` is [`FakeKv::layout`] (any layer count).
+    fn check_layout(layout: &KvLayout) -> Result<()> {
+        Self::layout(layout.layers).expect(layout)
+    }
+
     fn own(snapshot: BoxedSnapshot) -> Result<Box<FakeKvSnapshot>> {
         snapshot
             .into_any()
@@ -294,6 +326,212 @@ impl SnapshotCache for FakeKv {
 
     fn free(&mut self) {
         self.tokens = Vec::new();
+    }
+
+    fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
+        Self::check_layout(&out.layout)?;
+        if rows.start > rows.end || rows.end > self.tokens.len() {
+            return Ok(false);
+        }
+        if out.tokens != rows.len() {
+            return Err(CacheError::InvalidArgument(format!(
+                "{} rows read into a layer of {} tokens",
+                rows.len(),
+                out.tokens
+            )));
+        }
+        for (i, &t) in self.tokens[rows].iter().enumerate() {
+            out.keys[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
+            out.values[4 * i..4 * i + 4].copy_from_slice(&(!t).to_le_bytes());
+        }
+        Ok(true)
+    }
+
+    fn append_rows(&mut self, src: LayerRows<'_>, rows: Range<usize>) -> Result<bool> {
+        Self::check_layout(&src.layout)?;
+        if rows.start > rows.end || rows.end > src.tokens {
+            return Err(CacheError::InvalidArgument(format!(
+                "rows {rows:?} of a layer holding {} tokens",
+                src.tokens
+            )));
+        }
+        if self.counters.0.fail_append.load(Ordering::Relaxed) {
+            return Err(CacheError::Backend("injected append failure".into()));
+        }
+        let word = |bytes: &[u8], i: usize| {
+            u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("four bytes"))
+        };
+        let mut tokens = Vec::with_capacity(rows.len());
+        for i in rows {
+            let (key, value) = (word(src.keys, i), word(src.values, i));
+            if value != !key {
+                return Err(CacheError::InvalidArgument(format!(
+                    "row {i} is no fake KV row (key {key:#x}, value {value:#x})"
+                )));
+            }
+            tokens.push(key);
+        }
+        self.counters
+            .0
+            .appended
+            .fetch_add(tokens.len(), Ordering::Relaxed);
+        self.tokens.extend_from_slice(&tokens);
+        Ok(true)
+    }
+}
+
+/// An in-memory [`PrefixStore`] for tests and prototypes: blocks of
+/// `block_tokens` tokens (the last one of a submission may be shorter), each
+/// keyed by its namespace and every token from offset 0 to its end, so a block
+/// serves exactly the prompts that begin with the tokens it was written for.
+///
+/// It honours the contract: `known_prefix` counts whole blocks held from
+/// offset 0 (or the whole of the tokens), `fetch` answers from the requested
+/// offset to the end of the consecutive blocks held, and `submit` refuses
+/// (counting it) a write whose layout differs or whose start is not a multiple
+/// of the block size. It can be switched offline, to answer every fetch with
+/// `None` as a store past its deadline would.
+#[derive(Debug)]
+pub struct MemStore {
+    layout: KvLayout,
+    block: usize,
+    inner: Mutex<MemStoreInner>,
+}
+
+#[derive(Debug, Default)]
+struct MemStoreInner {
+    blocks: HashMap<(Namespace, Vec<u32>), HostKv>,
+    offline: bool,
+    fetches: usize,
+    submits: usize,
+    refused: usize,
+}
+
+impl MemStore {
+    /// An empty store of `layout` cutting tokens into blocks of `block_tokens`
+    /// (at least 1).
+    pub fn new(layout: KvLayout, block_tokens: usize) -> Self {
+        MemStore {
+            layout,
+            block: block_tokens.max(1),
+            inner: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemStoreInner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// While set, every fetch answers `None` (a store that misses its deadline).
+    pub fn set_offline(&self, offline: bool) {
+        self.lock().offline = offline;
+    }
+
+    /// Blocks held, over every namespace.
+    pub fn blocks(&self) -> usize {
+        self.lock().blocks.len()
+    }
+
+    /// `fetch` calls so far.
+    pub fn fetches(&self) -> usize {
+        self.lock().fetches
+    }
+
+    /// `submit` calls accepted so far.
+    pub fn submits(&self) -> usize {
+        self.lock().submits
+    }
+
+    /// `submit` calls refused so far (wrong layout, unaligned start, too few tokens).
+    pub fn refused(&self) -> usize {
+        self.lock().refused
+    }
+}
+
+impl PrefixStore for MemStore {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn block_tokens(&self) -> usize {
+        self.block
+    }
+
+    fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
+        let inner = self.lock();
+        let held = |end: usize| {
+            inner
+                .blocks
+                .contains_key(&(namespace.clone(), tokens[..end].to_vec()))
+        };
+        // Whole blocks from offset 0; a short last block only ends the tokens.
+        let mut end = 0;
+        while end < tokens.len() {
+            let next = (end + self.block).min(tokens.len());
+            if !held(next) {
+                break;
+            }
+            end = next;
+        }
+        end
+    }
+
+    fn fetch(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        from: usize,
+        _deadline: Duration,
+    ) -> Option<Fetched> {
+        let mut inner = self.lock();
+        inner.fetches += 1;
+        if inner.offline || from >= tokens.len() {
+            return None;
+        }
+        let mut parts: Vec<&HostKv> = Vec::new();
+        let mut start = from / self.block * self.block;
+        while start < tokens.len() {
+            let full = (start + self.block).min(tokens.len());
+            // The longest block held from `start`: a whole one, else a short last one.
+            let found = (start + 1..=full)
+                .rev()
+                .find_map(|end| inner.blocks.get(&(namespace.clone(), tokens[..end].to_vec())));
+            let Some(kv) = found else { break };
+            parts.push(kv);
+            if kv.end() < start + self.block {
+                break;
+            }
+            start = kv.end();
+        }
+        let end = parts.last().map_or(from, |kv| kv.end());
+        if end <= from {
+            return None;
+        }
+        let kv = HostKv::concat(&parts).ok()?.slice(from..end).ok()?;
+        let tokens = kv.tokens();
+        Some(Fetched {
+            kv,
+            tiers: vec![("memory", tokens)],
+        })
+    }
+
+    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) {
+        let mut inner = self.lock();
+        if self.layout.expect(kv.layout()).is_err() || kv.start() % self.block != 0 || kv.end() > tokens.len()
+        {
+            inner.refused += 1;
+            return;
+        }
+        inner.submits += 1;
+        let mut start = kv.start();
+        while start < kv.end() {
+            let end = (start + self.block).min(kv.end());
+            let block = kv.slice(start..end).expect("within the submission");
+            inner
+                .blocks
+                .insert((namespace.clone(), tokens[..end].to_vec()), block);
+            start = end;
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! [`Session`]: one request's use of the prefix cache, from `begin` to close.
 
-use kvcache_api::{CacheError, Result, SnapshotCache};
+use kvcache_api::{CacheError, Namespace, Result, SnapshotCache};
 
 use super::cache::PrefixCache;
 
@@ -13,9 +13,11 @@ use super::cache::PrefixCache;
 /// [`next_chunk`](Self::next_chunk) do that for it), then
 /// [`record`](Self::record)s every generated token and evaluates each one
 /// except the last. Closing the session (explicitly, or by dropping it) stores
-/// what the caches hold in the trie.
+/// what the caches hold in the trie, and writes the prompt's keys and values
+/// through to the store, if the trie has one.
 pub struct Session<'a, C: SnapshotCache> {
     cache: &'a mut PrefixCache<C>,
+    namespace: Namespace,
     /// The prompt followed by the recorded tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -28,12 +30,14 @@ pub struct Session<'a, C: SnapshotCache> {
 impl<'a, C: SnapshotCache> Session<'a, C> {
     pub(super) fn new(
         cache: &'a mut PrefixCache<C>,
+        namespace: &Namespace,
         prompt: &[u32],
         cached: usize,
         pending: Vec<usize>,
     ) -> Self {
         Session {
             cache,
+            namespace: namespace.clone(),
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
             cached,
@@ -47,7 +51,12 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         &self.tokens[..self.prompt_len]
     }
 
-    /// Prompt tokens restored from the cache when the session began.
+    /// The namespace the request runs in.
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    /// Prompt tokens restored when the session began (from the trie, then the store).
     pub fn cached(&self) -> usize {
         self.cached
     }
@@ -176,7 +185,10 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
     }
 
     /// Closes the session: the tokens the caches hold (the prompt and the
-    /// generated tokens that were evaluated) become the trie's active path.
+    /// generated tokens that were evaluated) become the trie's active path,
+    /// and the prompt tokens among them that the store lacks are written
+    /// through to it (not the generated ones; nothing when a layer cannot cut
+    /// its state into rows, or when the close found the layers misaligned).
     ///
     /// The trie is left consistent in every case. When the layers disagree on
     /// the offset (a failed forward pass) or hold more tokens than were given,
@@ -249,6 +261,10 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         if offset > frontier_end {
             cache.advance(&self.tokens[frontier_end..offset]);
         }
+        if problem.is_none() {
+            let held = offset.min(self.prompt_len);
+            cache.write_through(&self.namespace, &self.tokens[..held]);
+        }
         cache.touch_active();
         cache.enforce_budget();
         problem.map_or(Ok(()), Err)
@@ -266,6 +282,7 @@ impl<C: SnapshotCache> Drop for Session<'_, C> {
 impl<C: SnapshotCache> std::fmt::Debug for Session<'_, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")
+            .field("namespace", &self.namespace)
             .field("prompt_len", &self.prompt_len)
             .field("cached", &self.cached)
             .field("generated", &self.generated().len())

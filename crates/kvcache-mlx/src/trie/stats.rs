@@ -1,5 +1,7 @@
 //! Counters an engine can export.
 
+use std::collections::BTreeMap;
+
 /// What the prefix cache has done so far, and what it holds now.
 ///
 /// The first group are monotonic counters; the second a view of the current state.
@@ -13,14 +15,31 @@ pub struct Stats {
     pub reused_tokens: u64,
     /// Prompt tokens `begin` asked the engine to evaluate, summed over calls.
     pub evaluated_tokens: u64,
-    /// Nodes evicted to honour the budget (each one removed, or merged into its child).
+    /// Nodes evicted to honour the budget: each one removed (a leaf), merged
+    /// into its only child, or, for a branch point with several children,
+    /// stripped of its snapshots and kept.
     pub evictions: u64,
+    /// Of `evictions`, the branch points stripped of their snapshots.
+    pub branch_evictions: u64,
     /// Parents merged into their only child after an eviction left them with one.
     pub auto_merges: u64,
     /// Leaves paged out when switching paths (snapshots taken of the live state).
     pub page_outs: u64,
     /// Nodes paged in (restored into at least one layer) when switching paths.
     pub page_ins: u64,
+    /// `begin` calls that restored tokens from the store (counted in `hits`).
+    pub store_hits: u64,
+    /// Prompt tokens restored from the store (counted in `reused_tokens`).
+    pub store_tokens: u64,
+    /// Store answers the live caches could not take (some layer refused the
+    /// rows or failed): the layers were rewound and the tokens evaluated.
+    pub store_rejected: u64,
+    /// Tokens the store's tiers served, by tier name, as the store reported them.
+    pub store_tier_tokens: BTreeMap<&'static str, u64>,
+    /// Writes submitted to the store when sessions closed.
+    pub store_writes: u64,
+    /// Prompt tokens those writes held.
+    pub store_tokens_written: u64,
 
     /// Bytes held by all the trie's snapshots now.
     pub paged_out_bytes: usize,
@@ -30,8 +49,9 @@ pub struct Stats {
     pub snapshots: usize,
     /// Trie nodes now, the root included.
     pub nodes: usize,
-    /// True when the last eviction pass ended above the budget because only
-    /// protected nodes were left (the active path, the root, branch points
-    /// with several children).
+    /// True when the last eviction pass ended above the budget: then every
+    /// snapshot the trie holds lies on the active path (the live request's
+    /// branch points and restore points), which is never evicted. Off the
+    /// active path the budget always holds.
     pub over_budget: bool,
 }
