@@ -1,2 +1,114 @@
-//! A tiered store of KV-cache prefixes that outlives the process (work in progress).
+//! A tiered, content-addressed store of KV-cache prefixes that outlives the
+//! process: host memory, a local directory and Redis, behind
+//! [`kvcache_api::PrefixStore`].
+//!
+//! # Design
+//!
+//! **Blocks and keys** ([`keys`]). A prompt's keys and values are stored in
+//! blocks of `block_tokens` tokens (256 by default), as in vLLM's prefix
+//! caching. The key of a block is a SHA-256 over a domain tag, the model
+//! [`Fingerprint`](kvcache_api::Fingerprint), the [`Namespace`](kvcache_api::Namespace)
+//! (tagged and length-prefixed, see [`namespace`]), the previous block's key
+//! (zeros for the first), and the block's token count and tokens. A key thus
+//! names the whole prefix up to its block's end, within one model and one
+//! tenant: prefixes never cross namespaces, and another model's entries are
+//! never restored.
+//!
+//! **Tails.** The last block of a submitted run may be partial: a restored
+//! conversation gets back all of what was stored, not just whole blocks. A tail
+//! is keyed like a block over its shorter token list. Every tier keeps a *tails
+//! index*: for a parent key (the block before the tail, or [`BlockKey::ROOT`]),
+//! the tail lengths stored after it.
+//!
+//! **Lookup** ([`TieredStore`]'s `fetch`). Walk the full-block keys from the
+//! block containing `from` (hashing only, no I/O) while blocks are found, then
+//! ask the tails index of the last key found for tails, longest first, and take
+//! the first whose key (over the prompt's own tokens) is stored. A prompt that
+//! diverges inside a stored tail gets the full blocks before it only: a tail is
+//! served whole or not at all. The answer is `[from, end)`, joined in one copy.
+//! Each block is looked for tier by tier, fastest first; one found in a slower
+//! tier is promoted into the in-memory tier. The caller's deadline bounds the
+//! whole fetch: it is checked between blocks and tiers and passed to Redis as the
+//! socket timeout; on timeout or error the fetch answers what it found so far.
+//!
+//! **Writes** (the writer). `submit` validates, copies the tokens and queues
+//! the run for a background thread through a bounded queue (full: the run is
+//! dropped and counted; the caller never blocks). The writer cuts the run into
+//! blocks, keys them, and writes each to every tier that lacks it
+//! (write-through). [`TieredStore::flush`] waits for the queue; dropping the
+//! store finishes it and joins the thread.
+//!
+//! **Tiers** ([`Tier`]), each with its own LRU and budget:
+//!
+//! - [`MemoryTier`]: a map of shared blocks under a byte budget.
+//! - [`DiskTier`]: one safetensors file per block (`layers.{i}.keys`,
+//!   `layers.{i}.values` in the real dtype, readable by any safetensors tool;
+//!   metadata with the keys, layout, fingerprint, namespace and a CRC32), written
+//!   to a temporary name, synced, renamed, the directory synced. The index is
+//!   rebuilt from the headers at open. A damaged or truncated file is a miss,
+//!   removed and counted, never wrong data.
+//! - [`RedisTier`]: chunked values with a manifest, a SET per parent for tails,
+//!   optional TTL; Redis's own `maxmemory` with `allkeys-lru` is the budget. A
+//!   lost connection is an error counted, and the next call reconnects.
+//!
+//! **Knowing without I/O.** `known_prefix` answers from the keys this process
+//! wrote or read (forgotten when every tier misses them).
+//!
+//! **Statistics** ([`StoreStats`]): per tier hits, misses, errors, corrupt
+//! entries removed, evictions, bytes and usage; writes submitted, dropped and
+//! rejected; fetch timeouts.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore};
+//! use kvcache_store::{MemoryTier, StoreConfig, TieredStore};
+//!
+//! let layout = KvLayout::new(2, 1, 4, DType::F32);
+//! let config = StoreConfig::new(Fingerprint([1; 32]), layout).with_block_tokens(4);
+//! let memory = MemoryTier::new(config.context(), 1 << 20);
+//! let store = TieredStore::new(config, vec![Box::new(memory)])?;
+//!
+//! let tenant = Namespace::new("tenant-1")?;
+//! let tokens: Vec<u32> = (100..110).collect(); // two blocks and a 2-token tail
+//! let bytes: Vec<u8> = (0..10 * layout.token_bytes()).map(|i| i as u8).collect();
+//! let kv = HostKv::from_bytes(layout, 0, 10, bytes)?;
+//! store.submit(&tenant, &tokens, kv.clone());
+//! store.flush();
+//!
+//! assert_eq!(store.known_prefix(&tenant, &tokens), 10);
+//! let found = store.fetch(&tenant, &tokens, 3, Duration::from_secs(1)).unwrap();
+//! assert_eq!(found.kv, kv.slice(3..10)?);
+//! assert_eq!(found.tiers, vec![("memory", 7)]);
+//! // Another namespace sees nothing.
+//! assert!(store.fetch(&Namespace::shared(), &tokens, 0, Duration::from_secs(1)).is_none());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![deny(missing_docs)]
+
+mod disk;
+pub mod entry_file;
+mod error;
+pub mod keys;
+mod known;
+mod lru;
+mod memory;
+pub mod namespace;
+mod redis_tier;
+mod rows;
+mod stats;
+mod store;
+mod tails;
+mod tier;
+mod writer;
+
+pub use disk::DiskTier;
+pub use error::{Result, StoreError};
+pub use keys::{BlockKey, KeyChain};
+pub use memory::MemoryTier;
+pub use namespace::Scope;
+pub use redis_tier::{RedisConfig, RedisTier};
+pub use stats::{StoreStats, TierCounters, TierStats};
+pub use store::{StoreConfig, TieredStore};
+pub use tier::{Block, Tier, TierContext};

@@ -1,0 +1,401 @@
+//! The local-directory tier: one safetensors file per block (format in
+//! [`entry_file`](crate::entry_file)), an in-memory index rebuilt from the file
+//! headers at open, and an LRU order under a byte budget.
+//!
+//! Crash safety: a block is written to a temporary name (`.tmp-…`) in the same
+//! directory, `sync_all`ed, renamed to `{key hex}.safetensors`, and the directory
+//! is fsynced; a crash leaves either no entry or a whole one, and temporary
+//! files left behind are removed at the next open. A read checks the header
+//! against the store (model, layout, namespace, key), the file length and the
+//! CRC32 of the data; a file that fails is a miss, is removed, and is counted in
+//! [`TierCounters::corrupt`].
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Instant, SystemTime};
+
+use kvcache_api::{HostKv, Namespace};
+
+use crate::entry_file::{encode_header, read_header, Header};
+use crate::error::{Result, StoreError};
+use crate::keys::BlockKey;
+use crate::lru::Lru;
+use crate::stats::{bump, TierCounters};
+use crate::tails::TailsIndex;
+use crate::tier::{Block, Tier, TierContext};
+
+/// The file name suffix of entries.
+const SUFFIX: &str = ".safetensors";
+/// The file name prefix of files being written.
+const TEMP_PREFIX: &str = ".tmp-";
+
+/// Blocks as safetensors files in one directory, least recently used removed
+/// first beyond a byte budget (counted in file bytes).
+#[derive(Debug)]
+pub struct DiskTier {
+    context: TierContext,
+    dir: PathBuf,
+    budget: u64,
+    inner: Mutex<Index>,
+    temp_serial: AtomicU64,
+    counters: TierCounters,
+}
+
+/// What the index knows of one file, from its header.
+#[derive(Debug, Clone)]
+struct Entry {
+    namespace: Namespace,
+    parent: BlockKey,
+    tokens: usize,
+}
+
+#[derive(Debug)]
+struct Index {
+    entries: HashMap<BlockKey, Entry>,
+    lru: Lru<BlockKey>,
+    tails: TailsIndex,
+}
+
+impl Index {
+    fn insert(&mut self, key: BlockKey, entry: Entry, size: u64, context: &TierContext) {
+        self.forget(&key, context);
+        if entry.tokens < context.block_tokens {
+            self.tails.add(&entry.namespace, entry.parent, entry.tokens);
+        }
+        self.lru.insert(key, size);
+        self.entries.insert(key, entry);
+    }
+
+    fn forget(&mut self, key: &BlockKey, context: &TierContext) -> bool {
+        self.lru.remove(key);
+        match self.entries.remove(key) {
+            Some(entry) => {
+                if entry.tokens < context.block_tokens {
+                    self.tails.remove(&entry.namespace, entry.parent, entry.tokens);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl DiskTier {
+    /// Opens (creating it if needed) the directory `dir` as a tier of at most
+    /// `budget` bytes: removes leftover temporary files and damaged entries,
+    /// indexes the entries of this context's model and layout from their headers
+    /// (LRU order by modification time), and evicts down to the budget. Files of
+    /// other models or layouts are left alone and not counted.
+    pub fn open(context: TierContext, dir: impl Into<PathBuf>, budget: u64) -> Result<Self> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir).map_err(|e| StoreError::io("create directory", &dir, e))?;
+        let tier = DiskTier {
+            context,
+            dir,
+            budget,
+            inner: Mutex::new(Index {
+                entries: HashMap::new(),
+                lru: Lru::new(),
+                tails: TailsIndex::default(),
+            }),
+            temp_serial: AtomicU64::new(0),
+            counters: TierCounters::default(),
+        };
+        tier.scan()?;
+        let victims = tier.evict_to_budget(&mut tier.lock());
+        tier.remove_files(&victims);
+        Ok(tier)
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The file of block `key`.
+    pub fn path_of(&self, key: &BlockKey) -> PathBuf {
+        self.dir.join(format!("{}{SUFFIX}", key.to_hex()))
+    }
+
+    /// The keys indexed, least recently used first.
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.lock().lru.keys().copied().collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Index> {
+        // Every update of the index is complete before the lock is released.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn scan(&self) -> Result<()> {
+        let listing = fs::read_dir(&self.dir).map_err(|e| StoreError::io("list", &self.dir, e))?;
+        let mut found = Vec::new();
+        for item in listing {
+            let item = item.map_err(|e| StoreError::io("list", &self.dir, e))?;
+            let name = item.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let path = item.path();
+            if name.starts_with(TEMP_PREFIX) {
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            let Some(key) = name.strip_suffix(SUFFIX).and_then(BlockKey::from_hex) else {
+                continue;
+            };
+            match self.read_index_entry(&path, &key) {
+                Ok(Some((entry, size, modified))) => found.push((modified, key, entry, size)),
+                Ok(None) => {}
+                Err(StoreError::Corrupt(why)) => self.discard_file(&path, &why),
+                Err(err) => return Err(err),
+            }
+        }
+        found.sort_by_key(|(modified, ..)| *modified);
+        let mut index = self.lock();
+        for (_, key, entry, size) in found {
+            index.insert(key, entry, size, &self.context);
+        }
+        Ok(())
+    }
+
+    /// The index entry of the file at `path` from its header; `None` for a file
+    /// of another model or layout.
+    fn read_index_entry(&self, path: &Path, key: &BlockKey) -> Result<Option<(Entry, u64, SystemTime)>> {
+        let mut file = File::open(path).map_err(|e| StoreError::io("open", path, e))?;
+        let meta = file.metadata().map_err(|e| StoreError::io("stat", path, e))?;
+        let header = read_header(&mut file, path)?;
+        if !header.belongs_to(&self.context) {
+            return Ok(None);
+        }
+        self.check_header(&header, key, &header.namespace, meta.len())?;
+        let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+        let entry = Entry {
+            namespace: header.namespace.clone(),
+            parent: header.parent,
+            tokens: header.tokens,
+        };
+        Ok(Some((entry, meta.len(), modified)))
+    }
+
+    /// Checks a header of this context against the key and namespace asked for
+    /// and the file's length.
+    fn check_header(&self, header: &Header, key: &BlockKey, namespace: &Namespace, len: u64) -> Result<()> {
+        let corrupt = |why: &str| {
+            Err(StoreError::Corrupt(format!(
+                "{}: {why}",
+                self.path_of(key).display()
+            )))
+        };
+        if header.key != *key {
+            return corrupt("header names another key");
+        }
+        if header.namespace != *namespace {
+            return corrupt("header names another namespace");
+        }
+        header.check_tensors(&self.context.layout)?;
+        if header.file_len() != len {
+            return corrupt("file length differs from its header");
+        }
+        Ok(())
+    }
+
+    /// Removes a damaged file and counts it.
+    fn discard_file(&self, path: &Path, why: &str) {
+        tracing::warn!(path = %path.display(), why, "kvcache-store: removing a damaged entry");
+        let _ = fs::remove_file(path);
+        bump(&self.counters.corrupt);
+    }
+
+    /// Pops least recently used entries until the total fits the budget; returns
+    /// the keys whose files must go.
+    fn evict_to_budget(&self, index: &mut Index) -> Vec<BlockKey> {
+        let mut victims = Vec::new();
+        while index.lru.total() > self.budget {
+            let Some((key, _)) = index.lru.pop_oldest() else {
+                break;
+            };
+            index.forget(&key, &self.context);
+            bump(&self.counters.evictions);
+            victims.push(key);
+        }
+        victims
+    }
+
+    fn remove_files(&self, keys: &[BlockKey]) {
+        for key in keys {
+            let _ = fs::remove_file(self.path_of(key));
+        }
+    }
+
+    /// Writes `header` and `data` to a temporary file, syncs it, renames it to
+    /// `path` and syncs the directory.
+    fn write_atomically(&self, key: &BlockKey, path: &Path, header: &[u8], data: &[u8]) -> Result<()> {
+        let serial = self.temp_serial.fetch_add(1, Ordering::Relaxed);
+        let temp = self.dir.join(format!(
+            "{TEMP_PREFIX}{}-{}-{serial}",
+            key.to_hex(),
+            std::process::id()
+        ));
+        let result = (|| {
+            let mut file = File::create(&temp).map_err(|e| StoreError::io("create", &temp, e))?;
+            file.write_all(header)
+                .and_then(|()| file.write_all(data))
+                .map_err(|e| StoreError::io("write", &temp, e))?;
+            file.sync_all().map_err(|e| StoreError::io("sync", &temp, e))?;
+            fs::rename(&temp, path).map_err(|e| StoreError::io("rename", &temp, e))?;
+            File::open(&self.dir)
+                .and_then(|dir| dir.sync_all())
+                .map_err(|e| StoreError::io("sync directory", &self.dir, e))
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&temp);
+        }
+        result
+    }
+
+    /// Reads and checks the file of `key`; `Corrupt` when any check fails.
+    fn read_block(&self, namespace: &Namespace, key: &BlockKey, path: &Path) -> Result<Option<Block>> {
+        let mut file = match File::open(path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StoreError::io("open", path, e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| StoreError::io("stat", path, e))?
+            .len();
+        let header = read_header(&mut file, path)?;
+        if !header.belongs_to(&self.context) {
+            return Err(StoreError::Corrupt(format!(
+                "{}: written for another model or layout",
+                path.display()
+            )));
+        }
+        self.check_header(&header, key, namespace, len)?;
+        let mut data = Vec::with_capacity(header.data_len as usize);
+        (&mut file)
+            .take(header.data_len)
+            .read_to_end(&mut data)
+            .map_err(|e| StoreError::io("read", path, e))?;
+        if data.len() as u64 != header.data_len {
+            return Err(StoreError::Corrupt(format!("{}: truncated data", path.display())));
+        }
+        if crc32fast::hash(&data) != header.crc32 {
+            return Err(StoreError::Corrupt(format!(
+                "{}: checksum mismatch",
+                path.display()
+            )));
+        }
+        // Keeps the LRU order across restarts; failing to is harmless.
+        let _ = file.set_modified(SystemTime::now());
+        let kv = HostKv::from_bytes(self.context.layout, header.start, header.tokens, data)
+            .map_err(|e| StoreError::Corrupt(format!("{}: {e}", path.display())))?;
+        Ok(Some(Block {
+            key: *key,
+            parent: header.parent,
+            namespace: namespace.clone(),
+            kv,
+        }))
+    }
+}
+
+impl Tier for DiskTier {
+    fn name(&self) -> &'static str {
+        "disk"
+    }
+
+    fn context(&self) -> &TierContext {
+        &self.context
+    }
+
+    fn get(&self, namespace: &Namespace, key: &BlockKey, _deadline: Instant) -> Result<Option<Arc<Block>>> {
+        {
+            let mut index = self.lock();
+            match index.entries.get(key) {
+                Some(entry) if entry.namespace == *namespace => index.lru.touch(key),
+                _ => return Ok(None),
+            };
+        }
+        let path = self.path_of(key);
+        match self.read_block(namespace, key, &path) {
+            Ok(Some(block)) => Ok(Some(Arc::new(block))),
+            Ok(None) => {
+                self.lock().forget(key, &self.context);
+                Ok(None)
+            }
+            Err(StoreError::Corrupt(why)) => {
+                self.lock().forget(key, &self.context);
+                self.discard_file(&path, &why);
+                Ok(None)
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    fn put(&self, block: &Arc<Block>, _deadline: Instant) -> Result<()> {
+        let data = block.kv.as_bytes();
+        let header = encode_header(block, &self.context, crc32fast::hash(data))?;
+        let size = (header.len() + data.len()) as u64;
+        if size > self.budget {
+            return Ok(());
+        }
+        let path = self.path_of(&block.key);
+        self.write_atomically(&block.key, &path, &header, data)?;
+        let victims = {
+            let mut index = self.lock();
+            let entry = Entry {
+                namespace: block.namespace.clone(),
+                parent: block.parent,
+                tokens: block.kv.tokens(),
+            };
+            index.insert(block.key, entry, size, &self.context);
+            self.evict_to_budget(&mut index)
+        };
+        self.remove_files(&victims);
+        Ok(())
+    }
+
+    fn contains(&self, namespace: &Namespace, key: &BlockKey, _deadline: Instant) -> Result<bool> {
+        Ok(self
+            .lock()
+            .entries
+            .get(key)
+            .is_some_and(|entry| entry.namespace == *namespace))
+    }
+
+    fn remove(&self, namespace: &Namespace, key: &BlockKey, _deadline: Instant) -> Result<()> {
+        let held = {
+            let mut index = self.lock();
+            let ours = index.entries.get(key).is_some_and(|e| e.namespace == *namespace);
+            ours && index.forget(key, &self.context)
+        };
+        if held {
+            let path = self.path_of(key);
+            fs::remove_file(&path).map_err(|e| StoreError::io("remove", path, e))?;
+        }
+        Ok(())
+    }
+
+    fn tails(&self, namespace: &Namespace, parent: &BlockKey, _deadline: Instant) -> Result<Vec<usize>> {
+        Ok(self.lock().tails.get(namespace, *parent))
+    }
+
+    fn used_bytes(&self) -> Result<u64> {
+        Ok(self.lock().lru.total())
+    }
+
+    fn budget(&self) -> Option<u64> {
+        Some(self.budget)
+    }
+
+    fn entries(&self) -> Option<u64> {
+        Some(self.lock().lru.len() as u64)
+    }
+
+    fn counters(&self) -> &TierCounters {
+        &self.counters
+    }
+}

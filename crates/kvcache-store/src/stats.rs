@@ -1,0 +1,140 @@
+//! Counters: per tier (hits, misses, errors, corrupt entries removed, evictions,
+//! bytes moved) and for the store (writes submitted and dropped, fetch timeouts),
+//! kept as atomics and read as plain snapshots.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The live counters of one tier. The store counts hits, misses and errors;
+/// the tier itself counts what only it sees (corrupt entries, evictions).
+#[derive(Debug, Default)]
+pub struct TierCounters {
+    /// Blocks found.
+    pub hits: AtomicU64,
+    /// Blocks looked for and not found (corrupt entries included).
+    pub misses: AtomicU64,
+    /// Failed operations (I/O, connection, timeouts).
+    pub errors: AtomicU64,
+    /// Damaged entries found, counted as misses and removed.
+    pub corrupt: AtomicU64,
+    /// Entries removed to stay within the budget.
+    pub evictions: AtomicU64,
+    /// Blocks written.
+    pub puts: AtomicU64,
+    /// Bytes of keys and values read.
+    pub bytes_read: AtomicU64,
+    /// Bytes of keys and values written.
+    pub bytes_written: AtomicU64,
+}
+
+/// Adds `n` to `counter`.
+pub(crate) fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Adds one to `counter`.
+pub(crate) fn bump(counter: &AtomicU64) {
+    add(counter, 1);
+}
+
+fn load(counter: &AtomicU64) -> u64 {
+    counter.load(Ordering::Relaxed)
+}
+
+/// A snapshot of one tier's counters and usage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierStats {
+    /// The tier's name (`memory`, `disk`, `redis`).
+    pub name: &'static str,
+    /// Blocks found.
+    pub hits: u64,
+    /// Blocks looked for and not found.
+    pub misses: u64,
+    /// Failed operations.
+    pub errors: u64,
+    /// Damaged entries found and removed.
+    pub corrupt: u64,
+    /// Entries evicted to stay within the budget.
+    pub evictions: u64,
+    /// Blocks written.
+    pub puts: u64,
+    /// Bytes of keys and values read.
+    pub bytes_read: u64,
+    /// Bytes of keys and values written.
+    pub bytes_written: u64,
+    /// Bytes in use, if the tier could say (Redis: `used_memory`).
+    pub used_bytes: Option<u64>,
+    /// The byte budget, if the tier has one of its own.
+    pub budget: Option<u64>,
+    /// Entries held, if the tier keeps count.
+    pub entries: Option<u64>,
+}
+
+impl TierCounters {
+    /// A snapshot named `name` with the given usage figures.
+    pub fn snapshot(
+        &self,
+        name: &'static str,
+        used_bytes: Option<u64>,
+        budget: Option<u64>,
+        entries: Option<u64>,
+    ) -> TierStats {
+        TierStats {
+            name,
+            hits: load(&self.hits),
+            misses: load(&self.misses),
+            errors: load(&self.errors),
+            corrupt: load(&self.corrupt),
+            evictions: load(&self.evictions),
+            puts: load(&self.puts),
+            bytes_read: load(&self.bytes_read),
+            bytes_written: load(&self.bytes_written),
+            used_bytes,
+            budget,
+            entries,
+        }
+    }
+}
+
+/// The live counters of the store itself.
+#[derive(Debug, Default)]
+pub(crate) struct StoreCounters {
+    pub(crate) submitted: AtomicU64,
+    pub(crate) dropped: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) blocks_written: AtomicU64,
+    pub(crate) fetches: AtomicU64,
+    pub(crate) fetch_timeouts: AtomicU64,
+}
+
+/// A snapshot of the store's counters and of every tier's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreStats {
+    /// One entry per tier, fastest first.
+    pub tiers: Vec<TierStats>,
+    /// Writes accepted into the queue.
+    pub submitted: u64,
+    /// Writes dropped because the queue was full.
+    pub dropped: u64,
+    /// Writes refused as invalid (wrong layout, unaligned start, too few tokens).
+    pub rejected: u64,
+    /// Blocks the writer stored in at least one tier.
+    pub blocks_written: u64,
+    /// Fetches answered.
+    pub fetches: u64,
+    /// Fetches cut short by their deadline.
+    pub fetch_timeouts: u64,
+}
+
+impl StoreCounters {
+    pub(crate) fn snapshot(&self, tiers: Vec<TierStats>) -> StoreStats {
+        StoreStats {
+            tiers,
+            submitted: load(&self.submitted),
+            dropped: load(&self.dropped),
+            rejected: load(&self.rejected),
+            blocks_written: load(&self.blocks_written),
+            fetches: load(&self.fetches),
+            fetch_timeouts: load(&self.fetch_timeouts),
+        }
+    }
+}

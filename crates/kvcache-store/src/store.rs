@@ -1,0 +1,497 @@
+//! [`TieredStore`]: the [`PrefixStore`] over an ordered list of tiers.
+//!
+//! Writes go through the background [`Writer`](crate::writer): a submitted run is
+//! cut into blocks (the last one may be a tail), keyed, and written to every
+//! tier. Fetches run on the caller's thread, block by block and tier by tier
+//! (fastest first), within the caller's deadline; a block found in a slower
+//! tier is promoted into the in-memory tiers above it.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvcache_api::{Fetched, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore};
+
+use crate::error::{Result, StoreError};
+use crate::keys::{BlockKey, KeyChain};
+use crate::known::KnownKeys;
+use crate::namespace::Scope;
+use crate::rows;
+use crate::stats::{add, bump, StoreCounters, StoreStats};
+use crate::tier::{Block, Tier, TierContext};
+use crate::writer::Writer;
+
+/// The model, layout, block size and writer settings of a [`TieredStore`].
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// The model whose keys and values are stored.
+    pub fingerprint: Fingerprint,
+    /// Their layout.
+    pub layout: KvLayout,
+    /// Tokens per block (default 256).
+    pub block_tokens: usize,
+    /// Submitted runs the writer queue holds before dropping more (default 64).
+    pub queue_capacity: usize,
+    /// The longest one block write to one tier may take (default 30 s).
+    pub write_timeout: Duration,
+    /// Block keys remembered for [`PrefixStore::known_prefix`] (default 1 Mi).
+    pub known_keys: usize,
+}
+
+impl StoreConfig {
+    /// The defaults for `layout` of the model `fingerprint`.
+    pub fn new(fingerprint: Fingerprint, layout: KvLayout) -> Self {
+        StoreConfig {
+            fingerprint,
+            layout,
+            block_tokens: 256,
+            queue_capacity: 64,
+            write_timeout: Duration::from_secs(30),
+            known_keys: 1 << 20,
+        }
+    }
+
+    /// With blocks of `tokens` tokens.
+    pub fn with_block_tokens(mut self, tokens: usize) -> Self {
+        self.block_tokens = tokens;
+        self
+    }
+
+    /// With a writer queue of `runs` submitted runs.
+    pub fn with_queue_capacity(mut self, runs: usize) -> Self {
+        self.queue_capacity = runs;
+        self
+    }
+
+    /// What this store's tiers must be built for.
+    pub fn context(&self) -> TierContext {
+        TierContext {
+            fingerprint: self.fingerprint,
+            layout: self.layout,
+            block_tokens: self.block_tokens,
+        }
+    }
+}
+
+/// A tiered, content-addressed [`PrefixStore`]: see the [crate docs](crate).
+pub struct TieredStore {
+    core: Arc<Core>,
+    writer: Writer<Job>,
+}
+
+impl std::fmt::Debug for TieredStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredStore")
+            .field("config", &self.core.config)
+            .field(
+                "tiers",
+                &self.core.tiers.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// What the caller's threads and the writer share.
+struct Core {
+    config: StoreConfig,
+    tiers: Vec<Box<dyn Tier>>,
+    known: KnownKeys,
+    counters: StoreCounters,
+}
+
+/// One submitted run, as the writer receives it.
+struct Job {
+    namespace: Namespace,
+    tokens: Vec<u32>,
+    kv: HostKv,
+}
+
+/// Where one block was found.
+enum Lookup {
+    Found(Arc<Block>, usize),
+    Missing,
+    OutOfTime,
+}
+
+impl TieredStore {
+    /// A store over `tiers`, fastest first, all built for `config.context()`;
+    /// starts the writer thread.
+    pub fn new(config: StoreConfig, tiers: Vec<Box<dyn Tier>>) -> Result<Self> {
+        if config.block_tokens == 0 || config.queue_capacity == 0 {
+            return Err(StoreError::Config(
+                "block_tokens and queue_capacity must be at least 1".into(),
+            ));
+        }
+        let context = config.context();
+        for tier in &tiers {
+            let theirs = tier.context();
+            let what = if theirs.fingerprint != context.fingerprint {
+                "fingerprint"
+            } else if theirs.layout != context.layout {
+                "layout"
+            } else if theirs.block_tokens != context.block_tokens {
+                "block size"
+            } else {
+                continue;
+            };
+            return Err(StoreError::TierMismatch {
+                tier: tier.name(),
+                what,
+            });
+        }
+        let core = Arc::new(Core {
+            known: KnownKeys::new(config.known_keys),
+            config,
+            tiers,
+            counters: StoreCounters::default(),
+        });
+        let theirs = Arc::clone(&core);
+        let writer = Writer::spawn("kvcache-store-writer", core.config.queue_capacity, move |job| {
+            theirs.write(job)
+        })?;
+        Ok(TieredStore { core, writer })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StoreConfig {
+        &self.core.config
+    }
+
+    /// The tiers, fastest first.
+    pub fn tiers(&self) -> &[Box<dyn Tier>] {
+        &self.core.tiers
+    }
+
+    /// Waits until every run submitted before this call is written.
+    pub fn flush(&self) {
+        self.writer.flush();
+    }
+
+    /// The counters of the store and of every tier (asks Redis for its
+    /// `used_memory`).
+    pub fn stats(&self) -> StoreStats {
+        let tiers = self.core.tiers.iter().map(|t| t.stats()).collect();
+        self.core.counters.snapshot(tiers)
+    }
+}
+
+impl Drop for TieredStore {
+    /// Writes what is queued, then stops the writer.
+    fn drop(&mut self) {
+        self.writer.shutdown();
+    }
+}
+
+impl Core {
+    /// Cuts a submitted run into blocks and writes each to every tier.
+    fn write(&self, job: Job) {
+        let Job {
+            namespace,
+            tokens,
+            kv,
+        } = job;
+        let scope = Scope::new(&self.config.fingerprint, &namespace);
+        let block_tokens = self.config.block_tokens;
+        let mut chain = KeyChain::new(scope, block_tokens, &tokens);
+        chain.skip_to(kv.start());
+        let whole = kv.range();
+        let mut kv = Some(kv);
+        let mut pos = whole.start;
+        while pos < whole.end {
+            let len = block_tokens.min(whole.end - pos);
+            let parent = chain.parent();
+            let key = if len == block_tokens {
+                chain.next().map(|(_, key)| key)
+            } else {
+                chain.tail_key(len)
+            };
+            let Some(key) = key else { break };
+            let range = pos..pos + len;
+            let block_kv = match kv.take() {
+                Some(all) if all.range() == range => Ok(all),
+                Some(all) => {
+                    let part = rows::join(&self.config.layout, &[&all], range);
+                    kv = Some(all);
+                    part
+                }
+                None => break,
+            };
+            match block_kv {
+                Ok(block_kv) => self.write_block(Arc::new(Block {
+                    key,
+                    parent,
+                    namespace: namespace.clone(),
+                    kv: block_kv,
+                })),
+                Err(err) => tracing::warn!(%err, "kvcache-store: cannot cut a block"),
+            }
+            pos += len;
+        }
+    }
+
+    /// Writes one block to every tier that lacks it.
+    fn write_block(&self, block: Arc<Block>) {
+        let mut stored = false;
+        for tier in &self.tiers {
+            let deadline = Instant::now() + self.config.write_timeout;
+            let counters = tier.counters();
+            match tier.contains(&block.namespace, &block.key, deadline) {
+                Ok(true) => {
+                    stored = true;
+                    continue;
+                }
+                Ok(false) => {}
+                Err(err) => {
+                    bump(&counters.errors);
+                    tracing::debug!(tier = tier.name(), %err, "kvcache-store: write skipped");
+                    continue;
+                }
+            }
+            match tier.put(&block, deadline) {
+                Ok(()) => {
+                    stored = true;
+                    bump(&counters.puts);
+                    add(&counters.bytes_written, block.bytes());
+                }
+                Err(err) => {
+                    bump(&counters.errors);
+                    tracing::debug!(tier = tier.name(), %err, "kvcache-store: write failed");
+                }
+            }
+        }
+        if stored {
+            self.known.insert(block.key);
+            bump(&self.counters.blocks_written);
+        }
+    }
+
+    /// Looks for block `key` (covering `range`) tier by tier; promotes a block
+    /// found below an in-memory tier into it.
+    fn lookup(
+        &self,
+        namespace: &Namespace,
+        key: &BlockKey,
+        range: Range<usize>,
+        deadline: Instant,
+    ) -> Lookup {
+        let mut failed = false;
+        for (i, tier) in self.tiers.iter().enumerate() {
+            if Instant::now() >= deadline {
+                return Lookup::OutOfTime;
+            }
+            let counters = tier.counters();
+            match tier.get(namespace, key, deadline) {
+                Ok(Some(block)) if block.kv.range() == range && block.kv.layout() == &self.config.layout => {
+                    bump(&counters.hits);
+                    add(&counters.bytes_read, block.bytes());
+                    for upper in self.tiers[..i].iter().filter(|t| t.promotes()) {
+                        if upper.put(&block, deadline).is_err() {
+                            bump(&upper.counters().errors);
+                        }
+                    }
+                    self.known.insert(*key);
+                    return Lookup::Found(block, i);
+                }
+                Ok(_) => bump(&counters.misses),
+                Err(StoreError::Timeout) => {
+                    bump(&counters.errors);
+                    return Lookup::OutOfTime;
+                }
+                Err(err) => {
+                    bump(&counters.errors);
+                    failed = true;
+                    tracing::debug!(tier = tier.name(), %err, "kvcache-store: read failed");
+                }
+            }
+        }
+        if !failed {
+            self.known.forget(key);
+        }
+        Lookup::Missing
+    }
+
+    /// Tail lengths stored after `parent`, longest first, from every tier.
+    fn tails(&self, namespace: &Namespace, parent: &BlockKey, deadline: Instant) -> (Vec<usize>, bool) {
+        let mut lengths = Vec::new();
+        for tier in &self.tiers {
+            if Instant::now() >= deadline {
+                return (lengths, true);
+            }
+            match tier.tails(namespace, parent, deadline) {
+                Ok(found) => lengths.extend(found),
+                Err(err) => {
+                    bump(&tier.counters().errors);
+                    if matches!(err, StoreError::Timeout) {
+                        return (lengths, true);
+                    }
+                }
+            }
+        }
+        lengths.sort_unstable_by(|a, b| b.cmp(a));
+        lengths.dedup();
+        (lengths, false)
+    }
+
+    fn fetch(&self, namespace: &Namespace, tokens: &[u32], from: usize, budget: Duration) -> Option<Fetched> {
+        bump(&self.counters.fetches);
+        if from >= tokens.len() {
+            return None;
+        }
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(budget)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
+        let scope = Scope::new(&self.config.fingerprint, namespace);
+        let mut chain = KeyChain::new(scope, self.config.block_tokens, tokens);
+        chain.skip_to(from);
+        let mut parts: Vec<(Arc<Block>, usize)> = Vec::new();
+        let mut out_of_time = false;
+        while let Some((range, key)) = chain.peek() {
+            match self.lookup(namespace, &key, range, deadline) {
+                Lookup::Found(block, tier) => {
+                    parts.push((block, tier));
+                    chain.next();
+                }
+                Lookup::Missing => break,
+                Lookup::OutOfTime => {
+                    out_of_time = true;
+                    break;
+                }
+            }
+        }
+        if !out_of_time && chain.remaining() > 0 {
+            let (lengths, late) = self.tails(namespace, &chain.parent(), deadline);
+            out_of_time = late;
+            for len in lengths.into_iter().filter(|&len| len <= chain.remaining()) {
+                let Some(key) = chain.tail_key(len) else { continue };
+                let range = chain.position()..chain.position() + len;
+                match self.lookup(namespace, &key, range, deadline) {
+                    Lookup::Found(block, tier) => {
+                        parts.push((block, tier));
+                        break;
+                    }
+                    Lookup::Missing => {}
+                    Lookup::OutOfTime => {
+                        out_of_time = true;
+                        break;
+                    }
+                }
+            }
+        }
+        if out_of_time {
+            bump(&self.counters.fetch_timeouts);
+        }
+        self.assemble(&parts, from)
+    }
+
+    /// Joins the blocks found into `[from, end)` and says which tier served what.
+    fn assemble(&self, parts: &[(Arc<Block>, usize)], from: usize) -> Option<Fetched> {
+        let end = parts.last()?.0.kv.end();
+        if end <= from {
+            return None;
+        }
+        let kvs: Vec<&HostKv> = parts.iter().map(|(block, _)| &block.kv).collect();
+        let kv = match rows::join(&self.config.layout, &kvs, from..end) {
+            Ok(kv) => kv,
+            Err(err) => {
+                tracing::warn!(%err, "kvcache-store: cannot join blocks");
+                return None;
+            }
+        };
+        let mut served = vec![0usize; self.tiers.len()];
+        for (block, tier) in parts {
+            served[*tier] += block.kv.end() - block.kv.start().max(from);
+        }
+        let tiers = served
+            .into_iter()
+            .enumerate()
+            .filter(|&(_, tokens)| tokens > 0)
+            .map(|(i, tokens)| (self.tiers[i].name(), tokens))
+            .collect();
+        Some(Fetched { kv, tiers })
+    }
+
+    fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
+        let scope = Scope::new(&self.config.fingerprint, namespace);
+        let mut chain = KeyChain::new(scope, self.config.block_tokens, tokens);
+        while let Some((_, key)) = chain.peek() {
+            if !self.known.contains(&key) {
+                return chain.position();
+            }
+            chain.next();
+        }
+        let rest = chain.remaining();
+        match chain.tail_key(rest) {
+            Some(key) if rest > 0 && self.known.contains(&key) => tokens.len(),
+            _ => chain.position(),
+        }
+    }
+
+    /// Why a submitted run cannot be written, if it cannot.
+    fn check_submit(&self, tokens: &[u32], kv: &HostKv) -> Option<String> {
+        if let Err(err) = self.config.layout.expect(kv.layout()) {
+            return Some(err.to_string());
+        }
+        if kv.tokens() == 0 {
+            return Some("an empty run".into());
+        }
+        if kv.start() % self.config.block_tokens != 0 {
+            return Some(format!(
+                "a run starting at {}, not a multiple of the block size {}",
+                kv.start(),
+                self.config.block_tokens
+            ));
+        }
+        if kv.end() > tokens.len() {
+            return Some(format!(
+                "a run ending at {} with only {} tokens",
+                kv.end(),
+                tokens.len()
+            ));
+        }
+        None
+    }
+}
+
+impl PrefixStore for TieredStore {
+    fn layout(&self) -> &KvLayout {
+        &self.core.config.layout
+    }
+
+    fn block_tokens(&self) -> usize {
+        self.core.config.block_tokens
+    }
+
+    fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
+        self.core.known_prefix(namespace, tokens)
+    }
+
+    fn fetch(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        from: usize,
+        deadline: Duration,
+    ) -> Option<Fetched> {
+        self.core.fetch(namespace, tokens, from, deadline)
+    }
+
+    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) {
+        let core = &self.core;
+        if let Some(why) = core.check_submit(tokens, &kv) {
+            bump(&core.counters.rejected);
+            tracing::warn!(why, "kvcache-store: submit rejected");
+            return;
+        }
+        let job = Job {
+            namespace: namespace.clone(),
+            tokens: tokens[..kv.end()].to_vec(),
+            kv,
+        };
+        if self.writer.try_submit(job) {
+            bump(&core.counters.submitted);
+        } else {
+            bump(&core.counters.dropped);
+        }
+    }
+}

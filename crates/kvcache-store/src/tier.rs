@@ -1,0 +1,106 @@
+//! The [`Tier`] trait every level of the store implements (host memory, local
+//! directory, Redis), the [`Block`] they hold and the [`TierContext`] they are
+//! built for.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvcache_api::{Fingerprint, HostKv, KvLayout, Namespace};
+
+use crate::error::Result;
+use crate::keys::BlockKey;
+use crate::stats::{TierCounters, TierStats};
+
+/// What every tier of one store agrees on: the model, its layout and the block
+/// size. Tiers are built for a context and the store checks that they match its
+/// own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierContext {
+    /// The model's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The layout of every block.
+    pub layout: KvLayout,
+    /// Tokens per full block; a block with fewer is a tail.
+    pub block_tokens: usize,
+}
+
+/// One stored block: the keys and values of token offsets
+/// `[kv.start(), kv.end())` of one prompt, with the keys that place it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// This block's key.
+    pub key: BlockKey,
+    /// The key of the block before it, [`BlockKey::ROOT`] for the first.
+    pub parent: BlockKey,
+    /// The namespace it belongs to.
+    pub namespace: Namespace,
+    /// Its keys and values; `kv.start()` is a multiple of the block size.
+    pub kv: HostKv,
+}
+
+impl Block {
+    /// Bytes of keys and values held.
+    pub fn bytes(&self) -> u64 {
+        self.kv.as_bytes().len() as u64
+    }
+
+    /// Whether this is a tail (shorter than a full block of `ctx`).
+    pub fn is_tail(&self, ctx: &TierContext) -> bool {
+        self.kv.tokens() < ctx.block_tokens
+    }
+}
+
+/// One level of the store. Implementations are internally synchronised: the
+/// store calls them from the writer thread and from every fetching thread.
+///
+/// A `get` answers `Ok(None)` for a miss, which includes a damaged entry (the
+/// tier removes it and counts it in [`TierCounters::corrupt`]) and an entry of
+/// another namespace; `Err` only for failures to ask (I/O, connection, deadline).
+pub trait Tier: Send + Sync {
+    /// A short name for statistics (`memory`, `disk`, `redis`).
+    fn name(&self) -> &'static str;
+
+    /// The model, layout and block size this tier was built for.
+    fn context(&self) -> &TierContext;
+
+    /// The block `key` of `namespace`, if held.
+    fn get(&self, namespace: &Namespace, key: &BlockKey, deadline: Instant) -> Result<Option<Arc<Block>>>;
+
+    /// Stores `block` (replacing an entry of the same key), evicting what the
+    /// budget requires.
+    fn put(&self, block: &Arc<Block>, deadline: Instant) -> Result<()>;
+
+    /// Whether the block `key` of `namespace` is held (without reading it).
+    fn contains(&self, namespace: &Namespace, key: &BlockKey, deadline: Instant) -> Result<bool>;
+
+    /// Removes the block `key` of `namespace` if held.
+    fn remove(&self, namespace: &Namespace, key: &BlockKey, deadline: Instant) -> Result<()>;
+
+    /// Lengths of the tails stored after `parent` in `namespace`, shortest first.
+    fn tails(&self, namespace: &Namespace, parent: &BlockKey, deadline: Instant) -> Result<Vec<usize>>;
+
+    /// Bytes in use (for Redis, the server's `used_memory`).
+    fn used_bytes(&self) -> Result<u64>;
+
+    /// The tier's own byte budget; `None` where the backend manages its memory
+    /// (Redis: `maxmemory`).
+    fn budget(&self) -> Option<u64>;
+
+    /// Entries held, where the tier keeps count.
+    fn entries(&self) -> Option<u64>;
+
+    /// Whether blocks found in slower tiers are copied into this one on the
+    /// fetching thread (true for cheap, in-memory tiers).
+    fn promotes(&self) -> bool {
+        false
+    }
+
+    /// The tier's live counters.
+    fn counters(&self) -> &TierCounters;
+
+    /// A snapshot of the counters and usage.
+    fn stats(&self) -> TierStats {
+        self.counters()
+            .snapshot(self.name(), self.used_bytes().ok(), self.budget(), self.entries())
+    }
+}
