@@ -1,12 +1,17 @@
 //! [`KvCache`]: the full-attention layer cache, a buffer that grows in steps.
 
 use std::fmt;
+use std::ops::Range;
 
-use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
-use mlx_rs::Array;
+use kvcache_api::{
+    BoxedSnapshot, CacheError, DType, KvLayout as HostLayout, LayerCache, LayerRows, LayerRowsMut, Result,
+    Snapshot, SnapshotCache,
+};
+use mlx_rs::{Array, Dtype};
 
 use super::arrays::{
-    compact_seq_concats, compact_seq_slices, grow_write, seq_len, seq_slice, KvLayout, Origin,
+    backend, compact_seq_concats, compact_seq_slices, dim, eval, grow_write, seq_len, seq_slice, KvLayout,
+    Origin,
 };
 use super::snapshot::{check_consecutive, downcast_box, downcast_ref, KvSnapshot};
 use super::DEFAULT_STEP;
@@ -28,6 +33,10 @@ use super::DEFAULT_STEP;
 ///   snapshot it rewinds to any `target <= offset`.
 /// - [`merge`](SnapshotCache::merge) concatenates, [`split`](SnapshotCache::split)
 ///   makes two compact copies.
+/// - [`read_rows`](SnapshotCache::read_rows) copies live rows to the host form
+///   `[H, T, D]` (batch 1 only: a cache of several sequences answers `false`);
+///   [`append_rows`](SnapshotCache::append_rows) writes host rows at the
+///   offset as an update would. Both take f32, f16 and bf16.
 pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
@@ -87,6 +96,100 @@ impl KvCache {
         self.offset = start + n;
         Ok(())
     }
+}
+
+/// The mlx dtype of a host dtype.
+fn mlx_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F32 => Dtype::Float32,
+        DType::F16 => Dtype::Float16,
+        DType::BF16 => Dtype::Bfloat16,
+    }
+}
+
+/// Checks that host rows of `host` fit a cache of `layout` (batch 1).
+fn check_host(layout: &KvLayout, host: &HostLayout) -> Result<()> {
+    let mismatch = |what, expected: String, got: String| CacheError::LayoutMismatch { what, expected, got };
+    let fields = [
+        ("kv_heads", layout.heads, host.kv_heads),
+        ("head_dim", layout.k_dim, host.head_dim),
+        ("head_dim_v", layout.v_dim, host.head_dim_v),
+    ];
+    for (what, cache, rows) in fields {
+        if usize::try_from(cache).ok() != Some(rows) {
+            return Err(mismatch(what, cache.to_string(), rows.to_string()));
+        }
+    }
+    let want = mlx_dtype(host.dtype);
+    for dtype in [layout.k_dtype, layout.v_dtype] {
+        if dtype != want {
+            return Err(mismatch("dtype", format!("{dtype:?}"), host.dtype.to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// Copies the evaluated, row-contiguous array `a` into `out` as little-endian bytes.
+fn to_host(a: &Array, out: &mut [u8]) -> Result<()> {
+    macro_rules! copy {
+        ($t:ty) => {{
+            let data = a.try_as_slice::<$t>().map_err(backend)?;
+            let size = std::mem::size_of::<$t>();
+            if data.len() * size != out.len() {
+                return Err(CacheError::InvalidArgument(format!(
+                    "{} elements read into {} bytes",
+                    data.len(),
+                    out.len()
+                )));
+            }
+            for (dst, x) in out.chunks_exact_mut(size).zip(data) {
+                dst.copy_from_slice(&x.to_le_bytes());
+            }
+        }};
+    }
+    match a.dtype() {
+        Dtype::Float32 => copy!(f32),
+        Dtype::Float16 => copy!(half::f16),
+        Dtype::Bfloat16 => copy!(half::bf16),
+        other => {
+            return Err(CacheError::DTypeMismatch {
+                what: "cache rows",
+                expected: "f32, f16 or bf16".into(),
+                got: format!("{other:?}"),
+            })
+        }
+    }
+    Ok(())
+}
+
+/// A `[1, H, n, D]` array of host rows: for each head, the bytes `head(h)` gives.
+fn from_host<'a>(
+    dtype: DType,
+    heads: usize,
+    n: usize,
+    d: usize,
+    head: impl Fn(usize) -> &'a [u8],
+) -> Result<Array> {
+    let shape = [1, dim(heads)?, dim(n)?, dim(d)?];
+    macro_rules! build {
+        ($t:ty) => {{
+            let size = std::mem::size_of::<$t>();
+            let mut data: Vec<$t> = Vec::with_capacity(heads * n * d);
+            for h in 0..heads {
+                data.extend(
+                    head(h)
+                        .chunks_exact(size)
+                        .map(|b| <$t>::from_le_bytes(b.try_into().expect("element-sized chunk"))),
+                );
+            }
+            Array::from_slice(&data, &shape)
+        }};
+    }
+    Ok(match dtype {
+        DType::F32 => build!(f32),
+        DType::F16 => build!(half::f16),
+        DType::BF16 => build!(half::bf16),
+    })
 }
 
 impl Default for KvCache {
@@ -214,6 +317,67 @@ impl SnapshotCache for KvCache {
         self.values = None;
         self.layout = None;
         self.offset = 0;
+    }
+
+    /// Copies live rows `rows` into `out` (`[H, rows.len(), D]` keys and values).
+    fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
+        if rows.start > rows.end || rows.end > self.offset {
+            return Ok(false);
+        }
+        let (Some(k), Some(v), Some(layout)) = (&self.keys, &self.values, &self.layout) else {
+            return Ok(rows.is_empty());
+        };
+        if layout.batch != 1 {
+            return Ok(false);
+        }
+        check_host(layout, &out.layout)?;
+        if out.tokens != rows.len() {
+            return Err(CacheError::InvalidArgument(format!(
+                "{} rows read into a layer of {} tokens",
+                rows.len(),
+                out.tokens
+            )));
+        }
+        if rows.is_empty() {
+            return Ok(true);
+        }
+        let [keys, values] = compact_seq_slices([(k, rows.start, rows.end), (v, rows.start, rows.end)])?;
+        to_host(&keys, out.keys)?;
+        to_host(&values, out.values)?;
+        Ok(true)
+    }
+
+    /// Appends rows `rows` of `src` at the offset, as an update of them would.
+    fn append_rows(&mut self, src: LayerRows<'_>, rows: Range<usize>) -> Result<bool> {
+        if rows.start > rows.end || rows.end > src.tokens {
+            return Err(CacheError::InvalidArgument(format!(
+                "rows {rows:?} of a layer holding {} tokens",
+                src.tokens
+            )));
+        }
+        let host = src.layout;
+        if let Some(layout) = &self.layout {
+            if layout.batch != 1 {
+                return Ok(false);
+            }
+            check_host(layout, &host)?;
+        }
+        if rows.is_empty() {
+            return Ok(true);
+        }
+        let n = rows.len();
+        let keys = from_host(host.dtype, host.kv_heads, n, host.head_dim, |h| {
+            src.head_keys(h, rows.clone())
+        })?;
+        let values = from_host(host.dtype, host.kv_heads, n, host.head_dim_v, |h| {
+            src.head_values(h, rows.clone())
+        })?;
+        let (layout, _) = KvLayout::of(&keys, &values)?;
+        KvLayout::check_opt(self.layout.as_ref(), &layout, n)?;
+        self.write(self.offset, &keys, &values, n, Origin::Caller)?;
+        self.layout = Some(layout);
+        eval(self.keys.iter().chain(self.values.iter()))?;
+        Ok(true)
     }
 }
 

@@ -71,23 +71,55 @@
 //! - Paging out snapshots only what a node lacks; a conversation that goes on
 //!   from a paged-in leaf grows a child node rather than re-copying the leaf.
 //! - Eviction above the byte budget takes the least recently used node (a
-//!   logical clock), then the deepest, then the largest, never the active path,
-//!   the root or a node with several children; user snapshots go only after
-//!   every ordinary node. An ordered index makes each eviction `O(log n)`.
+//!   logical clock), then the deepest, then the largest, never the active path
+//!   or a root; user snapshots go only after every ordinary node. A leaf is
+//!   removed, a node with one child merged into it, and a branch point with
+//!   several children drops its snapshots but stays in the trie (Ollama's
+//!   way): paths through it then page in up to its start, evaluate its edge,
+//!   and heal it with a pending snapshot. So the budget holds except for
+//!   snapshots on the active path ([`Stats::over_budget`]). An ordered index
+//!   makes each eviction `O(log n)`.
+//! - Every request runs in a [`Namespace`](kvcache_api::Namespace)
+//!   ([`PrefixCache::begin_in`]; [`PrefixCache::begin`] uses the shared one).
+//!   Each namespace has its own root, so no prefix is shared across
+//!   namespaces; switching to another namespace rewinds the live caches to 0.
+//!   A namespace's root is released once nothing hangs from it.
+//!
+//! # A store behind the trie
+//!
+//! With a [`PrefixStore`](kvcache_api::PrefixStore) set
+//! ([`PrefixCache::set_store`]), prefixes outlive the process:
+//!
+//! - **Write-through at close.** The live caches hold the whole path when a
+//!   session closes, so the trie then copies the prompt tokens they hold that
+//!   the store does not (`known_prefix`, block-aligned) into a
+//!   [`HostKv`](kvcache_api::HostKv) with each layer's `read_rows` and submits
+//!   it. Generated tokens are not written. Evictions therefore drop only what
+//!   the store already has (or never could).
+//! - **Restore on miss.** After the in-memory match, `begin` fetches the run
+//!   of the prompt (never its last token) past what the trie restored, within
+//!   the store's deadline, and appends it to every layer with `append_rows`;
+//!   the restored tokens extend the active path as a node only the live
+//!   caches back, as after prefill. If any layer refuses or fails, every layer
+//!   is rewound and the tokens are evaluated instead.
+//! - Layers that cannot be cut into token rows (rotating windows, recurrent
+//!   states: `read_rows` answers `false`) make the trie submit nothing and
+//!   refuse restores, so such models reuse prefixes only within the process.
 //!
 //! # Modules
 //! - `arena`: nodes in a `Vec` addressed by `u32`, with a free list; each node
 //!   holds its edge tokens, `[start, end)`, parent, children sorted by first
 //!   token, per-layer snapshots, user flag and last-used stamp.
-//! - `cache`: [`PrefixCache`]: matching, switching paths (page out, rewind,
-//!   page in, align), growing the active path, splitting and merging nodes,
-//!   eviction through an ordered index.
+//! - `cache`: [`PrefixCache`]: namespaces' roots, matching, switching paths
+//!   (page out, rewind, page in, align), restoring from and writing to the
+//!   store, growing the active path, splitting and merging nodes, eviction
+//!   through an ordered index.
 //! - `session`: [`Session`], the engine-facing side of one request.
 //! - `check`: [`PrefixCache::check`], the invariant checker.
 //! - `stats`: [`Stats`].
 //! - [`fake`]: fake layer caches whose state is made of token ids (a KV cache,
 //!   a recurrent state, a sliding window), counting every snapshot they make
-//!   and drop.
+//!   and drop, and [`fake::MemStore`], an in-memory prefix store.
 
 mod arena;
 mod cache;

@@ -2,6 +2,7 @@
 //! invariants and the live state after every step.
 #![allow(dead_code)]
 
+use kvcache_api::Namespace;
 use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow};
 use kvcache_mlx::trie::{PrefixCache, Session};
 
@@ -83,8 +84,31 @@ pub fn request_with<C: FakeLayer>(
     generated: &[u32],
     options: Options,
 ) -> Outcome {
+    request_full(cache, counters, &Namespace::shared(), prompt, generated, options)
+}
+
+/// [`request`] in a namespace.
+pub fn request_in<C: FakeLayer>(
+    cache: &mut PrefixCache<C>,
+    counters: &Counters,
+    namespace: &Namespace,
+    prompt: &[u32],
+    generated: &[u32],
+) -> Outcome {
+    request_full(cache, counters, namespace, prompt, generated, Options::default())
+}
+
+/// [`request`] in a namespace, with options.
+pub fn request_full<C: FakeLayer>(
+    cache: &mut PrefixCache<C>,
+    counters: &Counters,
+    namespace: &Namespace,
+    prompt: &[u32],
+    generated: &[u32],
+    options: Options,
+) -> Outcome {
     let fed_before = counters.fed_tokens();
-    let mut s = cache.begin(prompt).unwrap();
+    let mut s = cache.begin_in(namespace, prompt).unwrap();
     s.check();
     let cached = s.cached();
     let remaining = s.remaining().to_vec();

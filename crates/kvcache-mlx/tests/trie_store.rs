@@ -1,0 +1,412 @@
+//! The prefix trie with a store behind it and requests in namespaces, over fake
+//! layer caches and the in-memory [`MemStore`]: write-through at close, restore
+//! on miss in a brand-new trie (a restarted process), namespaces kept apart in
+//! the trie and through the store, a store that answers nothing, restores that
+//! a layer refuses, and the eviction budget under random schedules full of
+//! branch points.
+
+mod trie_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvcache_api::{CacheError, DType, KvLayout, Namespace, PrefixStore};
+use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, MemStore};
+use kvcache_mlx::trie::PrefixCache;
+use trie_support::{assert_holds, cache, request, request_full, request_in, request_with, Layer, Options};
+
+const NO_LIMIT: usize = usize::MAX;
+const DEADLINE: Duration = Duration::from_millis(50);
+
+fn range(a: u32, b: u32) -> Vec<u32> {
+    (a..=b).collect()
+}
+
+fn ns(name: &str) -> Namespace {
+    Namespace::new(name).unwrap()
+}
+
+/// A store for `layers` fake KV layers, cutting blocks of `block` tokens.
+fn store(layers: usize, block: usize) -> Arc<MemStore> {
+    Arc::new(MemStore::new(FakeKv::layout(layers), block))
+}
+
+/// A trie of the given layer kinds (see `trie_support::layers`) with `store` behind it.
+fn cache_with(kinds: &str, budget: usize, store: &Arc<MemStore>) -> (PrefixCache<Layer>, Counters) {
+    let (mut c, n) = cache(kinds, budget);
+    c.set_store(store.clone(), DEADLINE).unwrap();
+    c.check();
+    (c, n)
+}
+
+#[test]
+fn a_closed_conversation_is_restored_by_a_restarted_process() {
+    let store = store(3, 4);
+    let prompt = range(1, 10);
+    {
+        let (mut first, n) = cache_with("kkk", NO_LIMIT, &store);
+        let out = request(&mut first, &n, &prompt, &[50, 51, 52]);
+        assert_eq!(out.cached, 0);
+        let s = first.stats();
+        // The prompt is written through at close; generated tokens are not.
+        assert_eq!((s.store_writes, s.store_tokens_written), (1, 10));
+        assert_eq!(store.known_prefix(&Namespace::shared(), &prompt), 10);
+        assert_eq!(
+            store.known_prefix(&Namespace::shared(), &[&prompt[..], &[50]].concat()),
+            8
+        );
+    }
+
+    // A new process: a new trie over new layers, the same store.
+    let (mut second, n) = cache_with("kkk", NO_LIMIT, &store);
+    let next_turn = [&prompt[..], &[60, 61, 62]].concat();
+    let out = request(&mut second, &n, &next_turn, &[]);
+    assert_eq!(out.cached, 10, "the whole stored prompt is restored");
+    assert_eq!(out.remaining, vec![60, 61, 62]);
+    assert_eq!(
+        out.fed,
+        3 * 3,
+        "only the new tokens are evaluated, in each of 3 layers"
+    );
+    assert_eq!(n.appended_tokens(), 3 * 10);
+    let s = second.stats();
+    assert_eq!((s.hits, s.misses, s.store_hits, s.store_tokens), (1, 0, 1, 10));
+    assert_eq!(s.reused_tokens, 10);
+    assert_eq!(s.store_tier_tokens.get("memory"), Some(&10));
+    // Only the new prompt tokens past the stored whole blocks are written.
+    assert_eq!((s.store_writes, s.store_tokens_written), (1, 13 - 8));
+
+    // An exact repeat in a third process evaluates the last token only.
+    let (mut third, n) = cache_with("kkk", NO_LIMIT, &store);
+    let mut session = third.begin(&next_turn).unwrap();
+    session.check();
+    assert_eq!(session.cached(), 12);
+    assert_eq!(session.remaining(), &[62]);
+    assert_holds(session.caches(), &next_turn[..12]);
+    assert_eq!(session.pending_snapshot(), None);
+    session
+        .prefill(|tokens, caches| {
+            feed_all(caches, tokens);
+            Ok::<(), CacheError>(())
+        })
+        .unwrap();
+    session.close().unwrap();
+    third.check();
+    assert_holds(third.caches(), &next_turn);
+    assert_eq!(n.fed_tokens(), 3);
+    // Nothing new for the store: the whole prompt is known.
+    assert_eq!(third.stats().store_writes, 0);
+    assert_eq!(store.refused(), 0);
+}
+
+#[test]
+fn the_store_extends_a_partial_trie_match() {
+    let store = store(2, 2);
+    let long = range(1, 12);
+    {
+        let (mut writer, n) = cache_with("kk", NO_LIMIT, &store);
+        request(&mut writer, &n, &long, &[]);
+    }
+    // This process knows only a shorter, diverging conversation.
+    let (mut c, n) = cache_with("kk", NO_LIMIT, &store);
+    store.set_offline(true);
+    assert_eq!(request(&mut c, &n, &[1, 2, 3, 4, 99], &[]).cached, 0);
+    store.set_offline(false);
+    let out = request(&mut c, &n, &[&long[..], &[70]].concat(), &[]);
+    assert_eq!(out.cached, 12, "4 tokens from the trie, 8 from the store");
+    assert_eq!((c.stats().store_hits, c.stats().store_tokens), (1, 8));
+    // The trie branched at 4: both continuations live there now.
+    assert_eq!(c.lookup(&[1, 2, 3, 4, 99]), 5);
+    assert_eq!(c.lookup(&long), 12);
+    // And the first conversation still comes back from memory.
+    let out = request(&mut c, &n, &[1, 2, 3, 4, 99, 5], &[]);
+    assert_eq!(out.cached, 5);
+}
+
+#[test]
+fn namespaces_never_share_prefixes() {
+    let store = store(2, 4);
+    let (a, b) = (ns("tenant-a"), ns("tenant-b"));
+    let prompt = range(1, 9);
+    let (mut c, n) = cache_with("kk", NO_LIMIT, &store);
+    assert_eq!(request_in(&mut c, &n, &a, &prompt, &[]).cached, 0);
+    // The same tokens in another namespace: nothing is reused, in memory or
+    // from the store, and the live caches start again from 0.
+    let out = request_in(&mut c, &n, &b, &prompt, &[]);
+    assert_eq!(out.cached, 0);
+    assert_eq!(out.fed, 2 * 9);
+    assert_eq!(
+        request(&mut c, &n, &prompt, &[]).cached,
+        0,
+        "the shared namespace"
+    );
+    assert_eq!(c.lookup_in(&a, &prompt), 9);
+    assert_eq!(c.lookup_in(&b, &prompt), 9);
+    assert_eq!(c.lookup_in(&ns("tenant-c"), &prompt), 0);
+    let dump = c.dump();
+    assert!(dump.starts_with("root\n"), "{dump}");
+    assert!(
+        dump.contains("root \"tenant-a\"\n") && dump.contains("root \"tenant-b\"\n"),
+        "{dump}"
+    );
+    // Back in a: restored from a's own path.
+    assert_eq!(
+        request_in(&mut c, &n, &a, &[&prompt[..], &[20]].concat(), &[]).cached,
+        9
+    );
+    assert_eq!(c.stats().store_hits, 0);
+
+    // Through the store: a new process sees a's prefix only in a.
+    let (mut fresh, n) = cache_with("kk", NO_LIMIT, &store);
+    let other = ns("tenant-c");
+    assert_eq!(request_in(&mut fresh, &n, &other, &prompt, &[]).cached, 0);
+    assert_eq!(fresh.stats().store_hits, 0);
+    assert_eq!(request_in(&mut fresh, &n, &a, &prompt, &[]).cached, 8);
+    assert_eq!(fresh.stats().store_hits, 1);
+}
+
+#[test]
+fn namespace_roots_go_when_emptied() {
+    let (mut c, n) = cache("k", NO_LIMIT);
+    for i in 0..20u32 {
+        request_in(&mut c, &n, &ns(&format!("t{i}")), &[i, i + 1, i + 2], &[]);
+    }
+    assert_eq!(
+        c.stats().nodes,
+        1 + 2 * 20,
+        "the shared root, then a root and a leaf each"
+    );
+    c.set_budget(0);
+    c.check();
+    // Only the active namespace keeps its (live) path.
+    assert_eq!(c.stats().nodes, 1 + 2, "{}", c.dump());
+    request(&mut c, &n, &[7], &[]);
+    c.set_budget(0);
+    assert_eq!(c.stats().nodes, 2, "{}", c.dump());
+    assert_eq!(n.alive(), 0);
+}
+
+#[test]
+fn a_store_that_answers_nothing_leads_to_full_evaluation() {
+    let store = store(2, 4);
+    let prompt = range(1, 9);
+    {
+        let (mut writer, n) = cache_with("kk", NO_LIMIT, &store);
+        request(&mut writer, &n, &prompt, &[]);
+    }
+    store.set_offline(true);
+    let (mut c, n) = cache_with("kk", NO_LIMIT, &store);
+    let before = store.fetches();
+    let out = request(&mut c, &n, &[&prompt[..], &[30]].concat(), &[]);
+    assert_eq!(store.fetches(), before + 1, "the store was asked");
+    assert_eq!(out.cached, 0);
+    assert_eq!(out.fed, 2 * 10);
+    let s = c.stats();
+    assert_eq!(
+        (s.misses, s.store_hits, s.store_tokens, s.store_rejected),
+        (1, 0, 0, 0)
+    );
+
+    // A store that holds nothing for the prompt answers None too.
+    store.set_offline(false);
+    let out = request(&mut c, &n, &range(40, 45), &[]);
+    assert_eq!(out.cached, 0);
+    assert_eq!(c.stats().store_hits, 0);
+}
+
+#[test]
+fn a_refused_restore_rewinds_every_layer() {
+    let store = store(2, 2);
+    let long = range(1, 10);
+    {
+        let (mut writer, n) = cache_with("kk", NO_LIMIT, &store);
+        request(&mut writer, &n, &long, &[]);
+    }
+
+    // A recurrent layer refuses rows after the KV layer took them: both go
+    // back to what the trie restored (4 tokens), and the rest is evaluated.
+    let (mut c, n) = cache_with("kr", NO_LIMIT, &store);
+    store.set_offline(true);
+    request(&mut c, &n, &[1, 2, 3, 4], &[]);
+    store.set_offline(false);
+    let out = request(&mut c, &n, &[&long[..], &[80]].concat(), &[]);
+    assert_eq!(out.cached, 4);
+    assert_eq!(out.fed, 2 * 7);
+    assert_eq!(
+        n.appended_tokens(),
+        6,
+        "the KV layer took the rows, then was rewound"
+    );
+    let s = c.stats();
+    assert_eq!((s.store_hits, s.store_tokens, s.store_rejected), (0, 0, 1));
+    // A recurrent layer cannot be cut into rows: nothing is written.
+    assert_eq!(s.store_writes, 0);
+
+    // A layer that fails: nothing changes, the trie stays consistent.
+    let (mut c, n) = cache_with("kk", NO_LIMIT, &store);
+    n.set_fail_append(true);
+    let out = request(&mut c, &n, &[&long[..], &[81]].concat(), &[]);
+    assert_eq!(out.cached, 0);
+    assert_eq!(c.stats().store_rejected, 1);
+    n.set_fail_append(false);
+    let out = request(&mut c, &n, &[&long[..], &[81, 82]].concat(), &[]);
+    assert_eq!(out.cached, 11, "from the trie now");
+}
+
+#[test]
+fn a_store_of_another_layout_is_refused() {
+    let (mut c, n) = cache("kk", NO_LIMIT);
+    let three = Arc::new(MemStore::new(FakeKv::layout(3), 4));
+    assert!(matches!(
+        c.set_store(three, DEADLINE),
+        Err(CacheError::LayoutMismatch { what: "layers", .. })
+    ));
+    assert!(c.store().is_none());
+    // Right layer count, wrong heads: the layers refuse to read rows into it
+    // with an error, so nothing is written.
+    let wide = Arc::new(MemStore::new(KvLayout::new(2, 2, 1, DType::F32), 4));
+    c.set_store(wide.clone(), DEADLINE).unwrap();
+    request(&mut c, &n, &range(1, 6), &[]);
+    assert_eq!(c.stats().store_writes, 0);
+    assert_eq!((wide.blocks(), wide.refused()), (0, 0));
+    assert!(c.remove_store().is_some());
+    assert!(c.store().is_none());
+}
+
+#[test]
+fn an_evicted_branch_point_keeps_its_node_and_heals() {
+    let (mut c, n) = cache("k", NO_LIMIT);
+    let base = range(1, 6);
+    let user = Options {
+        user_snapshot: true,
+        ..Options::default()
+    };
+    // Two restore points below a branch point at 6.
+    request_with(&mut c, &n, &[&base[..], &[10, 11]].concat(), &[], user);
+    request_with(&mut c, &n, &[&base[..], &[20, 21]].concat(), &[], user);
+    // Elsewhere, so that the branch point leaves the active path.
+    request(&mut c, &n, &[90, 91], &[]);
+    assert!(
+        c.dump().contains("[1, 2, 3, 4, 5, 6] [0,6) snaps 1/1 24B\n"),
+        "{}",
+        c.dump()
+    );
+    // The restore points (8 bytes each) go last; the branch point, an
+    // ordinary node with two children, is the first candidate: its snapshots
+    // go, its node stays.
+    c.set_budget(16);
+    c.check();
+    let s = c.stats();
+    assert_eq!((s.evictions, s.branch_evictions), (1, 1), "{}", c.dump());
+    assert_eq!((s.paged_out_bytes, s.over_budget), (16, false));
+    assert!(c.dump().contains("[1, 2, 3, 4, 5, 6] [0,6)\n"), "{}", c.dump());
+    assert_eq!(c.lookup(&[&base[..], &[20, 21]].concat()), 8);
+
+    c.set_budget(NO_LIMIT);
+    // A request through it cannot page in past 0 (the restore point below
+    // needs [0, 6) live): it evaluates the branch point's edge, stops at its
+    // end to heal it, and holds the right tokens (checked by the helper).
+    let out = request(&mut c, &n, &[&base[..], &[20, 21, 22]].concat(), &[]);
+    assert_eq!(out.cached, 0);
+    assert_eq!(out.stops, vec![6]);
+    assert!(
+        c.dump()
+            .contains("[1, 2, 3, 4, 5, 6] [0,6) snaps 1/1 24B active\n"),
+        "{}",
+        c.dump()
+    );
+    // Healed: the other restore point pages in whole.
+    let out = request(&mut c, &n, &[&base[..], &[10, 11, 12]].concat(), &[]);
+    assert_eq!(out.cached, 8);
+}
+
+/// A tiny deterministic generator (xorshift).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Bytes of snapshots off the active path, from the dump (lines without `active`).
+fn off_path_bytes(c: &PrefixCache<Layer>) -> usize {
+    c.dump()
+        .lines()
+        .filter(|l| !l.ends_with(" active") && !l.contains(" user active"))
+        .filter_map(|l| l.split(" snaps ").nth(1))
+        .filter_map(|rest| rest.split(' ').nth(1))
+        .map(|b| b.trim_end_matches('B').parse::<usize>().unwrap())
+        .sum()
+}
+
+#[test]
+fn the_budget_holds_off_the_active_path_under_random_schedules() {
+    let (mut branch_evictions, mut store_hits) = (0, 0);
+    for seed in 1..=40u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let kinds = ["k", "kk", "kr", "kw", "rk"][seed as usize % 5];
+        let store = store(kinds.len(), 1 + seed as usize % 4);
+        let (mut c, n) = cache_with(kinds, [0, 16, 40, 100, 400][rng.below(5)], &store);
+        let spaces = [Namespace::shared(), ns("a"), ns("b")];
+        // Few distinct tokens and shared stems: many branch points.
+        let mut conversations: Vec<(usize, Vec<u32>)> = vec![];
+        for _ in 0..60 {
+            let space = rng.below(3);
+            let prompt: Vec<u32> = match (rng.below(4), conversations.len()) {
+                (0, _) | (_, 0) => (0..1 + rng.below(6)).map(|_| rng.below(3) as u32).collect(),
+                (1, k) => {
+                    let (_, t) = &conversations[rng.below(k)];
+                    let cut = rng.below(t.len() + 1);
+                    [&t[..cut], &[rng.below(3) as u32, rng.below(3) as u32]].concat()
+                }
+                (_, k) => {
+                    let (_, t) = &conversations[rng.below(k)];
+                    [&t[..], &[rng.below(3) as u32]].concat()
+                }
+            };
+            let generated: Vec<u32> = (0..rng.below(3)).map(|_| rng.below(3) as u32).collect();
+            let options = Options {
+                user_snapshot: rng.below(6) == 0,
+                ..Options::default()
+            };
+            request_full(&mut c, &n, &spaces[space], &prompt, &generated, options);
+            let s = c.stats();
+            let off = off_path_bytes(&c);
+            assert!(
+                off <= s.budget,
+                "seed {seed}: {off} bytes off the active path\n{}",
+                c.dump()
+            );
+            assert!(s.paged_out_bytes <= s.budget || off == 0, "seed {seed}: {s:?}");
+            assert_eq!(n.alive(), s.snapshots, "seed {seed}");
+            if rng.below(10) == 0 {
+                c.set_budget([0, 16, 40, 100, 400][rng.below(5)]);
+                c.check();
+            }
+            conversations.push((space, prompt));
+        }
+        branch_evictions += c.stats().branch_evictions;
+        store_hits += c.stats().store_hits;
+        drop(c);
+        assert_eq!(n.alive(), 0, "seed {seed}: snapshots leaked");
+    }
+    assert!(branch_evictions > 0, "no schedule evicted a branch point");
+    assert!(store_hits > 0, "no schedule restored from the store");
+}
+
+#[test]
+fn layers_without_rows_reuse_only_in_process() {
+    let store = store(2, 4);
+    let prompt = range(1, 8);
+    let (mut c, n) = cache_with("kw", NO_LIMIT, &store);
+    request(&mut c, &n, &prompt, &[]);
+    assert_eq!((c.stats().store_writes, store.blocks()), (0, 0));
+    assert_eq!(request(&mut c, &n, &[&prompt[..], &[9]].concat(), &[]).cached, 8);
+}
