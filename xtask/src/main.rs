@@ -28,8 +28,9 @@ Commands:
   lint                 cargo fmt --check, clippy -D warnings (MLX code included),
                        cargo doc with warnings denied
   prepare [--model]    set up what the build needs, idempotent: on Linux the Debian
-                       packages (cmake libclang-dev libopenblas-dev), the mlx-cpu wheel
-                       and the patched mlx-sys; with --model the test model too
+                       packages (cmake libclang-dev libopenblas-dev, and redis-server
+                       for kvcache-store's tests), the mlx-cpu wheel and the patched
+                       mlx-sys; with --model the test model too
   bench [CARGO ARGS]   prepare, then cargo bench --workspace
   demo [DEMO ARGS]     prepare, then run crates/kvcache-demo in release mode
   test-metal [ARGS]    kvcache-causal's tests on the Metal device (macOS)

@@ -1,13 +1,15 @@
-//! Step 1 of `prepare` on Linux: the Debian packages that building mlx-sys needs.
+//! Step 1 of `prepare` on Linux: the Debian packages that building mlx-sys needs,
+//! and the Redis server that kvcache-store's tests start.
 
 use std::process::Command;
 
 use crate::error::{bail, Result};
 use crate::shell;
 
-/// Always needed: CMake builds mlx-c, bindgen needs libclang, and OpenBLAS stands
-/// in for the wheel's slow reference BLAS.
-const REQUIRED: [&str; 3] = ["cmake", "libclang-dev", "libopenblas-dev"];
+/// Always needed: CMake builds mlx-c, bindgen needs libclang, OpenBLAS stands
+/// in for the wheel's slow reference BLAS, and kvcache-store's tests start their
+/// own `redis-server` (the package also brings `redis-cli` and `redis-benchmark`).
+const REQUIRED: [&str; 4] = ["cmake", "libclang-dev", "libopenblas-dev", "redis-server"];
 
 pub fn ensure() -> Result<()> {
     const STEP: &str = "prepare: Debian packages";
@@ -15,6 +17,9 @@ pub fn ensure() -> Result<()> {
         // Not Debian: nothing to install with; check the one tool we can see.
         if !shell::on_path("cmake") {
             bail!("cmake is not on PATH; install cmake, libclang and OpenBLAS with your system's package manager");
+        }
+        if !shell::on_path("redis-server") {
+            bail!("redis-server is not on PATH; install Redis with your system's package manager (macOS: brew install redis)");
         }
         println!("{STEP}: not a Debian system, assuming libclang and OpenBLAS are installed");
         return Ok(());
