@@ -1,24 +1,33 @@
 //! Prefix-trie operation sequences from arbitrary bytes, over fake layer caches.
 //!
 //! The bytes choose the layers (rewindable KV, recurrent, sliding-window, mixed),
-//! a byte budget, and a list of requests and trie calls. A request is `begin`
-//! (empty prompts included) followed by engine actions in any order, the
-//! well-behaved ones (prefill, chunks, snapshots, recording and evaluating
-//! generated tokens) and abusive ones (feeding one layer only, feeding past the
-//! known tokens, freeing a layer, an `eval` that evaluates too little, snapshots
-//! at any time), ended by `close` or a drop. Between requests: budget changes,
-//! `clear`, `lookup`, and injected restore failures.
+//! a byte budget, whether an in-memory store ([`MemStore`]) stands behind the
+//! trie and its block size, and a list of requests and trie calls. A request
+//! is `begin_in` one of three namespaces (empty prompts included) followed by
+//! engine actions in any order, the well-behaved ones (prefill, chunks,
+//! snapshots, recording and evaluating generated tokens) and abusive ones
+//! (feeding one layer only, feeding past the known tokens, freeing a layer, an
+//! `eval` that evaluates too little, snapshots at any time), ended by `close`
+//! or a drop. Between requests: budget changes, `clear`, `lookup`, injected
+//! restore and row-append failures, the store going offline, and restarts (a
+//! new trie over new layers, the same store).
 //!
 //! After every step: no panic; the trie's checker passes (`Session::check` while
 //! the engine behaves, [`PrefixCache::check`] at rest); every layer holds exactly
-//! what evaluating its tokens from scratch gives; the paged-out bytes fit the
-//! budget unless no eviction candidate is left; every live snapshot is owned by
-//! the trie; a rejected `begin` and a `lookup` change nothing; and when the trie
-//! is dropped every snapshot has been dropped exactly once.
+//! what evaluating its tokens from scratch gives (so every restore, from
+//! snapshots or from the store, is right); the snapshots off the active path fit
+//! the budget, and above it every snapshot lies on the active path; a request
+//! restores no more than the longest prefix of its prompt seen before in its
+//! namespace; every live snapshot is owned by the trie; the store never refuses
+//! a write; a rejected `begin` and a `lookup` change nothing; and when a trie is
+//! dropped every snapshot has been dropped exactly once.
 #![allow(dead_code)]
 
-use kvcache_api::{CacheError, SnapshotCache};
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvcache_api::{CacheError, Namespace, SnapshotCache};
+use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow, MemStore};
 use kvcache_mlx::trie::{PrefixCache, Session};
 
 use super::input::Input;
@@ -38,6 +47,17 @@ pub struct Setup {
     pub window: usize,
     /// Byte budget.
     pub budget: usize,
+    /// Block size of the store behind the trie; 0 for no store.
+    pub store_block: usize,
+}
+
+/// Namespace `i` of the three requests run in (0 is the shared one).
+fn namespace(i: usize) -> Namespace {
+    match i {
+        0 => Namespace::shared(),
+        1 => Namespace::new("tenant-a").expect("valid"),
+        _ => Namespace::new("tenant-b").expect("valid"),
+    }
 }
 
 /// How a request's prompt is made.
@@ -83,6 +103,8 @@ pub enum Act {
 pub enum Op {
     /// A request.
     Request {
+        /// The namespace (see [`namespace`]).
+        space: usize,
         /// The prompt.
         prompt: Prompt,
         /// What the engine does.
@@ -98,6 +120,12 @@ pub enum Op {
     Lookup(Vec<u32>),
     /// Make every restore from a snapshot fail (or stop failing).
     FailRestore(bool),
+    /// Make every `append_rows` of the KV layers fail (or stop failing).
+    FailAppend(bool),
+    /// The store answers every fetch with `None` (or answers again).
+    StoreOffline(bool),
+    /// Drop the trie and start a new one over new layers, the same store.
+    Restart,
 }
 
 fn tokens(input: &mut Input, max: usize) -> Vec<u32> {
@@ -123,8 +151,9 @@ fn act(input: &mut Input, layers: usize) -> Act {
 }
 
 fn op(input: &mut Input, layers: usize) -> Op {
-    match input.below(20) {
+    match input.below(24) {
         0..=15 => {
+            let space = input.pick(&[0, 0, 1, 2]);
             let prompt = match input.below(12) {
                 0..=2 => Prompt::Fresh(tokens(input, 10)),
                 3..=6 => Prompt::Extend(input.u8().into(), tokens(input, 6)),
@@ -134,6 +163,7 @@ fn op(input: &mut Input, layers: usize) -> Op {
             };
             let acts = (0..input.below(7)).map(|_| act(input, layers)).collect();
             Op::Request {
+                space,
                 prompt,
                 acts,
                 drop: input.chance(20),
@@ -142,6 +172,9 @@ fn op(input: &mut Input, layers: usize) -> Op {
         16 => Op::Budget(input.pick(&[0, 8, 24, 64, 200, 1000, usize::MAX])),
         17 => Op::Clear,
         18 => Op::Lookup(tokens(input, 12)),
+        19 => Op::FailAppend(input.chance(30)),
+        20 => Op::StoreOffline(input.chance(30)),
+        21 => Op::Restart,
         _ => Op::FailRestore(input.chance(30)),
     }
 }
@@ -155,6 +188,7 @@ pub fn decode(bytes: &[u8]) -> (Setup, Vec<Op>) {
     let setup = Setup {
         window: input.range(1, 5),
         budget: input.pick(&[0, 16, 64, 200, 1000, usize::MAX]),
+        store_block: input.pick(&[0, 0, 1, 2, 3, 4]),
         kinds,
     };
     let layers = setup.kinds.len();
@@ -187,6 +221,10 @@ pub struct Tally {
     pub rejected: usize,
     /// Engine actions performed inside requests.
     pub actions: usize,
+    /// Requests that restored tokens from the store.
+    pub store_hits: usize,
+    /// Branch points evicted (snapshots dropped, node kept).
+    pub branch_evictions: usize,
 }
 
 /// Asserts every layer holds exactly what evaluating its share of `known` from
@@ -357,18 +395,55 @@ fn drive(
     engine.known
 }
 
+/// A trie over new layers of `setup`, with `store` behind it.
+fn new_trie(
+    setup: &Setup,
+    counters: &Counters,
+    budget: usize,
+    store: Option<&Arc<MemStore>>,
+) -> PrefixCache<Layer> {
+    let mut cache = PrefixCache::new(layers(setup, counters), budget).expect("layers given");
+    if let Some(store) = store {
+        cache
+            .set_store(store.clone(), Duration::from_millis(10))
+            .expect("the store has one layer per cache");
+    }
+    cache
+}
+
+/// Length of the common prefix of `a` and `b`.
+fn common(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// Runs a decoded case, panicking on any violation.
 pub fn run(setup: &Setup, ops: &[Op]) -> Tally {
     let mut tally = Tally::default();
     let counters = Counters::new();
-    let mut cache = PrefixCache::new(layers(setup, &counters), setup.budget).expect("layers given");
-    // Transcripts of earlier requests, and what the live caches hold at rest.
+    let store = (setup.store_block > 0).then(|| {
+        Arc::new(MemStore::new(
+            FakeKv::layout(setup.kinds.len()),
+            setup.store_block,
+        ))
+    });
+    let mut budget = setup.budget;
+    let mut cache = new_trie(setup, &counters, budget, store.as_ref());
+    // Transcripts of earlier requests, with their namespaces, and what the
+    // live caches hold at rest.
     let mut conversations: Vec<Vec<u32>> = Vec::new();
+    let mut seen: Vec<(usize, Vec<u32>)> = Vec::new();
     let mut resting: Vec<u32> = Vec::new();
     let (mut begun, mut prompt_tokens) = (0u64, 0u64);
+    // Counters of the tries dropped by restarts.
+    let (mut hits, mut misses, mut reused, mut evaluated) = (0u64, 0u64, 0u64, 0u64);
     for op in ops {
         match op {
-            Op::Request { prompt, acts, drop } => {
+            Op::Request {
+                space,
+                prompt,
+                acts,
+                drop,
+            } => {
                 let prompt = match prompt {
                     Prompt::Fresh(t) => t.clone(),
                     Prompt::Extend(c, extra) => [pick(&conversations, *c), extra.clone()].concat(),
@@ -379,12 +454,24 @@ pub fn run(setup: &Setup, ops: &[Op]) -> Tally {
                     Prompt::Repeat(c) => pick(&conversations, *c),
                     Prompt::Empty => Vec::new(),
                 };
+                // No request restores more than its namespace has seen.
+                let bound = seen
+                    .iter()
+                    .filter(|(s, _)| s == space)
+                    .map(|(_, t)| common(t, &prompt))
+                    .max()
+                    .unwrap_or(0);
                 let before = (cache.dump(), cache.stats(), offsets(cache.caches()));
                 tally.requests += 1;
-                let known = match cache.begin(&prompt) {
+                let known = match cache.begin_in(&namespace(*space), &prompt) {
                     Ok(session) => {
                         begun += 1;
                         prompt_tokens += prompt.len() as u64;
+                        assert!(
+                            session.cached() <= bound,
+                            "restored {} tokens, only {bound} seen in namespace {space}",
+                            session.cached()
+                        );
                         Ok(drive(session, &prompt, acts, *drop, &mut tally))
                     }
                     Err(e) => Err(e),
@@ -403,16 +490,20 @@ pub fn run(setup: &Setup, ops: &[Op]) -> Tally {
                             assert_eq!(cache.offset(), 0, "after a failed begin");
                         }
                         resting.truncate(cache.offset());
-                        check_at_rest(&cache, &counters, &resting);
+                        check_at_rest(&cache, &counters, &resting, store.as_deref());
                         continue;
                     }
                 };
                 resting = known.clone();
+                seen.push((*space, known.clone()));
                 conversations.push(known);
                 assert!(cache.offset() <= resting.len());
                 resting.truncate(cache.offset());
             }
-            Op::Budget(b) => cache.set_budget(*b),
+            Op::Budget(b) => {
+                budget = *b;
+                cache.set_budget(*b);
+            }
             Op::Clear => {
                 cache.clear();
                 assert_eq!(cache.stats().snapshots, 0);
@@ -426,13 +517,32 @@ pub fn run(setup: &Setup, ops: &[Op]) -> Tally {
                 assert_eq!((cache.dump(), cache.stats()), before, "lookup changed the trie");
             }
             Op::FailRestore(fail) => counters.set_fail_restore(*fail),
+            Op::FailAppend(fail) => counters.set_fail_append(*fail),
+            Op::StoreOffline(offline) => {
+                if let Some(store) = &store {
+                    store.set_offline(*offline);
+                }
+            }
+            Op::Restart => {
+                let s = cache.stats();
+                tally.store_hits += s.store_hits as usize;
+                tally.branch_evictions += s.branch_evictions as usize;
+                (hits, misses) = (hits + s.hits, misses + s.misses);
+                (reused, evaluated) = (reused + s.reused_tokens, evaluated + s.evaluated_tokens);
+                std::mem::drop(cache);
+                assert_eq!(counters.alive(), 0, "snapshots leaked by a restarted trie");
+                cache = new_trie(setup, &counters, budget, store.as_ref());
+                resting.clear();
+            }
         }
-        check_at_rest(&cache, &counters, &resting);
+        check_at_rest(&cache, &counters, &resting, store.as_deref());
     }
     let s = cache.stats();
-    assert_eq!(s.hits + s.misses, begun, "hits + misses");
+    tally.store_hits += s.store_hits as usize;
+    tally.branch_evictions += s.branch_evictions as usize;
+    assert_eq!(hits + misses + s.hits + s.misses, begun, "hits + misses");
     assert_eq!(
-        s.reused_tokens + s.evaluated_tokens,
+        reused + evaluated + s.reused_tokens + s.evaluated_tokens,
         prompt_tokens,
         "reused + evaluated"
     );
@@ -441,20 +551,48 @@ pub fn run(setup: &Setup, ops: &[Op]) -> Tally {
     tally
 }
 
-fn check_at_rest(cache: &PrefixCache<Layer>, counters: &Counters, resting: &[u32]) {
+/// Bytes of the snapshots on nodes off the active path, read from the dump
+/// (`... snaps 1/2 24B [user] [active]`).
+fn off_path_bytes(dump: &str) -> usize {
+    dump.lines()
+        .filter(|line| !line.ends_with(" active"))
+        .filter_map(|line| line.split(" snaps ").nth(1))
+        .filter_map(|rest| rest.split(' ').nth(1))
+        .map(|bytes| {
+            bytes
+                .trim_end_matches('B')
+                .parse::<usize>()
+                .expect("a byte count")
+        })
+        .sum()
+}
+
+fn check_at_rest(cache: &PrefixCache<Layer>, counters: &Counters, resting: &[u32], store: Option<&MemStore>) {
     cache.check();
     let s = cache.stats();
+    // The budget holds except for the active path: off it, snapshots always
+    // fit; above it, every snapshot is on it.
+    let off = off_path_bytes(&cache.dump());
     assert!(
-        s.paged_out_bytes <= s.budget || s.over_budget,
-        "{} paged-out bytes over the {} budget after an eviction pass",
+        off <= s.budget,
+        "{off} paged-out bytes off the active path over the {} budget",
+        s.budget
+    );
+    assert!(
+        s.paged_out_bytes <= s.budget || off == 0,
+        "{} paged-out bytes over the {} budget, {off} of them off the active path",
         s.paged_out_bytes,
         s.budget
     );
+    assert_eq!(s.over_budget, s.paged_out_bytes > s.budget, "over_budget");
     assert_eq!(
         counters.alive(),
         s.snapshots,
         "live snapshots the trie does not own"
     );
+    if let Some(store) = store {
+        assert_eq!(store.refused(), 0, "the trie submitted a write the store refused");
+    }
     assert_holds(cache.caches(), resting, "at rest");
 }
 

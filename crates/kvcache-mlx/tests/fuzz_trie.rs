@@ -2,13 +2,14 @@
 //! inside `cargo xtask test`.
 //!
 //! The same driver as the cargo-fuzz target `trie_ops` (`fuzz/drivers/trie.rs`):
-//! arbitrary bytes become layers, a budget and requests in which the engine
-//! behaves or misbehaves (one layer fed, junk past the known tokens, a layer
-//! freed, a short evaluation, snapshots at any time, sessions dropped). After
-//! every step the trie's checker passes, every layer holds exactly what its
-//! tokens give, the budget holds unless nothing is evictable, no snapshot leaks,
-//! and a rejected `begin` changes nothing. Here the bytes come from a seeded
-//! generator (`KVCACHE_FUZZ_CASES` cases, 2000 by default) and from the committed
+//! arbitrary bytes become layers, a budget, an optional in-memory store and
+//! requests in three namespaces in which the engine behaves or misbehaves (one
+//! layer fed, junk past the known tokens, a layer freed, a short evaluation,
+//! snapshots at any time, sessions dropped), with restarts that keep the store.
+//! After every step the trie's checker passes, every layer holds exactly what
+//! its tokens give, the budget holds except for the active path, no request
+//! restores what its namespace never saw, no snapshot leaks, and a rejected
+//! `begin` changes nothing. Here the bytes come from a seeded generator (`KVCACHE_FUZZ_CASES` cases, 2000 by default) and from the committed
 //! corpus in `fuzz/corpus/trie_ops`; failures are shrunk before they are reported.
 
 #[path = "../../../fuzz/drivers/input.rs"]
@@ -32,13 +33,17 @@ fn random_trie_operation_sequences_keep_every_invariant() {
         total.requests += t.requests;
         total.rejected += t.rejected;
         total.actions += t.actions;
+        total.store_hits += t.store_hits;
+        total.branch_evictions += t.branch_evictions;
     }
     eprintln!(
-        "trie_ops: {n} cases, {ops_run} operations: {} requests, {} engine actions, {} rejected calls",
-        total.requests, total.actions, total.rejected
+        "trie_ops: {n} cases, {ops_run} operations: {} requests, {} engine actions, {} rejected calls, \
+         {} store restores, {} branch points evicted",
+        total.requests, total.actions, total.rejected, total.store_hits, total.branch_evictions
     );
     assert!(total.requests > ops_run / 2, "{total:?} of {ops_run}");
     assert!(total.rejected > 0, "{total:?}");
+    assert!(total.store_hits > 0, "no case restored from the store: {total:?}");
 }
 
 #[test]
