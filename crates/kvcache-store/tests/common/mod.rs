@@ -1,0 +1,176 @@
+//! Shared test helpers: a small layout, deterministic keys and values, stores,
+//! and a `redis-server` of the test's own.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kvcache_api::{DType, Fingerprint, HostKv, KvLayout};
+use kvcache_store::{MemoryTier, StoreConfig, Tier, TieredStore};
+
+/// Keys and values differ in head size, and elements are two bytes.
+pub fn layout() -> KvLayout {
+    KvLayout {
+        layers: 3,
+        kv_heads: 2,
+        head_dim: 4,
+        head_dim_v: 2,
+        dtype: DType::F16,
+    }
+}
+
+pub const FP: Fingerprint = Fingerprint([0x11; 32]);
+
+pub fn config(block_tokens: usize) -> StoreConfig {
+    StoreConfig::new(FP, layout()).with_block_tokens(block_tokens)
+}
+
+/// Keys and values of `tokens[range]` as a model would compute them: each row
+/// depends on the token, its position and everything before it (a running hash),
+/// so equal prefixes give equal rows and any divergence changes all later rows.
+pub fn kv_of(layout: KvLayout, tokens: &[u32], range: std::ops::Range<usize>) -> HostKv {
+    let mut state = Vec::with_capacity(tokens.len());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &t in tokens {
+        h = (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3);
+        state.push(h);
+    }
+    let elem = layout.dtype.size_in_bytes();
+    let mut out = Vec::with_capacity(range.len() * layout.token_bytes());
+    for layer in 0..layout.layers {
+        for (kind, dim) in [(0u64, layout.head_dim), (1, layout.head_dim_v)] {
+            for head in 0..layout.kv_heads {
+                for p in range.clone() {
+                    for b in 0..dim * elem {
+                        let mut x = state[p]
+                            ^ ((layer as u64) << 40)
+                            ^ (kind << 39)
+                            ^ ((head as u64) << 32)
+                            ^ b as u64;
+                        x = x.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                        out.push((x >> 56) as u8);
+                    }
+                }
+            }
+        }
+    }
+    HostKv::from_bytes(layout, range.start, range.len(), out).unwrap()
+}
+
+/// Tokens `seed * 1000 .. seed * 1000 + len`.
+pub fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| seed * 1000 + i).collect()
+}
+
+/// A store with one memory tier of `budget` bytes.
+pub fn memory_store(block_tokens: usize, budget: u64) -> TieredStore {
+    let config = config(block_tokens);
+    let tiers: Vec<Box<dyn Tier>> = vec![Box::new(MemoryTier::new(config.context(), budget))];
+    TieredStore::new(config, tiers).unwrap()
+}
+
+pub const SECOND: Duration = Duration::from_secs(1);
+
+/// Whether `redis-server` is on PATH. When it is not: panics if
+/// `KVCACHE_REQUIRE_REDIS=1`, else says the test is skipped.
+pub fn redis_available() -> bool {
+    let found = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).any(|dir| dir.join("redis-server").is_file()))
+        .unwrap_or(false);
+    if found {
+        return true;
+    }
+    if std::env::var("KVCACHE_REQUIRE_REDIS").as_deref() == Ok("1") {
+        panic!("redis-server not on PATH and KVCACHE_REQUIRE_REDIS=1 (run `cargo xtask prepare`)");
+    }
+    eprintln!("skipped: redis-server not on PATH");
+    false
+}
+
+/// A `redis-server` on a Unix socket in a directory of the test's, killed by its
+/// process id on drop.
+pub struct RedisServer {
+    child: Option<Child>,
+    pub socket: PathBuf,
+    pub maxmemory: u64,
+}
+
+impl RedisServer {
+    /// Starts a server on `dir/redis.sock` with no persistence and
+    /// `maxmemory` bytes under allkeys-lru, and waits until it answers PING.
+    pub fn start(dir: &Path, maxmemory: u64) -> RedisServer {
+        let socket = dir.join("redis.sock");
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--unixsocket"])
+            .arg(&socket)
+            .args(["--unixsocketperm", "700", "--save", "", "--appendonly", "no"])
+            .args([
+                "--maxmemory",
+                &maxmemory.to_string(),
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ])
+            .arg("--dir")
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        let mut server = RedisServer {
+            child: Some(child),
+            socket,
+            maxmemory,
+        };
+        server.wait_ready();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket.display())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// A connection for checks from the test.
+    pub fn connection(&self) -> redis::Connection {
+        let client = redis::Client::open(self.url()).unwrap();
+        client.get_connection_with_timeout(SECOND).unwrap()
+    }
+
+    fn wait_ready(&mut self) {
+        for _ in 0..400 {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("redis-server exited at start: {status}");
+                }
+            }
+            if self.socket.exists() {
+                let ping = redis::Client::open(self.url())
+                    .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+                    .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+                if ping.is_ok() {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("redis-server did not answer PING within 10 s");
+    }
+
+    /// Kills the server (SIGKILL, by its process id) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
