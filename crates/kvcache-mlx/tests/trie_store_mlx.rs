@@ -1,0 +1,200 @@
+//! Host rows of real mlx-rs `KvCache`s: `read_rows` and `append_rows` round-trip
+//! every dtype exactly, refuse what they cannot do without changing anything,
+//! and a prefix restored from a store into a brand-new trie holds the same
+//! array contents as evaluating it.
+#![cfg(any(target_os = "macos", kvcache_mlx))]
+
+mod layers_common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvcache_api::{CacheError, DType, HostKv, KvLayout, LayerCache, SnapshotCache};
+use kvcache_mlx::layers::{KvCache, RecurrentCache, RotatingKvCache};
+use kvcache_mlx::trie::fake::MemStore;
+use kvcache_mlx::trie::PrefixCache;
+use layers_common::{code, f32s, ids_of, Shape};
+use mlx_rs::{Array, Dtype};
+
+/// One sequence (batch 1), two heads, keys of 3 and values of 2 elements.
+const ONE: Shape = Shape {
+    b: 1,
+    h: 2,
+    dk: 3,
+    dv: 2,
+};
+
+fn host_layout(layers: usize, dtype: DType) -> KvLayout {
+    KvLayout {
+        layers,
+        kv_heads: ONE.h,
+        head_dim: ONE.dk,
+        head_dim_v: ONE.dv,
+        dtype,
+    }
+}
+
+/// Keys and values of `ids` in `dtype`.
+fn kv(ids: &[u32], dtype: Dtype) -> (Array, Array) {
+    let (k, v) = ONE.kv(ids);
+    (k.as_dtype(dtype).unwrap(), v.as_dtype(dtype).unwrap())
+}
+
+/// A cache that evaluated `ids` (in one update per chunk of `chunk` tokens).
+fn computed(ids: &[u32], dtype: Dtype, chunk: usize) -> KvCache {
+    let mut cache = KvCache::with_step(4).unwrap();
+    for part in ids.chunks(chunk) {
+        let (k, v) = kv(part, dtype);
+        cache.update(&k, &v).unwrap();
+    }
+    cache
+}
+
+/// The live keys and values as f32 (whatever the dtype).
+fn contents(cache: &KvCache) -> (Vec<f32>, Vec<f32>) {
+    let (k, v) = cache.live().unwrap().expect("a cache holding tokens");
+    (
+        f32s(&k.as_dtype(Dtype::Float32).unwrap()),
+        f32s(&v.as_dtype(Dtype::Float32).unwrap()),
+    )
+}
+
+#[test]
+fn rows_round_trip_in_every_dtype() {
+    let ids: Vec<u32> = (1..=9).collect();
+    for (dtype, host) in [
+        (Dtype::Float32, DType::F32),
+        (Dtype::Float16, DType::F16),
+        (Dtype::Bfloat16, DType::BF16),
+    ] {
+        let source = computed(&ids, dtype, 4);
+        // Rows [3, 9) to the host, then onto a cache holding [0, 3).
+        let mut rows = HostKv::zeroed(host_layout(1, host), 3, 6);
+        assert!(source.read_rows(3..9, rows.layer_mut(0)).unwrap());
+        let mut restored = computed(&ids[..3], dtype, 3);
+        assert!(restored.append_rows(rows.layer(0), 0..6).unwrap());
+        assert_eq!(restored.offset(), 9);
+        assert_eq!(contents(&restored), contents(&source), "{dtype:?}");
+        // The host form is head-major: head 1's keys of offset 4 (id 5, row 1 of the
+        // run) are where `head_keys` says.
+        if host == DType::F32 {
+            let got: Vec<f32> = rows
+                .layer(0)
+                .head_keys(1, 1..2)
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let want: Vec<f32> = (0..ONE.dk).map(|d| code(5, 0, 1, d)).collect();
+            assert_eq!(got, want);
+        }
+        // Appending part of a host run, from an empty cache.
+        let mut empty = KvCache::with_step(4).unwrap();
+        assert!(empty.append_rows(rows.layer(0), 2..5).unwrap());
+        let reference = computed(&ids[5..8], dtype, 3);
+        assert_eq!(contents(&empty), contents(&reference), "{dtype:?}");
+    }
+}
+
+#[test]
+fn rows_that_do_not_fit_change_nothing() {
+    let ids: Vec<u32> = (1..=5).collect();
+    let mut cache = computed(&ids, Dtype::Float32, 5);
+    let before = contents(&cache);
+    // Rows past the offset are not live.
+    let mut rows = HostKv::zeroed(host_layout(1, DType::F32), 3, 3);
+    assert!(!cache.read_rows(3..6, rows.layer_mut(0)).unwrap());
+    // A layout of other heads or dtype is an error, on both sides.
+    let wrong = KvLayout {
+        kv_heads: 3,
+        ..host_layout(1, DType::F32)
+    };
+    let mut other = HostKv::zeroed(wrong, 0, 2);
+    assert!(matches!(
+        cache.read_rows(0..2, other.layer_mut(0)),
+        Err(CacheError::LayoutMismatch { what: "kv_heads", .. })
+    ));
+    assert!(matches!(
+        cache.append_rows(other.layer(0), 0..2),
+        Err(CacheError::LayoutMismatch { what: "kv_heads", .. })
+    ));
+    let f16 = HostKv::zeroed(host_layout(1, DType::F16), 0, 2);
+    assert!(matches!(
+        cache.append_rows(f16.layer(0), 0..2),
+        Err(CacheError::LayoutMismatch { what: "dtype", .. })
+    ));
+    // Rows outside the host run are an error.
+    let good = HostKv::zeroed(host_layout(1, DType::F32), 0, 2);
+    assert!(matches!(
+        cache.append_rows(good.layer(0), 1..3),
+        Err(CacheError::InvalidArgument(_))
+    ));
+    assert_eq!(cache.offset(), 5);
+    assert_eq!(contents(&cache), before);
+
+    // A cache of two sequences cannot be cut into one sequence's rows.
+    let two = Shape { b: 2, ..ONE };
+    let mut batched = KvCache::with_step(4).unwrap();
+    let (k, v) = two.kv(&ids);
+    batched.update(&k, &v).unwrap();
+    let mut rows = HostKv::zeroed(host_layout(1, DType::F32), 0, 2);
+    assert!(!batched.read_rows(0..2, rows.layer_mut(0)).unwrap());
+    assert!(!batched.append_rows(good.layer(0), 0..2).unwrap());
+    assert_eq!(batched.offset(), 5);
+
+    // Rotating and recurrent caches cannot cut their state: the defaults.
+    let rotating = RotatingKvCache::new(4).unwrap();
+    assert!(!rotating.read_rows(0..0, rows.layer_mut(0)).unwrap());
+    let mut recurrent = RecurrentCache::new();
+    assert!(!recurrent.append_rows(good.layer(0), 0..2).unwrap());
+}
+
+/// The model: every token writes keys/values that encode its id.
+fn eval(caches: &mut [KvCache], tokens: &[u32]) -> Result<(), CacheError> {
+    let (k, v) = ONE.kv(tokens);
+    for cache in caches {
+        cache.update(&k, &v)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_prefix_restored_from_the_store_equals_recomputation() {
+    let store = Arc::new(MemStore::new(host_layout(2, DType::F32), 4));
+    let deadline = Duration::from_millis(50);
+    let prompt: Vec<u32> = (1..=14).collect();
+    {
+        let layers = vec![KvCache::with_step(4).unwrap(), KvCache::with_step(4).unwrap()];
+        let mut first = PrefixCache::new(layers, usize::MAX).unwrap();
+        first.set_store(store.clone(), deadline).unwrap();
+        let mut s = first.begin(&prompt).unwrap();
+        s.prefill(|chunk, caches| eval(caches, chunk)).unwrap();
+        s.record(99);
+        s.close().unwrap();
+        first.check();
+        assert_eq!(first.stats().store_tokens_written, 14);
+    }
+
+    // A restarted process: new layers, the same store.
+    let layers = vec![KvCache::with_step(4).unwrap(), KvCache::with_step(4).unwrap()];
+    let mut second = PrefixCache::new(layers, usize::MAX).unwrap();
+    second.set_store(store, deadline).unwrap();
+    let next: Vec<u32> = prompt.iter().copied().chain([40, 41]).collect();
+    let mut s = second.begin(&next).unwrap();
+    assert_eq!(s.cached(), 14);
+    assert_eq!(s.remaining(), &[40, 41]);
+    let reference = computed(&prompt, Dtype::Float32, 5);
+    for layer in s.caches() {
+        assert_eq!(contents(layer), contents(&reference));
+        let (k, v) = layer.live().unwrap().unwrap();
+        assert_eq!(ids_of(&k, &v), prompt);
+    }
+    s.prefill(|chunk, caches| eval(caches, chunk)).unwrap();
+    let reference = computed(&next, Dtype::Float32, 3);
+    for layer in s.caches() {
+        assert_eq!(contents(layer), contents(&reference));
+    }
+    s.close().unwrap();
+    second.check();
+    let stats = second.stats();
+    assert_eq!((stats.store_hits, stats.store_tokens), (1, 14));
+}
