@@ -16,6 +16,8 @@ use crate::mask::{self, Plan, Query};
 use crate::placement::{choose_cells, plan_compaction, Move};
 use crate::window::{self, Attention};
 
+mod transfer;
+
 /// The forward pass in progress.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct Pass {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{
-    Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KeyShift, KvView, Pos, PosRange, Result, SeqId,
+    Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, Pos, PosRange,
+    Result, SeqId,
 };
 
 use crate::book::{Book, RemovePlan};
@@ -55,8 +56,10 @@ pub type SharedKeyShift = Arc<dyn KeyShift<Tensor>>;
 /// # Ok::<(), kvcache_api::CacheError>(())
 /// ```
 pub struct CausalKvCache {
-    book: Book,
-    storage: Storage,
+    pub(crate) book: Book,
+    pub(crate) storage: Storage,
+    /// The model the stored keys and values belong to (see `crate::transfer`).
+    pub(crate) fingerprint: Fingerprint,
     shift: Option<SharedKeyShift>,
     layer: usize,
     /// The pass's mask `[batch_padded, range]`. After a metadata change ends the
@@ -116,6 +119,7 @@ impl CausalKvCache {
         Ok(CausalKvCache {
             book,
             storage,
+            fingerprint: Fingerprint::default(),
             shift,
             layer: 0,
             mask: None,
@@ -275,6 +279,7 @@ impl CausalKvCache {
         Ok(CausalKvCache {
             book: self.book.clone(),
             storage: self.storage.try_clone()?,
+            fingerprint: self.fingerprint,
             shift: self.shift.clone(),
             layer: self.layer,
             mask,
@@ -283,7 +288,7 @@ impl CausalKvCache {
     }
 
     /// Makes this cache a deep copy of `source` (configuration, cells, the pass in
-    /// progress, stored keys and values, shift function), reusing this cache's
+    /// progress, stored keys and values, shift function, fingerprint), reusing this cache's
     /// tensors and mask buffer where shapes allow: the cheap way for an engine to
     /// checkpoint a cache and roll back to it. Views taken from this cache before
     /// the call see the copied data.
@@ -308,6 +313,7 @@ impl CausalKvCache {
         match copied {
             Ok(mask) => {
                 self.book.clone_from(&source.book);
+                self.fingerprint = source.fingerprint;
                 self.shift.clone_from(&source.shift);
                 self.layer = source.layer;
                 self.mask = mask;

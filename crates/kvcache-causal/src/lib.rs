@@ -65,6 +65,7 @@ mod rope;
 mod seq_index;
 mod seq_set;
 mod storage;
+pub mod transfer;
 mod window;
 
 pub use cache::{CausalKvCache, SharedKeyShift};
@@ -72,3 +73,4 @@ pub use inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
 pub use layer_groups::LayerGroupCache;
 pub use rope::{RopeLayout, RopeShift};
 pub use storage::MAX_LAYERS;
+pub use transfer::SeqState;

@@ -12,6 +12,8 @@ use kvcache_api::{CacheError, CausalConfig, DType, Result, VLayout};
 
 use crate::placement::Move;
 
+mod host;
+
 /// The candle element type for a kvcache dtype.
 pub(crate) fn candle_dtype(dtype: DType) -> CandleDType {
     match dtype {

@@ -1,0 +1,241 @@
+//! Copies between the stored tensors and the canonical host form of
+//! [`HostKv`]: per layer, keys `[kv_heads, tokens, head_dim]` then values
+//! `[kv_heads, tokens, head_dim_v]`, little-endian bytes of the dtype.
+//!
+//! Reads gather a sequence's cells with one `narrow` (one run of cells) or one
+//! `index_select` (several) per tensor, transpose to head-major and copy the bytes
+//! out once; writes upload each layer's rows once and store them with the run-wise
+//! writes of a forward pass.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use candle_core::{DType as CandleDType, Storage as CandleStorage, Tensor, WithDType};
+use kvcache_api::{CacheError, DType, HostKv, KvLayout, Result, VLayout};
+
+use super::{HeadDims, Storage, MAX_LAYERS};
+
+/// Keys `[rows, kv_heads, head_dim]` and values `[rows, kv_heads, head_dim_v]` of
+/// one layer, uploaded to the cache's device (views, shaped like `put`'s input).
+pub(crate) type Uploaded = (Tensor, Tensor);
+
+impl Storage {
+    /// The layout of the stored layers: layer count = layer slots, head dimensions
+    /// of the first stored layer, element type `dtype`. `None` before any layer has
+    /// storage.
+    pub(crate) fn kv_layout(&self, dtype: DType) -> Option<KvLayout> {
+        let (_, first) = self.layers().next()?;
+        let (kv_heads, head_dim, head_dim_v) = self.dims_of(first);
+        Some(KvLayout {
+            layers: self.layers.len(),
+            kv_heads,
+            head_dim,
+            head_dim_v,
+            dtype,
+        })
+    }
+
+    /// The layout every layer shares, for an export: an error unless every layer
+    /// slot has storage with the same head dimensions.
+    pub(crate) fn export_layout(&self, dtype: DType) -> Result<KvLayout> {
+        let layout = self.kv_layout(dtype).ok_or_else(|| {
+            CacheError::InvalidState("no layer has keys or values yet: nothing to export".into())
+        })?;
+        let want = (layout.kv_heads, layout.head_dim, layout.head_dim_v);
+        for layer in 0..self.layers.len() {
+            let Some(store) = self.layer(layer) else {
+                return Err(CacheError::InvalidState(format!(
+                    "layer {layer} has no keys or values while later layers do: \
+                     only a cache storing every layer can export"
+                )));
+            };
+            let dims = self.dims_of(store);
+            if dims != want {
+                return Err(CacheError::InvalidState(format!(
+                    "layer {layer} stores (kv_heads, head_dim, head_dim_v) {dims:?} but the first \
+                     stored layer {want:?}: layers of one export must share a layout"
+                )));
+            }
+        }
+        Ok(layout)
+    }
+
+    /// Checks an imported `layout` against the cache: its dtype against `dtype`
+    /// (the configuration's), its layer count and head dimensions against every
+    /// stored layer, and that it describes at least one layer, head and dimension.
+    pub(crate) fn check_import_layout(&self, layout: &KvLayout, dtype: DType) -> Result<()> {
+        if layout.dtype != dtype {
+            return Err(CacheError::LayoutMismatch {
+                what: "dtype",
+                expected: dtype.to_string(),
+                got: layout.dtype.to_string(),
+            });
+        }
+        for (_, store) in self.layers() {
+            let (kv_heads, head_dim, head_dim_v) = self.dims_of(store);
+            let stored = KvLayout {
+                layers: self.layers.len(),
+                kv_heads,
+                head_dim,
+                head_dim_v,
+                dtype,
+            };
+            stored.expect(layout)?;
+        }
+        let dims = [layout.layers, layout.kv_heads, layout.head_dim, layout.head_dim_v];
+        if dims.contains(&0) || layout.layers > MAX_LAYERS {
+            return Err(CacheError::InvalidArgument(format!(
+                "cannot import a layout of {} layers (at most {MAX_LAYERS}), {} kv heads, head dims \
+                 {} and {}: every one must be at least 1",
+                layout.layers, layout.kv_heads, layout.head_dim, layout.head_dim_v
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies cells `runs` (cell ranges, in the order of the rows of `out`) of
+    /// every layer into `out`, whose layout is [`Storage::export_layout`]'s and
+    /// whose token count is the cells' total.
+    pub(crate) fn read_rows(&self, runs: &[Range<usize>], out: &mut HostKv) -> Result<()> {
+        let n: usize = runs.iter().map(Range::len).sum();
+        debug_assert_eq!(n, out.tokens(), "one row per cell");
+        let mut run = || -> candle_core::Result<()> {
+            let index = match runs {
+                [_] => None,
+                _ => {
+                    let cells: Vec<u32> = runs.iter().flat_map(|r| r.start as u32..r.end as u32).collect();
+                    Some(Tensor::from_vec(cells, n, &self.device)?)
+                }
+            };
+            let gather = |t: &Tensor, dim: usize| match &index {
+                Some(index) => t.index_select(index, dim),
+                None => t.narrow(dim, runs[0].start, n),
+            };
+            for layer in 0..self.layers.len() {
+                let store = self.layer(layer).expect("export_layout checked every layer");
+                // [cells, H, D] -> [H, n, D]
+                let keys = gather(&store.keys, 0)?.transpose(0, 1)?;
+                let values = match self.layout {
+                    VLayout::Normal => gather(&store.values, 0)?.transpose(0, 1)?,
+                    // [H, Dv, cells] -> [H, Dv, n] -> [H, n, Dv]
+                    VLayout::Permuted => gather(&store.values, 2)?.transpose(1, 2)?,
+                };
+                let dst = out.layer_mut(layer);
+                copy_out(&keys, dst.keys)?;
+                copy_out(&values, dst.values)?;
+            }
+            Ok(())
+        };
+        run().map_err(CacheError::backend)
+    }
+
+    /// Uploads rows `rows` of every layer of `kv` to the device, shaped like
+    /// `put`'s keys and values; changes nothing in the cache.
+    pub(crate) fn upload_rows(&self, kv: &HostKv, rows: Range<usize>) -> Result<Vec<Uploaded>> {
+        let layout = *kv.layout();
+        let shape = |dim: usize| [layout.kv_heads, rows.len(), dim];
+        let run = || -> candle_core::Result<Vec<Uploaded>> {
+            (0..layout.layers)
+                .map(|layer| {
+                    let src = kv.layer(layer);
+                    let keys = select_rows(src.keys, &layout, src.tokens, layout.head_dim, &rows);
+                    let values = select_rows(src.values, &layout, src.tokens, layout.head_dim_v, &rows);
+                    // [H, n, D] -> [n, H, D]
+                    let keys = from_le_bytes(&keys, self.dtype, &shape(layout.head_dim), &self.device)?;
+                    let values = from_le_bytes(&values, self.dtype, &shape(layout.head_dim_v), &self.device)?;
+                    Ok((keys.transpose(0, 1)?, values.transpose(0, 1)?))
+                })
+                .collect()
+        };
+        run().map_err(CacheError::backend)
+    }
+
+    /// Writes uploaded rows into `cells` (the cell of each row), layer by layer,
+    /// creating the layers that have no storage yet with head dimensions `dims`.
+    pub(crate) fn write_uploaded(
+        &mut self,
+        uploaded: &[Uploaded],
+        cells: &[u32],
+        dims: HeadDims,
+    ) -> Result<()> {
+        for (layer, (keys, values)) in uploaded.iter().enumerate() {
+            self.ensure_layer(layer, dims)?;
+            self.write(layer, keys, values, cells)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rows `rows` of each head of one layer's `[kv_heads, tokens, dim]` bytes, as
+/// `[kv_heads, rows.len(), dim]` (borrowed when that is all of them).
+fn select_rows<'a>(
+    bytes: &'a [u8],
+    layout: &KvLayout,
+    tokens: usize,
+    dim: usize,
+    rows: &Range<usize>,
+) -> Cow<'a, [u8]> {
+    if rows.start == 0 && rows.end == tokens {
+        return Cow::Borrowed(bytes);
+    }
+    let row = dim * layout.dtype.size_in_bytes();
+    let mut out = Vec::with_capacity(layout.kv_heads * rows.len() * row);
+    for head in 0..layout.kv_heads {
+        let base = head * tokens * row;
+        out.extend_from_slice(&bytes[base + rows.start * row..base + rows.end * row]);
+    }
+    Cow::Owned(out)
+}
+
+/// A tensor of `shape` from little-endian bytes of `dtype`.
+fn from_le_bytes(
+    bytes: &[u8],
+    dtype: CandleDType,
+    shape: &[usize],
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
+    if cfg!(target_endian = "little") {
+        return Tensor::from_raw_buffer(bytes, dtype, shape, device);
+    }
+    let size = dtype.size_in_bytes();
+    let native: Vec<u8> = bytes
+        .chunks_exact(size)
+        .flat_map(|c| c.iter().rev().copied())
+        .collect();
+    Tensor::from_raw_buffer(&native, dtype, shape, device)
+}
+
+/// Writes the elements of `t` in row-major order into `dst` as little-endian bytes.
+fn copy_out(t: &Tensor, dst: &mut [u8]) -> candle_core::Result<()> {
+    match t.dtype() {
+        CandleDType::F32 => copy_elements(t, dst, f32::to_le_bytes),
+        CandleDType::F16 => copy_elements(t, dst, half::f16::to_le_bytes),
+        CandleDType::BF16 => copy_elements(t, dst, half::bf16::to_le_bytes),
+        other => candle_core::bail!("keys and values of dtype {other:?} are not stored"),
+    }
+}
+
+/// [`copy_out`] for one element type: on the CPU straight from the tensor's
+/// memory, elsewhere through one host copy.
+fn copy_elements<T: WithDType, const N: usize>(
+    t: &Tensor,
+    dst: &mut [u8],
+    to_le: fn(T) -> [u8; N],
+) -> candle_core::Result<()> {
+    let t = t.contiguous()?;
+    let encode = |src: &[T], dst: &mut [u8]| {
+        assert_eq!(src.len() * N, dst.len(), "host rows sized for the tensor");
+        for (d, &s) in dst.chunks_exact_mut(N).zip(src) {
+            d.copy_from_slice(&to_le(s));
+        }
+    };
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (CandleStorage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+            encode(&cpu.as_slice::<T>()?[start..end], dst);
+            return Ok(());
+        }
+    }
+    encode(&t.flatten_all()?.to_vec1::<T>()?, dst);
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! Sequence export and import (llama.cpp's per-sequence state get and set): one
+//! sequence's keys and values over a range of positions, copied out of a cache
+//! into a compact host value, and written into a sequence of any cache with the
+//! same layout, in this process or another.
+//!
+//! The host value is a [`HostKv`] in its canonical form (per layer, keys
+//! `[kv_heads, tokens, head_dim]` then values `[kv_heads, tokens, head_dim_v]`),
+//! so caches with [`VLayout::Normal`](kvcache_api::VLayout::Normal) and
+//! [`VLayout::Permuted`](kvcache_api::VLayout::Permuted) values exchange states
+//! freely. A [`Fingerprint`] names the model: a state is only imported into a
+//! cache of the same model.
+//!
+//! # Placement and sliding windows
+//!
+//! An import is placed as a forward pass over the imported positions would be: the
+//! cache's placement (scattered, or one contiguous run, compacting first when
+//! needed) chooses the cells, and an import may be longer than `max_batch`.
+//! Sequences are trimmed to their sliding-window memory as in a pass, the
+//! importing sequence as after a pass whose last token is the last imported
+//! position: it keeps its positions from `end - memory` on (`end` one past the
+//! last imported position), so it can continue at `end`, or re-evaluate `end - 1`.
+//! Imported positions below that line are skipped, never stored. Without a
+//! sliding window every imported position is stored. Imported cells are ordinary
+//! cells: the next pass's mask treats them exactly like computed ones.
+
+use std::ops::Range;
+
+use kvcache_api::{CacheError, Fingerprint, HostKv, KvLayout, Pos, Result, SeqId};
+
+use crate::cache::CausalKvCache;
+
+/// One sequence's keys and values over consecutive positions, with the model
+/// they belong to: what [`CausalKvCache::export_seq`] returns and
+/// [`CausalKvCache::import_seq`] takes.
+///
+/// `kv` holds positions `kv.start() .. kv.end()` of every layer: per layer, keys
+/// `[kv_heads, tokens, head_dim]` and values `[kv_heads, tokens, head_dim_v]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqState {
+    /// The model that computed the keys and values.
+    pub fingerprint: Fingerprint,
+    /// The keys and values; token offset `i` is position `i`.
+    pub kv: HostKv,
+}
+
+impl SeqState {
+    /// The positions held, `kv.start() .. kv.end()`; an
+    /// [`InvalidArgument`](CacheError::InvalidArgument) error when they do not
+    /// fit a [`Pos`] (the last usable position is `Pos::MAX - 1`).
+    pub fn positions(&self) -> Result<Range<Pos>> {
+        let pos = |offset: usize| {
+            Pos::try_from(offset).map_err(|_| {
+                CacheError::InvalidArgument(format!(
+                    "token offsets {:?} do not fit positions (at most {})",
+                    self.kv.range(),
+                    Pos::MAX - 1
+                ))
+            })
+        };
+        Ok(pos(self.kv.start())?..pos(self.kv.end())?)
+    }
+}
+
+impl CausalKvCache {
+    /// Sets the model fingerprint that exported states carry and imported states
+    /// must match (all zeros until set).
+    pub fn set_fingerprint(&mut self, fingerprint: Fingerprint) {
+        self.fingerprint = fingerprint;
+    }
+
+    /// The model fingerprint (all zeros until set).
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The layout of the stored keys and values: the number of layer slots, the
+    /// head dimensions of the first stored layer (keys `[cells, kv_heads,
+    /// head_dim]`, values `[.., head_dim_v]`) and the configured dtype. `None`
+    /// before any layer has storage.
+    pub fn kv_layout(&self) -> Option<KvLayout> {
+        self.storage.kv_layout(self.book.config().dtype)
+    }
+
+    /// Copies positions `range` of `seq`, every layer's keys and values, into a
+    /// compact host value: `kv` holds keys `[kv_heads, range.len(), head_dim]` and
+    /// values `[kv_heads, range.len(), head_dim_v]` per layer, token offset =
+    /// position. Changes nothing.
+    ///
+    /// # Errors
+    /// [`CacheError::SequenceOutOfRange`] for an unknown `seq`;
+    /// [`CacheError::InvalidArgument`] for an empty or negative `range`, or one
+    /// with a position `seq` does not hold; [`CacheError::InvalidState`] when
+    /// no layer has storage, a layer below a stored one has none (a cache that is
+    /// one group of a [`crate::LayerGroupCache`]) or layers differ in head
+    /// dimensions; [`CacheError::Backend`] if a tensor copy fails.
+    pub fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqState> {
+        let runs = self.book.cells_of_range(seq, range.clone())?;
+        let layout = self.storage.export_layout(self.book.config().dtype)?;
+        let start = usize::try_from(range.start).expect("validated: not negative");
+        let mut kv = HostKv::zeroed(layout, start, range.len());
+        self.storage.read_rows(&runs, &mut kv)?;
+        Ok(SeqState {
+            fingerprint: self.fingerprint,
+            kv,
+        })
+    }
+
+    /// Writes `state` into sequence `seq` at positions `state.kv.start() ..
+    /// state.kv.end()`, placed as a forward pass would place them (see the
+    /// [module docs](crate::transfer) for sliding windows), and ends any pass in
+    /// progress. `seq` must be empty or end exactly at `state.kv.start()`. A cache
+    /// with no layer storage yet creates every layer from the state's layout.
+    ///
+    /// # Errors
+    /// Each leaves the cache unchanged.
+    /// [`CacheError::SequenceOutOfRange`] for an unknown `seq`;
+    /// [`CacheError::LayoutMismatch`] when the state's fingerprint is not the
+    /// cache's (`what` = `"model"`), its dtype not the configured one, or its
+    /// layer count or head dimensions not those of the stored layers;
+    /// [`CacheError::InvalidArgument`] for a state with no tokens, positions past
+    /// `Pos::MAX - 1`, or a `seq` that neither is empty nor ends at the state's
+    /// start; [`CacheError::Full`] when the kept positions do not fit even after
+    /// trimming windows. [`CacheError::Backend`] if a tensor copy fails (after
+    /// validation, as in a forward pass).
+    pub fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+        let config = self.book.config();
+        if seq >= config.max_sequences {
+            return Err(CacheError::SequenceOutOfRange {
+                seq,
+                max_sequences: config.max_sequences,
+            });
+        }
+        if state.fingerprint != self.fingerprint {
+            return Err(CacheError::LayoutMismatch {
+                what: "model",
+                expected: self.fingerprint.to_hex(),
+                got: state.fingerprint.to_hex(),
+            });
+        }
+        let layout = *state.kv.layout();
+        self.storage.check_import_layout(&layout, config.dtype)?;
+        if state.kv.tokens() == 0 {
+            return Err(CacheError::InvalidArgument(
+                "the state holds no tokens: nothing to import".into(),
+            ));
+        }
+        let positions = state.positions()?;
+        let plan = self.book.prepare_import(seq, positions)?;
+        // Every fallible tensor step that can run before the commit does.
+        let uploaded = self.storage.upload_rows(&state.kv, plan.rows.clone())?;
+        let placed = self.book.commit_import(&plan);
+        self.storage.apply_moves(&placed.moves)?;
+        let dims = (layout.kv_heads, layout.head_dim, layout.head_dim_v);
+        self.storage.write_uploaded(&uploaded, &placed.cells, dims)
+    }
+}
