@@ -150,7 +150,8 @@ impl DiskTier {
                 Ok(Some((entry, size, modified))) => found.push((modified, key, entry, size)),
                 Ok(None) => {}
                 Err(StoreError::Corrupt(why)) => self.discard_file(&path, &why),
-                Err(err) => return Err(err),
+                // Gone since the listing, or unreadable: not indexed, left alone.
+                Err(err) => tracing::warn!(%err, "kvcache-store: skipping a file at open"),
             }
         }
         found.sort_by_key(|(modified, ..)| *modified);

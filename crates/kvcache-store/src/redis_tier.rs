@@ -306,8 +306,9 @@ impl Tier for RedisTier {
                     && m.namespace == namespace.as_str()
                     && m.fingerprint == self.context.fingerprint.to_hex()
                     && m.layout == layout_text(&self.context.layout)
-                    && m.tokens > 0
-                    && m.len == m.tokens * self.context.layout.token_bytes() =>
+                    && (1..=self.context.block_tokens).contains(&m.tokens)
+                    && m.len == m.tokens * self.context.layout.token_bytes()
+                    && (1..=m.len).contains(&m.chunks) =>
             {
                 m
             }

@@ -435,7 +435,7 @@ impl Core {
         if kv.tokens() == 0 {
             return Some("an empty run".into());
         }
-        if kv.start() % self.config.block_tokens != 0 {
+        if !kv.start().is_multiple_of(self.config.block_tokens) {
             return Some(format!(
                 "a run starting at {}, not a multiple of the block size {}",
                 kv.start(),

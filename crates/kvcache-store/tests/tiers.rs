@@ -155,7 +155,7 @@ fn stays_within_budget(tier: &dyn Tier) {
         .filter(|b| tier.contains(&ns, &b.key, later()).unwrap())
         .count() as u64;
     assert_eq!(Some(held), tier.entries());
-    assert!(held < 12 && held >= 2, "{held}");
+    assert!((2..12).contains(&held), "{held}");
     assert!(tier.contains(&ns, &blocks[0].key, later()).unwrap());
     assert!(tier.contains(&ns, &blocks[11].key, later()).unwrap());
     assert!(!tier.contains(&ns, &blocks[1].key, later()).unwrap());
