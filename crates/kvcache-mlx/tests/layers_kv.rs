@@ -576,7 +576,7 @@ proptest! {
             }
             prop_assert_eq!(cache.offset(), model.len());
             prop_assert_eq!(live(&cache), model.clone());
-            prop_assert!(cache.capacity() % step == 0 && cache.capacity() >= model.len());
+            prop_assert!(cache.capacity().is_multiple_of(step) && cache.capacity() >= model.len());
         }
     }
 }

@@ -517,7 +517,9 @@ impl PrefixStore for MemStore {
 
     fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) {
         let mut inner = self.lock();
-        if self.layout.expect(kv.layout()).is_err() || kv.start() % self.block != 0 || kv.end() > tokens.len()
+        if self.layout.expect(kv.layout()).is_err()
+            || !kv.start().is_multiple_of(self.block)
+            || kv.end() > tokens.len()
         {
             inner.refused += 1;
             return;

@@ -7,11 +7,13 @@ use std::collections::BTreeMap;
 /// The first group are monotonic counters; the second a view of the current state.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// `begin` calls that restored at least one prompt token.
+    /// `begin` calls that restored at least one prompt token (from the trie
+    /// or the store).
     pub hits: u64,
     /// `begin` calls that restored nothing (the whole prompt is evaluated).
     pub misses: u64,
-    /// Prompt tokens restored instead of evaluated, summed over `begin` calls.
+    /// Prompt tokens restored instead of evaluated (from the trie or the
+    /// store), summed over `begin` calls.
     pub reused_tokens: u64,
     /// Prompt tokens `begin` asked the engine to evaluate, summed over calls.
     pub evaluated_tokens: u64,
