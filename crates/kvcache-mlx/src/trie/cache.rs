@@ -457,20 +457,12 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
             return cached;
         }
-        let kv = if kv.range() == (cached..end) {
-            kv
-        } else {
-            match kv.slice(cached..end) {
-                Ok(kv) => kv,
-                Err(error) => {
-                    tracing::warn!(%error, "prefix cache: ignoring a store answer");
-                    return cached;
-                }
-            }
-        };
+        // Rows of the answer from `cached` to `end` (it may start earlier or
+        // run past the prompt's last token).
+        let rows = cached - kv.start()..end - kv.start();
         let mut taken = true;
         for (i, cache) in self.caches.iter_mut().enumerate() {
-            match cache.append_rows(kv.layer(i), 0..kv.tokens()) {
+            match cache.append_rows(kv.layer(i), rows.clone()) {
                 Ok(true) if cache.offset() == end => {}
                 Ok(true) => {
                     tracing::warn!(
