@@ -106,6 +106,39 @@
 //!   states: `read_rows` answers `false`) make the trie submit nothing and
 //!   refuse restores, so such models reuse prefixes only within the process.
 //!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use kvcache_api::{CacheError, Namespace};
+//! use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, MemStore};
+//! use kvcache_mlx::trie::PrefixCache;
+//!
+//! let store = Arc::new(MemStore::new(FakeKv::layout(2), 4));
+//! let tenant = Namespace::new("tenant-42")?;
+//! let prompt: Vec<u32> = (1..=10).collect();
+//! let serve = |prompt: &[u32]| -> Result<usize, CacheError> {
+//!     // A new process each time: new layers, an empty trie, the same store.
+//!     let counters = Counters::new();
+//!     let layers = vec![FakeKv::new(&counters), FakeKv::new(&counters)];
+//!     let mut cache = PrefixCache::new(layers, 1 << 20)?;
+//!     cache.set_store(store.clone(), Duration::from_millis(20))?;
+//!     let mut session = cache.begin_in(&tenant, prompt)?;
+//!     let cached = session.cached();
+//!     session.prefill(|tokens, caches| {
+//!         feed_all(caches, tokens);
+//!         Ok::<(), CacheError>(())
+//!     })?;
+//!     session.close()?; // writes the prompt through to the store
+//!     Ok(cached)
+//! };
+//! assert_eq!(serve(&prompt)?, 0);
+//! // The next turn, in another process, restores the first turn's prompt.
+//! let next = [&prompt[..], &[11, 12]].concat();
+//! assert_eq!(serve(&next)?, 10);
+//! # Ok::<(), CacheError>(())
+//! ```
+//!
 //! # Modules
 //! - `arena`: nodes in a `Vec` addressed by `u32`, with a free list; each node
 //!   holds its edge tokens, `[start, end)`, parent, children sorted by first
