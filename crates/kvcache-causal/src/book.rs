@@ -517,7 +517,9 @@ impl Book {
         );
         let pad = self.config.cache_padding;
         assert!(
-            pass.range.start % pad == 0 && pass.range.end % pad == 0 && pass.range.end <= self.cells.len(),
+            pass.range.start.is_multiple_of(pad)
+                && pass.range.end.is_multiple_of(pad)
+                && pass.range.end <= self.cells.len(),
             "pass: range {:?} is not aligned to {pad} within {} cells",
             pass.range,
             self.cells.len()

@@ -31,6 +31,11 @@
 //! exactly as it was ([`CausalKvCache::state`] lets tests prove it), and
 //! [`CausalKvCache::check`] verifies every invariant.
 //!
+//! [`CausalKvCache::export_seq`] copies one sequence's keys and values over a range
+//! of positions into a compact host [`SeqState`], and [`CausalKvCache::import_seq`]
+//! writes one into a sequence of any cache of the same model and layout (llama.cpp's
+//! per-sequence state get and set; see [`transfer`]).
+//!
 //! [`LayerGroupCache`] drives one cache per group of layers (sliding-window and
 //! global layers, as in Gemma 3) as a single cache.
 //!

@@ -22,7 +22,7 @@ impl Occupancy {
     /// `cells` free cells.
     pub(crate) fn new(cells: usize) -> Self {
         let mut words = vec![0u64; cells.div_ceil(64)];
-        if cells % 64 != 0 {
+        if !cells.is_multiple_of(64) {
             *words.last_mut().expect("cells % 64 != 0 implies a word") = !0u64 << (cells % 64);
         }
         Occupancy {
@@ -80,7 +80,7 @@ impl Occupancy {
             if w == first {
                 bits &= !0u64 << (cells.start % 64);
             }
-            if w == last && cells.end % 64 != 0 {
+            if w == last && !cells.end.is_multiple_of(64) {
                 bits &= (1u64 << (cells.end % 64)) - 1;
             }
             self.words[w] &= !bits;
@@ -95,7 +95,7 @@ impl Occupancy {
         *self = Occupancy::new(cells);
         let full = count / 64;
         self.words[..full].fill(!0);
-        if count % 64 != 0 {
+        if !count.is_multiple_of(64) {
             self.words[full] |= (1u64 << (count % 64)) - 1;
         }
         self.used = count;
@@ -150,7 +150,7 @@ impl Occupancy {
             if w == first {
                 word &= !0u64 << (range.start % 64);
             }
-            if w == last && range.end % 64 != 0 {
+            if w == last && !range.end.is_multiple_of(64) {
                 word &= (1u64 << (range.end % 64)) - 1;
             }
             used += word.count_ones() as usize;
@@ -213,7 +213,7 @@ impl Occupancy {
             "occupancy: used counter {} but {counted} bits set",
             self.used
         );
-        if self.cells % 64 != 0 {
+        if !self.cells.is_multiple_of(64) {
             let tail = !0u64 << (self.cells % 64);
             let last = *self.words.last().expect("nonzero cells");
             assert_eq!(

@@ -46,7 +46,7 @@ impl RopeShift {
     /// A shift rotating the first `dims` dimensions of each head (`dims` even,
     /// at most the head size) with frequency base `base`.
     pub fn new(layout: RopeLayout, dims: usize, base: f32) -> Result<Self> {
-        if dims == 0 || dims % 2 != 0 {
+        if dims == 0 || !dims.is_multiple_of(2) {
             return Err(CacheError::InvalidArgument(format!(
                 "rope dims must be even and positive, got {dims}"
             )));

@@ -4,7 +4,8 @@
 //! query token sees through the real mask and storage, every stored key and value,
 //! `can_resume`, and the errors of rejected steps, which must change nothing.
 //! Checkpoints (`try_clone`) and rollbacks into the live cache (`try_clone_from`)
-//! switch branches mid-schedule.
+//! switch branches mid-schedule. Transfers export a range of one sequence and
+//! import it into another (`export_seq` / `import_seq`).
 
 mod common;
 
@@ -16,7 +17,7 @@ use kvcache_api::{
 use kvcache_causal::CausalKvCache;
 use proptest::prelude::*;
 
-use common::reference::{same_error, Reference};
+use common::reference::{same_error, Entry, Reference};
 use common::{add_shift, contents, filled, sees};
 
 const HEADS: usize = 2;
@@ -101,6 +102,17 @@ enum Op {
     Checkpoint,
     /// Copy the checkpoint back into the cache (`try_clone_from`), a branch switch.
     Rollback,
+    /// export_seq(src, start..start + len) then import_seq(dst, ..): the range
+    /// starts where `dst` ends (mode 0), or at `start` within `src`, into `dst`
+    /// emptied first (mode 1) or as it is (mode 2); `len` is clipped to `src`'s end
+    /// where that leaves a position.
+    Transfer {
+        src: usize,
+        dst: usize,
+        mode: u8,
+        start: u8,
+        len: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -117,6 +129,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..4usize, 0..4usize, any::<u8>()).prop_map(|(src, dst, len)| Op::Copy { src, dst, len }),
         1 => (0..8u8, any::<u8>()).prop_map(|(kind, arg)| Op::Bad { kind, arg }),
         1 => prop_oneof![Just(Op::Checkpoint), Just(Op::Rollback)],
+        2 => (0..4usize, 0..4usize, prop_oneof![2 => Just(0u8), 2 => Just(1), 1 => Just(2)], any::<u8>(), 1..=8u8)
+            .prop_map(|(src, dst, mode, start, len)| Op::Transfer { src, dst, mode, start, len }),
     ]
 }
 
@@ -140,6 +154,9 @@ struct Run {
     pass: Option<Vec<(SeqId, Pos)>>,
     stored: bool,
     checkpoint: Option<Checkpoint>,
+    /// Token ids of imported entries, counting down from `u64::MAX` (the model's
+    /// own ids count up).
+    next_import_id: u64,
 }
 
 /// A copy of the cache and everything the run knows about it.
@@ -333,7 +350,7 @@ impl Run {
                 self.rejected("bad put", want, |c| c.put(&keys, &values))
             }
             4 => {
-                let range = if arg % 2 == 0 {
+                let range = if arg.is_multiple_of(2) {
                     PosRange { start: -1, end: None }
                 } else {
                     PosRange {
@@ -361,6 +378,54 @@ impl Run {
                 self.rejected("oversized batch", want, |c| {
                     c.start_forward(&batch, ForwardMode::Compute)
                 })
+            }
+        }
+    }
+
+    fn transfer(
+        &mut self,
+        src: usize,
+        dst: usize,
+        mode: u8,
+        start: u8,
+        len: u8,
+    ) -> Result<(), TestCaseError> {
+        let (src, dst) = (self.seq(src), self.seq(dst));
+        if mode == 1 {
+            self.cache.remove(dst, PosRange { start: 0, end: None }).unwrap();
+            self.model.remove(dst, 0, None).unwrap();
+            self.pass = None;
+        }
+        let held = &self.model.seqs[src];
+        let (first, next) = (held.first().map_or(0, |e| e.pos), self.model.next_pos(src));
+        let start = match mode {
+            0 => self.model.next_pos(dst),
+            _ => first + Pos::from(start) % (next - first + 1),
+        };
+        let len = match next - start {
+            room if room >= 1 => Pos::from(len).min(room),
+            _ => Pos::from(len),
+        };
+        let range = start..start + len;
+        let entries: Vec<Entry> = held.iter().filter(|e| range.contains(&e.pos)).cloned().collect();
+        let expected = if entries.len() == range.len() {
+            let (mut model, mut next_id) = (self.model.clone(), self.next_import_id);
+            model_import(&mut model, &self.config, &mut next_id, dst, &entries).map(|()| (model, next_id))
+        } else {
+            Err(CacheError::InvalidArgument(String::new()))
+        };
+        let call = |c: &mut CausalKvCache| -> Result<(), CacheError> {
+            let state = c.export_seq(src, range.clone())?;
+            c.import_seq(dst, &state)
+        };
+        match expected {
+            Err(want) => self.rejected("transfer", want, call),
+            Ok((model, next_id)) => {
+                call(&mut self.cache).unwrap();
+                self.model = model;
+                self.next_import_id = next_id;
+                self.pass = None;
+                Ok(())
             }
         }
     }
@@ -423,6 +488,62 @@ impl Run {
     }
 }
 
+/// The model of `import_seq(dst, ..)` of `entries` (consecutive positions): trims
+/// like a pass whose last token of `dst` is the last imported position, then
+/// stores the imported entries `dst` keeps, with new ids from `next_id` down.
+fn model_import(
+    model: &mut Reference,
+    config: &CausalConfig,
+    next_id: &mut u64,
+    dst: SeqId,
+    entries: &[Entry],
+) -> Result<(), CacheError> {
+    let (start, end) = (entries[0].pos, entries[entries.len() - 1].pos + 1);
+    if model.seqs[dst].last().is_some_and(|e| e.pos + 1 != start) {
+        return Err(CacheError::InvalidArgument(String::new()));
+    }
+    let memory = config.effective_memory().map(|m| m as Pos);
+    let keep: Vec<Pos> = (0..config.max_sequences)
+        .map(|s| match (memory, model.seqs[s].last()) {
+            (None, _) => Pos::MIN,
+            (Some(m), _) if s == dst => end - m,
+            (Some(m), Some(last)) => last.pos + 2 - m,
+            (Some(_), None) => Pos::MIN,
+        })
+        .collect();
+    let live = |keep: &[Pos]| {
+        let ids: std::collections::BTreeSet<u64> = (0..keep.len())
+            .flat_map(|s| {
+                model.seqs[s]
+                    .iter()
+                    .filter(move |e| e.pos >= keep[s])
+                    .map(|e| e.id)
+            })
+            .collect();
+        ids.len()
+    };
+    let kept: Vec<&Entry> = entries.iter().filter(|e| e.pos >= keep[dst]).collect();
+    let cells = config.num_cells();
+    if cells - live(&keep) < kept.len() {
+        return Err(CacheError::Full {
+            cells,
+            used: live(&vec![Pos::MIN; keep.len()]),
+            batch: kept.len(),
+        });
+    }
+    for (s, held) in model.seqs.iter_mut().enumerate() {
+        held.retain(|e| e.pos >= keep[s]);
+    }
+    for e in kept {
+        *next_id -= 1;
+        model.seqs[dst].push(Entry {
+            id: *next_id,
+            ..e.clone()
+        });
+    }
+    Ok(())
+}
+
 fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let device = common::device();
     let shift = setup.shift.then(add_shift);
@@ -436,6 +557,7 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
         pass: None,
         stored: false,
         checkpoint: None,
+        next_import_id: u64::MAX,
     };
     for op in ops {
         match op {
@@ -450,6 +572,13 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Bad { kind, arg } => r.bad(kind, arg)?,
             Op::Checkpoint => r.checkpoint(),
             Op::Rollback => r.rollback()?,
+            Op::Transfer {
+                src,
+                dst,
+                mode,
+                start,
+                len,
+            } => r.transfer(src, dst, mode, start, len)?,
         }
         r.compare()?;
     }

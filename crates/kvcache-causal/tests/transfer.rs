@@ -55,6 +55,11 @@ type Kv = (Vec<f32>, Vec<f32>);
 /// What each sequence was given: per position, each layer's keys and values.
 type History = BTreeMap<(SeqId, Pos), Vec<Kv>>;
 
+/// What `token` was given in `layer`.
+fn kv_of(history: &History, token: (SeqId, Pos), layer: usize) -> &Kv {
+    &history[&token][layer]
+}
+
 /// Runs one compute pass over `tokens` with random keys and values in every layer
 /// and records them in `history`.
 fn pass(
@@ -189,7 +194,7 @@ fn states_round_trip_between_caches_layouts_and_sequences() {
                 let keys = decode(rows.keys, dtype);
                 let values = decode(rows.values, dtype);
                 for (row, pos) in (3..17).enumerate() {
-                    let (k, v) = &history[&(0, pos)][layer];
+                    let (k, v) = kv_of(&history, (0, pos), layer);
                     assert_eq!(
                         &token_row(&keys, 2, 14, 4, row),
                         k,
@@ -400,7 +405,7 @@ fn attention_over_imported_cells_equals_attention_from_scratch() {
                 let lo = window.map_or(0, |w| (pos - w as Pos + 1).max(0));
                 let seen: Vec<(&[f32], &[f32])> = (lo..=pos)
                     .map(|p| {
-                        let (k, v) = &history[&(seq, p)][layer];
+                        let (k, v) = kv_of(&history, (seq, p), layer);
                         (&k[..], &v[..])
                     })
                     .collect();
