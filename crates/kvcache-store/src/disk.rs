@@ -4,8 +4,9 @@
 //!
 //! Crash safety: a block is written to a temporary name (`.tmp-…`) in the same
 //! directory, `sync_all`ed, renamed to `{key hex}.safetensors`, and the directory
-//! is fsynced; a crash leaves either no entry or a whole one, and temporary
-//! files left behind are removed at the next open. A read checks the header
+//! is fsynced (once for all the blocks of one [`Tier::put_many`]); a crash
+//! leaves either no entry or a whole one, and temporary files left behind are
+//! removed at the next open. A read checks the header
 //! against the store (model, layout, namespace, key), the file length and the
 //! CRC32 of the data; a file that fails is a miss, is removed, and is counted in
 //! [`TierCounters::corrupt`].
@@ -32,6 +33,10 @@ use crate::tier::{Block, Tier, TierContext};
 const SUFFIX: &str = ".safetensors";
 /// The file name prefix of files being written.
 const TEMP_PREFIX: &str = ".tmp-";
+/// Files written and synced together by one batch.
+const SYNC_GROUP: usize = 8;
+/// How stale a file's modification time may get before a read refreshes it.
+const MTIME_RESOLUTION: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Blocks as safetensors files in one directory, least recently used removed
 /// first beyond a byte budget (counted in file bytes).
@@ -231,28 +236,40 @@ impl DiskTier {
         }
     }
 
-    /// Writes `header` and `data` to a temporary file, syncs it, renames it to
-    /// `path` and syncs the directory.
-    fn write_atomically(&self, key: &BlockKey, path: &Path, header: &[u8], data: &[u8]) -> Result<()> {
-        let serial = self.temp_serial.fetch_add(1, Ordering::Relaxed);
-        let temp = self.dir.join(format!(
-            "{TEMP_PREFIX}{}-{}-{serial}",
-            key.to_hex(),
-            std::process::id()
-        ));
+    /// Writes `blocks` as entries: each to a temporary file, all synced, all
+    /// renamed, then one sync of the directory. A failure removes the temporary
+    /// files not yet renamed; the blocks renamed before it are whole entries.
+    fn write_atomically(&self, blocks: &[(&Arc<Block>, Vec<u8>)]) -> Result<()> {
+        // (open file, temporary path, final path) of each block written so far.
+        let mut staged: Vec<(File, PathBuf, PathBuf)> = Vec::with_capacity(blocks.len());
+        let mut renamed = 0;
         let result = (|| {
-            let mut file = File::create(&temp).map_err(|e| StoreError::io("create", &temp, e))?;
-            file.write_all(header)
-                .and_then(|()| file.write_all(data))
-                .map_err(|e| StoreError::io("write", &temp, e))?;
-            file.sync_all().map_err(|e| StoreError::io("sync", &temp, e))?;
-            fs::rename(&temp, path).map_err(|e| StoreError::io("rename", &temp, e))?;
+            for (block, header) in blocks {
+                let serial = self.temp_serial.fetch_add(1, Ordering::Relaxed);
+                let name = format!(
+                    "{TEMP_PREFIX}{}-{}-{serial}",
+                    block.key.to_hex(),
+                    std::process::id()
+                );
+                let temp = self.dir.join(name);
+                let mut file = File::create(&temp).map_err(|e| StoreError::io("create", &temp, e))?;
+                let written = file
+                    .write_all(header)
+                    .and_then(|()| file.write_all(block.kv.as_bytes()));
+                staged.push((file, temp.clone(), self.path_of(&block.key)));
+                written.map_err(|e| StoreError::io("write", temp, e))?;
+            }
+            sync_all(&staged)?;
+            for (_, temp, path) in &staged {
+                fs::rename(temp, path).map_err(|e| StoreError::io("rename", temp, e))?;
+                renamed += 1;
+            }
             File::open(&self.dir)
                 .and_then(|dir| dir.sync_all())
                 .map_err(|e| StoreError::io("sync directory", &self.dir, e))
         })();
-        if result.is_err() {
-            let _ = fs::remove_file(&temp);
+        for (_, temp, _) in &staged[renamed..] {
+            let _ = fs::remove_file(temp);
         }
         result
     }
@@ -264,10 +281,8 @@ impl DiskTier {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(StoreError::io("open", path, e)),
         };
-        let len = file
-            .metadata()
-            .map_err(|e| StoreError::io("stat", path, e))?
-            .len();
+        let meta = file.metadata().map_err(|e| StoreError::io("stat", path, e))?;
+        let (len, modified) = (meta.len(), meta.modified().ok());
         let header = read_header(&mut file, path)?;
         if !header.belongs_to(&self.context) {
             return Err(StoreError::Corrupt(format!(
@@ -290,8 +305,12 @@ impl DiskTier {
                 path.display()
             )));
         }
-        // Keeps the LRU order across restarts; failing to is harmless.
-        let _ = file.set_modified(SystemTime::now());
+        // Keeps the LRU order across restarts (at a minute's resolution, so hot
+        // entries cost no metadata write per read); failing to is harmless.
+        let now = SystemTime::now();
+        if modified.is_none_or(|m| now.duration_since(m).is_ok_and(|age| age > MTIME_RESOLUTION)) {
+            let _ = file.set_modified(now);
+        }
         let kv = HostKv::from_bytes(self.context.layout, header.start, header.tokens, data)
             .map_err(|e| StoreError::Corrupt(format!("{}: {e}", path.display())))?;
         Ok(Some(Block {
@@ -336,26 +355,39 @@ impl Tier for DiskTier {
         }
     }
 
-    fn put(&self, block: &Arc<Block>, _deadline: Instant) -> Result<()> {
-        let data = block.kv.as_bytes();
-        let header = encode_header(block, &self.context, crc32fast::hash(data))?;
-        let size = (header.len() + data.len()) as u64;
-        if size > self.budget {
-            return Ok(());
+    fn put(&self, block: &Arc<Block>, deadline: Instant) -> Result<()> {
+        self.put_many(std::slice::from_ref(block), deadline)
+    }
+
+    fn put_many(&self, blocks: &[Arc<Block>], _deadline: Instant) -> Result<()> {
+        let mut staged = Vec::with_capacity(blocks.len());
+        for block in blocks {
+            let data = block.kv.as_bytes();
+            let header = encode_header(block, &self.context, crc32fast::hash(data))?;
+            // A block larger than the whole budget is not kept.
+            if (header.len() + data.len()) as u64 <= self.budget {
+                staged.push((block, header));
+            }
         }
-        let path = self.path_of(&block.key);
-        self.write_atomically(&block.key, &path, &header, data)?;
-        let victims = {
-            let mut index = self.lock();
-            let entry = Entry {
-                namespace: block.namespace.clone(),
-                parent: block.parent,
-                tokens: block.kv.tokens(),
+        // A few files open (and syncing) at a time, however long the run; each
+        // group indexed (and the budget enforced) as soon as it is written.
+        for group in staged.chunks(SYNC_GROUP) {
+            self.write_atomically(group)?;
+            let victims = {
+                let mut index = self.lock();
+                for (block, header) in group {
+                    let entry = Entry {
+                        namespace: block.namespace.clone(),
+                        parent: block.parent,
+                        tokens: block.kv.tokens(),
+                    };
+                    let size = (header.len() + block.kv.as_bytes().len()) as u64;
+                    index.insert(block.key, entry, size, &self.context);
+                }
+                self.evict_to_budget(&mut index)
             };
-            index.insert(block.key, entry, size, &self.context);
-            self.evict_to_budget(&mut index)
-        };
-        self.remove_files(&victims);
+            self.remove_files(&victims);
+        }
         Ok(())
     }
 
@@ -399,4 +431,33 @@ impl Tier for DiskTier {
     fn counters(&self) -> &TierCounters {
         &self.counters
     }
+}
+
+/// Syncs the staged files side by side (the file system folds concurrent syncs
+/// into fewer journal commits and device flushes); inline where a thread cannot
+/// be had.
+fn sync_all(staged: &[(File, PathBuf, PathBuf)]) -> Result<()> {
+    let sync = |(file, temp, _): &(File, PathBuf, PathBuf)| {
+        file.sync_all().map_err(|e| StoreError::io("sync", temp, e))
+    };
+    if staged.len() < 2 {
+        return staged.iter().try_for_each(sync);
+    }
+    std::thread::scope(|scope| {
+        let mut inline = Vec::new();
+        let mut threads = Vec::new();
+        for entry in staged {
+            match std::thread::Builder::new().spawn_scoped(scope, move || sync(entry)) {
+                Ok(thread) => threads.push(thread),
+                Err(_) => inline.push(entry),
+            }
+        }
+        inline.into_iter().try_for_each(sync)?;
+        threads.into_iter().try_for_each(|thread| {
+            thread.join().unwrap_or_else(|_| {
+                let panicked = std::io::Error::other("a sync thread panicked");
+                Err(StoreError::io("sync", PathBuf::new(), panicked))
+            })
+        })
+    })
 }

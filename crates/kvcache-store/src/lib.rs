@@ -87,15 +87,15 @@
 //! ```
 #![deny(missing_docs)]
 
-mod disk;
+pub mod disk;
 pub mod entry_file;
 mod error;
 pub mod keys;
 mod known;
 mod lru;
-mod memory;
+pub mod memory;
 pub mod namespace;
-mod redis_tier;
+pub mod redis_tier;
 mod rows;
 mod stats;
 mod store;

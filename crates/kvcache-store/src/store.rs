@@ -183,8 +183,14 @@ impl Drop for TieredStore {
 }
 
 impl Core {
-    /// Cuts a submitted run into blocks and writes each to every tier.
+    /// Cuts a submitted run into blocks and writes them to every tier.
     fn write(&self, job: Job) {
+        let blocks = self.cut(job);
+        self.write_blocks(&blocks);
+    }
+
+    /// The blocks of a submitted run, keyed; the last may be a tail.
+    fn cut(&self, job: Job) -> Vec<Arc<Block>> {
         let Job {
             namespace,
             tokens,
@@ -196,6 +202,7 @@ impl Core {
         chain.skip_to(kv.start());
         let whole = kv.range();
         let mut kv = Some(kv);
+        let mut blocks = Vec::with_capacity(whole.len().div_ceil(block_tokens));
         let mut pos = whole.start;
         while pos < whole.end {
             let len = block_tokens.min(whole.end - pos);
@@ -208,6 +215,7 @@ impl Core {
             let Some(key) = key else { break };
             let range = pos..pos + len;
             let block_kv = match kv.take() {
+                // A run of one block is stored as it came, without a copy.
                 Some(all) if all.range() == range => Ok(all),
                 Some(all) => {
                     let part = rows::join(&self.config.layout, &[&all], range);
@@ -217,41 +225,51 @@ impl Core {
                 None => break,
             };
             match block_kv {
-                Ok(block_kv) => self.write_block(Arc::new(Block {
+                Ok(block_kv) => blocks.push(Arc::new(Block {
                     key,
                     parent,
                     namespace: namespace.clone(),
                     kv: block_kv,
                 })),
-                Err(err) => tracing::warn!(%err, "kvcache-store: cannot cut a block"),
+                Err(err) => {
+                    tracing::warn!(%err, "kvcache-store: cannot cut a block");
+                    break;
+                }
             }
             pos += len;
         }
+        blocks
     }
 
-    /// Writes one block to every tier that lacks it.
-    fn write_block(&self, block: Arc<Block>) {
-        let mut stored = false;
+    /// Writes to every tier the blocks it lacks, in one batch per tier.
+    fn write_blocks(&self, blocks: &[Arc<Block>]) {
+        let mut stored = vec![false; blocks.len()];
         for tier in &self.tiers {
             let deadline = Instant::now() + self.config.write_timeout;
             let counters = tier.counters();
-            match tier.contains(&block.namespace, &block.key, deadline) {
-                Ok(true) => {
-                    stored = true;
-                    continue;
-                }
-                Ok(false) => {}
-                Err(err) => {
-                    bump(&counters.errors);
-                    tracing::debug!(tier = tier.name(), %err, "kvcache-store: write skipped");
-                    continue;
+            let mut missing = Vec::with_capacity(blocks.len());
+            let mut wanted = Vec::with_capacity(blocks.len());
+            for (i, block) in blocks.iter().enumerate() {
+                match tier.contains(&block.namespace, &block.key, deadline) {
+                    Ok(true) => stored[i] = true,
+                    Ok(false) => {
+                        missing.push(Arc::clone(block));
+                        wanted.push(i);
+                    }
+                    Err(err) => {
+                        bump(&counters.errors);
+                        tracing::debug!(tier = tier.name(), %err, "kvcache-store: write skipped");
+                    }
                 }
             }
-            match tier.put(&block, deadline) {
+            if missing.is_empty() {
+                continue;
+            }
+            match tier.put_many(&missing, deadline) {
                 Ok(()) => {
-                    stored = true;
-                    bump(&counters.puts);
-                    add(&counters.bytes_written, block.bytes());
+                    add(&counters.puts, missing.len() as u64);
+                    add(&counters.bytes_written, missing.iter().map(|b| b.bytes()).sum());
+                    wanted.into_iter().for_each(|i| stored[i] = true);
                 }
                 Err(err) => {
                     bump(&counters.errors);
@@ -259,9 +277,11 @@ impl Core {
                 }
             }
         }
-        if stored {
-            self.known.insert(block.key);
-            bump(&self.counters.blocks_written);
+        for (block, stored) in blocks.iter().zip(stored) {
+            if stored {
+                self.known.insert(block.key);
+                bump(&self.counters.blocks_written);
+            }
         }
     }
 

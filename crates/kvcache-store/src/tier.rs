@@ -70,6 +70,13 @@ pub trait Tier: Send + Sync {
     /// budget requires.
     fn put(&self, block: &Arc<Block>, deadline: Instant) -> Result<()>;
 
+    /// Stores several blocks (those of one submitted run), as one batch where
+    /// the tier gains by it (the disk tier syncs its directory once). An error
+    /// may leave some of them stored.
+    fn put_many(&self, blocks: &[Arc<Block>], deadline: Instant) -> Result<()> {
+        blocks.iter().try_for_each(|block| self.put(block, deadline))
+    }
+
     /// Whether the block `key` of `namespace` is held (without reading it).
     fn contains(&self, namespace: &Namespace, key: &BlockKey, deadline: Instant) -> Result<bool>;
 
