@@ -22,6 +22,27 @@
 //! Imported positions below that line are skipped, never stored. Without a
 //! sliding window every imported position is stored. Imported cells are ordinary
 //! cells: the next pass's mask treats them exactly like computed ones.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode, VLayout};
+//! use kvcache_causal::CausalKvCache;
+//!
+//! let mut a = CausalKvCache::new(CausalConfig::new(2, 64, 8), Device::Cpu, None)?;
+//! a.start_forward(&Batch::sequence(0, 0, 4)?, ForwardMode::Compute)?;
+//! let kv = Tensor::ones((4, 2, 16), DType::F32, &Device::Cpu).unwrap(); // [batch, kv_heads, head_dim]
+//! a.put(&kv, &kv)?; // layer 0
+//! let state = a.export_seq(0, 1..4)?;
+//! assert_eq!(state.kv.layer(0).keys.len(), 2 * 3 * 16 * 4); // [kv_heads, tokens, head_dim] of f32
+//!
+//! // Another cache of the same model, values stored permuted.
+//! let config = CausalConfig::new(1, 64, 8).with_v_layout(VLayout::Permuted);
+//! let mut b = CausalKvCache::new(config, Device::Cpu, None)?;
+//! b.import_seq(0, &state)?;
+//! assert_eq!(b.positions(0).iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 3]);
+//! assert_eq!(b.export_seq(0, 1..4)?, state);
+//! # Ok::<(), kvcache_api::CacheError>(())
+//! ```
 
 use std::ops::Range;
 
@@ -146,11 +167,13 @@ impl CausalKvCache {
         }
         let positions = state.positions()?;
         let plan = self.book.prepare_import(seq, positions)?;
-        // Every fallible tensor step that can run before the commit does.
+        // The uploads and new layers come before the metadata changes: only the
+        // data writes of the cells chosen can fail after them.
         let uploaded = self.storage.upload_rows(&state.kv, plan.rows.clone())?;
+        let dims = (layout.kv_heads, layout.head_dim, layout.head_dim_v);
+        self.storage.ensure_layers(layout.layers, dims)?;
         let placed = self.book.commit_import(&plan);
         self.storage.apply_moves(&placed.moves)?;
-        let dims = (layout.kv_heads, layout.head_dim, layout.head_dim_v);
-        self.storage.write_uploaded(&uploaded, &placed.cells, dims)
+        self.storage.write_uploaded(&uploaded, &placed.cells)
     }
 }

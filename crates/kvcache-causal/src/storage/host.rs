@@ -150,16 +150,16 @@ impl Storage {
         run().map_err(CacheError::backend)
     }
 
-    /// Writes uploaded rows into `cells` (the cell of each row), layer by layer,
-    /// creating the layers that have no storage yet with head dimensions `dims`.
-    pub(crate) fn write_uploaded(
-        &mut self,
-        uploaded: &[Uploaded],
-        cells: &[u32],
-        dims: HeadDims,
-    ) -> Result<()> {
+    /// Creates the first `layers` layers that have no storage yet, with head
+    /// dimensions `dims`.
+    pub(crate) fn ensure_layers(&mut self, layers: usize, dims: HeadDims) -> Result<()> {
+        (0..layers).try_for_each(|layer| self.ensure_layer(layer, dims))
+    }
+
+    /// Writes uploaded rows into `cells` (the cell of each row), layer by layer;
+    /// every layer has storage ([`Storage::ensure_layers`]).
+    pub(crate) fn write_uploaded(&self, uploaded: &[Uploaded], cells: &[u32]) -> Result<()> {
         for (layer, (keys, values)) in uploaded.iter().enumerate() {
-            self.ensure_layer(layer, dims)?;
             self.write(layer, keys, values, cells)?;
         }
         Ok(())
