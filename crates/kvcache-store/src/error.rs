@@ -44,6 +44,10 @@ pub enum StoreError {
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 
+    /// The tier is not trying for now (a connection attempt failed moments ago).
+    #[error("tier `{0}` unavailable: its last connection attempt failed moments ago")]
+    Unavailable(&'static str),
+
     /// The deadline passed before the tier answered.
     #[error("deadline passed")]
     Timeout,

@@ -18,7 +18,9 @@
 //!
 //! Connections come from a small pool; one that fails is dropped, and the next
 //! call connects again, so a Redis restarted mid-run is used again without
-//! restarting the process. Every call's socket timeouts are the time left
+//! restarting the process. After a failed connection attempt, calls fail at
+//! once for [`RedisConfig::retry_after`], so a server that is down costs fetches
+//! nothing. Every call's socket timeouts are the time left
 //! before its deadline (capped by [`RedisConfig::io_timeout`]).
 
 use std::collections::HashMap;
@@ -52,6 +54,9 @@ pub struct RedisConfig {
     pub ttl: Option<Duration>,
     /// Idle connections kept for reuse.
     pub pool_size: usize,
+    /// After a failed connection attempt, calls fail at once (without trying)
+    /// for this long, so a server that is down costs fetches nothing.
+    pub retry_after: Duration,
 }
 
 impl RedisConfig {
@@ -59,7 +64,7 @@ impl RedisConfig {
     pub const MAX_CHUNK: usize = 512 << 20;
 
     /// Defaults for `url`: 1 s to connect, 5 s per call, 8 MiB chunks, no TTL,
-    /// 4 pooled connections.
+    /// 4 pooled connections, 250 ms between connection attempts after a failure.
     pub fn new(url: impl Into<String>) -> Self {
         RedisConfig {
             url: url.into(),
@@ -68,6 +73,7 @@ impl RedisConfig {
             chunk_bytes: 8 << 20,
             ttl: None,
             pool_size: 4,
+            retry_after: Duration::from_millis(250),
         }
     }
 
@@ -90,6 +96,8 @@ pub struct RedisTier {
     config: RedisConfig,
     client: Client,
     pool: Mutex<Vec<Connection>>,
+    /// Until when calls fail without trying, after a failed connection.
+    down_until: Mutex<Option<Instant>>,
     counters: TierCounters,
 }
 
@@ -196,6 +204,7 @@ impl RedisTier {
             config,
             client,
             pool: Mutex::new(Vec::new()),
+            down_until: Mutex::new(None),
             counters: TierCounters::default(),
         })
     }
@@ -232,10 +241,7 @@ impl RedisTier {
             let from_pool = pooled.is_some();
             let mut connection = match pooled {
                 Some(connection) => connection,
-                None => self
-                    .client
-                    .get_connection_with_timeout(left.min(self.config.connect_timeout))
-                    .map_err(classify)?,
+                None => self.connect(left)?,
             };
             let left = deadline
                 .saturating_duration_since(Instant::now())
@@ -259,6 +265,26 @@ impl RedisTier {
                     }
                     return Err(classify(err));
                 }
+            }
+        }
+    }
+
+    /// A new connection, unless a recent attempt failed (then
+    /// [`StoreError::Unavailable`] at once).
+    fn connect(&self, left: Duration) -> Result<Connection> {
+        let down_until = || self.down_until.lock().unwrap_or_else(|p| p.into_inner());
+        if down_until().is_some_and(|until| Instant::now() < until) {
+            return Err(StoreError::Unavailable("redis"));
+        }
+        let timeout = left.min(self.config.connect_timeout);
+        match self.client.get_connection_with_timeout(timeout) {
+            Ok(connection) => {
+                *down_until() = None;
+                Ok(connection)
+            }
+            Err(err) => {
+                *down_until() = Some(Instant::now() + self.config.retry_after);
+                Err(classify(err))
             }
         }
     }

@@ -316,15 +316,21 @@ fn redis_stopped_mid_run_then_restarted() {
     assert!(stats.tiers[0].errors >= 2, "{stats:?}");
     assert_eq!(stats.blocks_written, 3, "only the first run reached Redis");
 
-    // The same socket again: the store reconnects without being rebuilt.
+    // The same socket again: the store reconnects without being rebuilt (once
+    // its short back-off after the failed attempts has passed).
     let server = RedisServer::start(dir.path(), 64 << 20);
     let b = prompt(120, 20);
-    store.submit(&ns, &b, kv_of(layout(), &b, 0..20));
-    store.flush();
-    assert_eq!(
-        store.fetch(&ns, &b, 0, SECOND).unwrap().kv,
-        kv_of(layout(), &b, 0..20)
-    );
+    let mut got = None;
+    for _ in 0..50 {
+        store.submit(&ns, &b, kv_of(layout(), &b, 0..20));
+        store.flush();
+        got = store.fetch(&ns, &b, 0, SECOND);
+        if got.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(got.expect("Redis used again").kv, kv_of(layout(), &b, 0..20));
     assert!(store.fetch(&ns, &a, 0, SECOND).is_none(), "nothing persisted");
     drop(server);
 }
