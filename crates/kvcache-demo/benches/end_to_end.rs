@@ -4,8 +4,10 @@
 //!
 //! Knobs: `KVCACHE_E1_REQUESTS` (default 80), `KVCACHE_E1_PREDICT` (default 32),
 //! `KVCACHE_E1_POLICIES` (default `trie,single,none`), `KVCACHE_E2_RUNS` (default 5),
-//! `KVCACHE_E2_TOKENS` (default 32), `KVCACHE_BENCH` (`e1`, `e2` or both, default both),
-//! `KVCACHE_E1_VERBOSE=1` (a line per request and policy).
+//! `KVCACHE_E2_TOKENS` (default 32), `KVCACHE_BENCH` (a comma-separated list of `e1`, `e2`,
+//! `e3`, `e4`; default all), `KVCACHE_E1_VERBOSE=1` (a line per request and policy).
+//! E3 and E4 (the store across processes) start replicas of the demo binary; E4 needs
+//! `redis-server` on `PATH` (`cargo xtask prepare` installs it).
 //!
 //! E1 alternates the policies request by request (one server each, in one process),
 //! so their times to first token are taken under the same machine load.
@@ -13,6 +15,7 @@
 use candle_core::Device;
 use kvcache_demo::bench::{e1_chat_reuse_interleaved, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
 use kvcache_demo::chat::Reuse;
+use kvcache_demo::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
 use kvcache_demo::tokenizer::{chatml, Message, Role};
 use kvcache_demo::trace::Trace;
 use kvcache_demo::{paths, ModelFile, WeightMode};
@@ -33,6 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     };
     let which = std::env::var("KVCACHE_BENCH").unwrap_or_default();
+    let wanted = |name: &str| which.is_empty() || which.split(',').any(|w| w == name);
     let file = ModelFile::open(&path)?;
     let model = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {})?;
     let tokenizer = file.tokenizer()?;
@@ -42,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         candle_core::utils::get_num_threads()
     );
 
-    if which.is_empty() || which == "e2" {
+    if wanted("e2") {
         let prompts = SAMPLE_QUESTIONS
             .iter()
             .map(|q| tokenizer.encode(&chatml(&[Message::new(Role::User, *q)], true)))
@@ -54,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let report = e2_batched_decode(&model, &prompts, &cfg, &mut |l| println!("  {l}"))?;
         println!("{report}");
     }
-    if which.is_empty() || which == "e1" {
+    if wanted("e1") {
         let trace = Trace::load(paths::e1_trace_path())?;
         let requests = knob("KVCACHE_E1_REQUESTS", 80);
         let predict = knob("KVCACHE_E1_PREDICT", 32);
@@ -108,5 +112,61 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
         }
     }
+    if wanted("e3") || wanted("e4") {
+        store_benches(&path, &wanted)?;
+    }
     Ok(())
+}
+
+/// E3 and E4: replicas of the demo binary sharing a store.
+fn store_benches(
+    model: &std::path::Path,
+    wanted: &dyn Fn(&str) -> bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let trace_path = paths::e1_trace_path();
+    let trace = Trace::load(&trace_path)?;
+    let requests = knob("KVCACHE_E1_REQUESTS", 80);
+    let predict = knob("KVCACHE_E1_PREDICT", 32);
+    let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvcache-demo"));
+    let setup = ReplicaSetup {
+        exe: &exe,
+        args: vec![
+            "--model".into(),
+            model.display().to_string(),
+            "--trace".into(),
+            trace_path.display().to_string(),
+            "--e1-predict".into(),
+            predict.to_string(),
+        ],
+    };
+    let verbose = std::env::var("KVCACHE_E1_VERBOSE").is_ok_and(|v| v == "1");
+    let mut log = |line: &str| {
+        if verbose {
+            println!("  {line}");
+        }
+    };
+    if wanted("e3") {
+        let dir = tempfile_dir("e3")?;
+        let report = e3_restart(
+            &setup,
+            &trace,
+            requests,
+            knob("KVCACHE_E3_RESTART", 40),
+            &dir,
+            &mut log,
+        )?;
+        std::fs::remove_dir_all(&dir)?;
+        println!("{report}");
+    }
+    if wanted("e4") {
+        let report = e4_replicas(&setup, &trace, requests, 2 << 30, &mut log)?;
+        println!("{report}");
+    }
+    Ok(())
+}
+
+fn tempfile_dir(label: &str) -> std::io::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("kvcache-{label}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
 }

@@ -9,9 +9,11 @@
 //!
 //! The layer caches are [`CandleKv`]s, so this runs on the candle model.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvcache_api::SnapshotCache;
+use kvcache_api::{Namespace, PrefixStore, SnapshotCache};
 use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
 
 use crate::engine::argmax;
@@ -22,9 +24,11 @@ use crate::{DemoError, Llama, Result};
 /// through the session's layer caches and returns its hidden rows (at least the
 /// last), `pick` chooses the next token from them. Greedy, `n_predict` tokens,
 /// stopping after `eos` if given; the turn's tokens are recorded and the session
-/// closed, so the trie keeps the conversation.
+/// closed, so the trie keeps the conversation (and writes its prompt to the
+/// trie's store, if it has one). Prefixes are reused within `namespace` only.
 pub fn trie_turn<C, H>(
     trie: &mut PrefixCache<C>,
+    namespace: &Namespace,
     prompt: &[u32],
     n_predict: usize,
     eos: Option<u32>,
@@ -41,7 +45,8 @@ where
     }
     let t0 = Instant::now();
     let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
-    let mut session = trie.begin(prompt)?;
+    let before = trie.stats();
+    let mut session = trie.begin_in(namespace, prompt)?;
     let matched = session.cached();
     let evaluated = session.remaining().len();
     let mut last = None;
@@ -62,16 +67,29 @@ where
         session.record(token);
     }
     session.close()?;
+    let after = trie.stats();
     Ok(TurnOutcome {
         prompt_tokens: prompt.len(),
         matched,
-        restored: 0,
-        tiers: Vec::new(),
+        restored: (after.store_tokens - before.store_tokens) as usize,
+        tiers: tier_difference(&before.store_tier_tokens, &after.store_tier_tokens),
         evaluated,
         time_to_first_token,
         total: t0.elapsed(),
         generated,
     })
+}
+
+/// Tokens each tier served between two readings of the trie's counters.
+fn tier_difference(
+    before: &BTreeMap<&'static str, u64>,
+    after: &BTreeMap<&'static str, u64>,
+) -> Vec<(&'static str, usize)> {
+    after
+        .iter()
+        .map(|(tier, n)| (*tier, (n - before.get(tier).copied().unwrap_or(0)) as usize))
+        .filter(|&(_, n)| n > 0)
+        .collect()
 }
 
 /// How requests reuse earlier work.
@@ -127,6 +145,7 @@ pub struct ChatServer<'m> {
     model: &'m Llama,
     reuse: Reuse,
     state: State,
+    namespace: Namespace,
 }
 
 impl std::fmt::Debug for ChatServer<'_> {
@@ -149,7 +168,34 @@ impl<'m> ChatServer<'m> {
                 tokens: Vec::new(),
             },
         };
-        Ok(ChatServer { model, reuse, state })
+        Ok(ChatServer {
+            model,
+            reuse,
+            state,
+            namespace: Namespace::shared(),
+        })
+    }
+
+    /// A prefix-trie server whose trie also reads from and writes to `store`,
+    /// waiting at most `deadline` for a read: conversations outlive the process
+    /// and are shared by every server on the same store.
+    pub fn with_store(
+        model: &'m Llama,
+        budget_bytes: usize,
+        store: Arc<dyn PrefixStore>,
+        deadline: Duration,
+    ) -> Result<Self> {
+        let mut server = Self::new(model, Reuse::Trie, budget_bytes)?;
+        if let State::Trie(trie) = &mut server.state {
+            trie.set_store(store, deadline)?;
+        }
+        Ok(server)
+    }
+
+    /// Serves the following requests in `namespace` (a tenant's cache salt):
+    /// they reuse only prefixes of the same namespace.
+    pub fn set_namespace(&mut self, namespace: Namespace) {
+        self.namespace = namespace;
     }
 
     /// The reuse policy.
@@ -179,6 +225,7 @@ impl<'m> ChatServer<'m> {
         match &mut self.state {
             State::Trie(trie) => trie_turn(
                 trie,
+                &self.namespace,
                 prompt,
                 n_predict,
                 eos,

@@ -17,6 +17,9 @@ pub enum DemoError {
     /// The KV cache rejected an operation.
     #[error("cache error: {0}")]
     Cache(#[from] CacheError),
+    /// The prefix store could not be opened.
+    #[error("store error: {0}")]
+    Store(#[from] kvcache_store::StoreError),
     /// Reading a file failed.
     #[error("io error on {path}: {source}")]
     Io {
@@ -37,7 +40,8 @@ pub enum DemoError {
 }
 
 impl DemoError {
-    pub(crate) fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
+    /// An I/O error on `path`.
+    pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
         DemoError::Io {
             path: path.as_ref().display().to_string(),
             source,

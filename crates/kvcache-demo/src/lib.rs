@@ -29,6 +29,7 @@ pub mod mlx;
 pub mod model;
 pub mod paths;
 pub mod replica;
+pub mod store;
 pub mod store_bench;
 pub mod tokenizer;
 pub mod trace;

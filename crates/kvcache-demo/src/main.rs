@@ -3,7 +3,7 @@
 //! Run through `cargo xtask demo [ARGS]`; `--help` lists the flags.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -13,6 +13,9 @@ use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_demo::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
 use kvcache_demo::chat::{ChatServer, Reuse, TurnOutcome};
 use kvcache_demo::engine::{Engine, EngineConfig, Event, Request, Stats};
+use kvcache_demo::replica::{self, Replica};
+use kvcache_demo::store::{self, StoreOptions};
+use kvcache_demo::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
 use kvcache_demo::tokenizer::{chatml, Message, Role};
 use kvcache_demo::trace::Trace;
 use kvcache_demo::{paths, ChatTokenizer, DemoError, Llama, LoadProgress, ModelFile, Result, WeightMode};
@@ -37,7 +40,7 @@ USAGE: kvcache-demo [FLAGS]
   --window N            sliding window of the windowed run (default 48)
   --context N           context of the context-shift run (default 64)
   --turns N             turns per conversation in the prefix-trie chat (default 3)
-  --skip NAMES          comma-separated parts to skip: chat,batching,window,shift
+  --skip NAMES          comma-separated parts to skip: chat,store,batching,window,shift
   --bench-e1            run benchmark E1 (the chat trace: trie vs single-entry vs no reuse) and exit
   --trace PATH          E1 trace (default: fixtures/e1_trace.json)
   --e1-requests N       first N requests of the trace (default 80: all)
@@ -46,6 +49,15 @@ USAGE: kvcache-demo [FLAGS]
   --bench-e2            run benchmark E2 (8 sequences together vs one after another) and exit
   --e2-tokens N         tokens each sequence decodes in E2 (default 32)
   --e2-runs N           alternating runs of E2 (default 3)
+  --bench-e3            run benchmark E3 (the E1 trace, restarted after --e3-restart requests over
+                        a disk store: evaluated tokens and time to first token after the restart)
+  --e3-restart N        requests before the restart (default 40)
+  --bench-e4            run benchmark E4 (two replicas alternating over one Redis vs no store;
+                        needs redis-server on PATH)
+  --store-dir DIR       keep the prefix store in DIR (the chat and --replica)
+  --redis URL           share the prefix store through Redis (redis://H:P or redis+unix:///PATH)
+  --replica             serve trace requests as commands on stdin (what E3/E4 and the store demo
+                        start; see kvcache_demo::replica)
   -h, --help            this text
 ";
 
@@ -72,6 +84,12 @@ struct Args {
     bench_e2: bool,
     e2_tokens: usize,
     e2_runs: usize,
+    bench_e3: bool,
+    e3_restart: usize,
+    bench_e4: bool,
+    store_dir: Option<PathBuf>,
+    redis: Option<String>,
+    replica: bool,
 }
 
 fn parse_args() -> Result<Option<Args>> {
@@ -96,6 +114,12 @@ fn parse_args() -> Result<Option<Args>> {
         bench_e2: false,
         e2_tokens: 32,
         e2_runs: 3,
+        bench_e3: false,
+        e3_restart: 40,
+        bench_e4: false,
+        store_dir: None,
+        redis: None,
+        replica: false,
     };
     let mut it = std::env::args().skip(1);
     let bad = |m: String| DemoError::InvalidArgument(m);
@@ -138,6 +162,12 @@ fn parse_args() -> Result<Option<Args>> {
             "--bench-e2" => a.bench_e2 = true,
             "--e2-tokens" => a.e2_tokens = num(value(&flag)?, &flag)?,
             "--e2-runs" => a.e2_runs = num(value(&flag)?, &flag)?,
+            "--bench-e3" => a.bench_e3 = true,
+            "--e3-restart" => a.e3_restart = num(value(&flag)?, &flag)?,
+            "--bench-e4" => a.bench_e4 = true,
+            "--store-dir" => a.store_dir = Some(PathBuf::from(value(&flag)?)),
+            "--redis" => a.redis = Some(value(&flag)?),
+            "--replica" => a.replica = true,
             other => return Err(bad(format!("unknown flag {other:?} (see --help)"))),
         }
     }
@@ -216,6 +246,12 @@ fn run() -> Result<()> {
             paths::MODEL_ENV
         ))
     })?;
+    if args.replica {
+        return replica_main(&path, &dev, &args);
+    }
+    if args.bench_e3 || args.bench_e4 {
+        return bench_store(&path, &args);
+    }
     let (model, tokenizer) = load(&path, &dev, args.weights)?;
 
     if (args.bench_e1 || args.bench_e2) && mlx {
@@ -241,6 +277,9 @@ fn run() -> Result<()> {
             )?;
             print_trie_stats(&server.trie_stats().expect("a trie server"));
         }
+    }
+    if !skip("store") {
+        store_demo(&path, &args)?;
     }
     if mlx && ["batching", "window", "shift"].iter().any(|p| !skip(p)) {
         println!(
@@ -633,6 +672,156 @@ mod mlx_chat {
     pub fn run(_path: &Path, _tokenizer: &ChatTokenizer, _args: &Args) -> Result<()> {
         unreachable!("no mlx backend in this build")
     }
+}
+
+/// `--replica`: one engine process over the store the flags name, answering
+/// commands on stdin (`kvcache_demo::replica`). Stdout carries only the answers.
+fn replica_main(path: &Path, dev: &Device, args: &Args) -> Result<()> {
+    let model = ModelFile::open(path)?.load(dev, args.weights, &mut |_| {})?;
+    let trace = Trace::load(args.trace.clone().unwrap_or_else(paths::e1_trace_path))?;
+    let options = StoreOptions {
+        dir: args.store_dir.clone(),
+        redis: args.redis.clone(),
+    };
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    if options.dir.is_none() && options.redis.is_none() {
+        let mut server = ChatServer::new(&model, Reuse::Trie, TRIE_BUDGET)?;
+        return replica::serve(
+            &model,
+            &trace,
+            &mut server,
+            &|| {},
+            args.e1_predict,
+            stdin.lock(),
+            stdout.lock(),
+        );
+    }
+    let fingerprint = store::model_fingerprint(path, args.weights)?;
+    let store = store::open(fingerprint, store::kv_layout(&model), &options)?;
+    let mut server = ChatServer::with_store(&model, TRIE_BUDGET, store.clone(), STORE_DEADLINE)?;
+    let flush = || store.flush();
+    replica::serve(
+        &model,
+        &trace,
+        &mut server,
+        &flush,
+        args.e1_predict,
+        stdin.lock(),
+        stdout.lock(),
+    )
+}
+
+/// Paged-out snapshots a trie keeps in memory (the benchmarks' budget).
+const TRIE_BUDGET: usize = 4 << 30;
+
+/// How long a trie waits for the store before it evaluates instead.
+const STORE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The E1 trace's flags for replicas of this binary.
+fn replica_setup<'a>(exe: &'a Path, path: &Path, args: &Args) -> ReplicaSetup<'a> {
+    let trace = args.trace.clone().unwrap_or_else(paths::e1_trace_path);
+    ReplicaSetup {
+        exe,
+        args: vec![
+            "--model".into(),
+            path.display().to_string(),
+            "--trace".into(),
+            trace.display().to_string(),
+            "--e1-predict".into(),
+            args.e1_predict.to_string(),
+            "--device".into(),
+            args.device.clone(),
+        ],
+    }
+}
+
+/// `--bench-e3` / `--bench-e4`: replicas of this binary over a shared store.
+fn bench_store(path: &Path, args: &Args) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| DemoError::io(Path::new("current executable"), e))?;
+    let setup = replica_setup(&exe, path, args);
+    let trace = Trace::load(args.trace.clone().unwrap_or_else(paths::e1_trace_path))?;
+    let mut log = |line: &str| {
+        println!("  {line}");
+        flush();
+    };
+    if args.bench_e3 {
+        let dir = scratch_dir("e3")?;
+        let report = e3_restart(&setup, &trace, args.e1_requests, args.e3_restart, &dir, &mut log);
+        let _ = std::fs::remove_dir_all(&dir);
+        println!("{}", report?);
+    }
+    if args.bench_e4 {
+        println!(
+            "{}",
+            e4_replicas(&setup, &trace, args.e1_requests, 2 << 30, &mut log)?
+        );
+    }
+    Ok(())
+}
+
+/// The store demo: a conversation of the E1 trace answered by one process,
+/// which stops, and continued by a second process from the disk store.
+fn store_demo(path: &Path, args: &Args) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| DemoError::io(Path::new("current executable"), e))?;
+    let dir = args
+        .store_dir
+        .clone()
+        .map_or_else(|| scratch_dir("store-demo"), Ok)?;
+    println!(
+        "\n== prefix store: a conversation continued by another process from the disk store in {} ==",
+        dir.display()
+    );
+    let mut setup = replica_setup(&exe, path, args);
+    setup
+        .args
+        .extend(["--store-dir".into(), dir.display().to_string()]);
+    let trace = Trace::load(args.trace.clone().unwrap_or_else(paths::e1_trace_path))?;
+    // Conversation 0's first three turns (requests 0, 10, 20 of the interleaved trace).
+    let turns: Vec<usize> = trace
+        .requests
+        .iter()
+        .filter(|r| r.conv == 0)
+        .map(|r| r.idx)
+        .take(3)
+        .collect();
+    let show = |who: &str, t: &kvcache_demo::replica::TurnLine| {
+        let tiers: Vec<String> = t
+            .tiers
+            .iter()
+            .map(|(tier, n)| format!("{n} from {tier}"))
+            .collect();
+        println!(
+            "  {who}: turn {} of conversation {}: {} prompt tokens, {} restored from the store{}, {} evaluated; first token after {:.0} ms",
+            t.turn,
+            t.conv,
+            t.prompt_tokens,
+            t.restored,
+            if tiers.is_empty() { String::new() } else { format!(" ({})", tiers.join(", ")) },
+            t.evaluated,
+            t.ttft_ms
+        );
+        flush();
+    };
+    let mut first = Replica::spawn(&exe, &setup.args, "first process")?;
+    for &i in &turns[..turns.len() - 1] {
+        show("process 1", &first.run(i)?);
+    }
+    first.stop()?;
+    println!("  process 1 stopped; process 2 starts with an empty trie over the same directory");
+    let mut second = Replica::spawn(&exe, &setup.args, "second process")?;
+    show("process 2", &second.run(turns[turns.len() - 1])?);
+    second.stop()?;
+    if args.store_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}
+
+fn scratch_dir(label: &str) -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("kvcache-{label}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| DemoError::io(&dir, e))?;
+    Ok(dir)
 }
 
 fn bench_e1(model: &Llama, args: &Args) -> Result<()> {

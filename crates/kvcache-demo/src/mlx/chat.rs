@@ -55,6 +55,7 @@ impl<'m> MlxChatServer<'m> {
         let model = self.model;
         trie_turn(
             &mut self.trie,
+            &kvcache_api::Namespace::shared(),
             prompt,
             n_predict,
             eos,

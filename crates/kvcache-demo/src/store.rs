@@ -1,0 +1,68 @@
+//! The demo's prefix store: which model it belongs to, the shape of its keys and
+//! values, and opening the tiers the command line names.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvcache_api::{DType, Fingerprint, KvLayout};
+use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
+use sha2::{Digest, Sha256};
+
+use crate::{DemoError, Llama, Result, WeightMode};
+
+/// The fingerprint of the model in `path` loaded with `weights`: SHA-256 of the
+/// GGUF file's bytes and of the weight mode (dequantized and quantized weights
+/// give different keys and values, so their prefixes must not mix).
+pub fn model_fingerprint(path: &Path, weights: WeightMode) -> Result<Fingerprint> {
+    let mut file = std::fs::File::open(path).map_err(|e| DemoError::io(path, e))?;
+    let mut hasher = Sha256::new();
+    hasher.update(b"kvcache-demo model\0");
+    hasher.update(format!("{weights:?}\0").as_bytes());
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buffer).map_err(|e| DemoError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+    }
+    Ok(Fingerprint(hasher.finalize().into()))
+}
+
+/// The keys and values the candle layer caches hold for `model`: every layer,
+/// its KV heads, f32.
+pub fn kv_layout(model: &Llama) -> KvLayout {
+    let c = model.config();
+    KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32)
+}
+
+/// Where a store keeps its blocks, beside host memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// A local directory tier.
+    pub dir: Option<PathBuf>,
+    /// A Redis tier (`redis://host:port` or `redis+unix:///path`).
+    pub redis: Option<String>,
+}
+
+/// Host memory the demo's store keeps blocks in.
+pub const MEMORY_BYTES: u64 = 1 << 30;
+
+/// Disk the demo's store may fill.
+pub const DISK_BYTES: u64 = 8 << 30;
+
+/// A store for `layout` of the model `fingerprint`: host memory, then the tiers
+/// `options` names, in that order.
+pub fn open(fingerprint: Fingerprint, layout: KvLayout, options: &StoreOptions) -> Result<Arc<TieredStore>> {
+    let config = StoreConfig::new(fingerprint, layout);
+    let context = config.context();
+    let mut tiers: Vec<Box<dyn Tier>> = vec![Box::new(MemoryTier::new(context.clone(), MEMORY_BYTES))];
+    if let Some(dir) = &options.dir {
+        tiers.push(Box::new(DiskTier::open(context.clone(), dir, DISK_BYTES)?));
+    }
+    if let Some(url) = &options.redis {
+        tiers.push(Box::new(RedisTier::new(context, RedisConfig::new(url.clone()))?));
+    }
+    Ok(Arc::new(TieredStore::new(config, tiers)?))
+}
