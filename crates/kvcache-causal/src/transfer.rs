@@ -84,7 +84,8 @@ impl SeqState {
 
 impl CausalKvCache {
     /// Sets the model fingerprint that exported states carry and imported states
-    /// must match (all zeros until set).
+    /// must match (all zeros until set). Clones copy it and
+    /// [`configure`](kvcache_api::CausalCache::configure) keeps it.
     pub fn set_fingerprint(&mut self, fingerprint: Fingerprint) {
         self.fingerprint = fingerprint;
     }
@@ -105,7 +106,8 @@ impl CausalKvCache {
     /// Copies positions `range` of `seq`, every layer's keys and values, into a
     /// compact host value: `kv` holds keys `[kv_heads, range.len(), head_dim]` and
     /// values `[kv_heads, range.len(), head_dim_v]` per layer, token offset =
-    /// position. Changes nothing.
+    /// position. Changes nothing. It reads what the layers store: in the middle of
+    /// a pass, layers not yet `put` still hold older data in the pass's cells.
     ///
     /// # Errors
     /// [`CacheError::SequenceOutOfRange`] for an unknown `seq`;

@@ -270,6 +270,42 @@ fn imports_continue_a_sequence_and_extend_past_a_batch() {
     );
 }
 
+#[test]
+fn window_imports_keep_what_the_next_pass_needs() {
+    let mut rng = Rng(5);
+    let mut history = History::new();
+    let mut src = cache(CausalConfig::new(1, 64, 4));
+    for step in 0..3 {
+        let tokens: Vec<(SeqId, Pos)> = (0..4).map(|k| (0, step * 4 + k)).collect();
+        pass(&mut src, &tokens, SHAPE, &mut rng, &mut history);
+    }
+    // Window 3, two sequences: memory 4, 2 * 3 + 4 = 10 cells.
+    let config = CausalConfig::new(2, 64, 4).with_window(SlidingWindow::new(3));
+    let mut dst = cache(config);
+    let mut other = History::new();
+    pass(
+        &mut dst,
+        &[(1, 0), (1, 1), (1, 2), (1, 3)],
+        SHAPE,
+        &mut rng,
+        &mut other,
+    );
+    pass(&mut dst, &[(0, 0), (0, 1)], SHAPE, &mut rng, &mut other);
+    assert_eq!(dst.num_cells(), 10);
+    // Ten positions 2..12 do not fit ten cells holding six, but only the last four
+    // are kept; sequence 0's own 0..2 go, as a pass would trim them.
+    dst.import_seq(0, &src.export_seq(0, 2..12).unwrap()).unwrap();
+    dst.check();
+    let want: Vec<(Pos, Vec<Kv>)> = (8..12).map(|p| (p, history[&(0, p)].clone())).collect();
+    assert_eq!(stored(&dst, 0, 3), want);
+    // Idle sequence 1 (next position 4) keeps 1..4, as in any pass.
+    let idle: Vec<Pos> = dst.positions(1).iter().map(|p| p.0).collect();
+    assert_eq!(idle, [1, 2, 3]);
+    assert_eq!(dst.used_cells(), 7);
+    // The window of 3 for positions 10..=12 is stored, not for 9.
+    assert!((10..=12).all(|p| dst.can_resume(0, p)) && !dst.can_resume(0, 9));
+}
+
 /// Attention of query `q` (`[heads * dim]`) over keys and values by position.
 fn attend(q: &[f32], seen: &[(&[f32], &[f32])], shape: Shape) -> Vec<f32> {
     let scale = 1.0 / (shape.dim as f32).sqrt();
