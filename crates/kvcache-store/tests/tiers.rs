@@ -457,3 +457,52 @@ fn tiered_store_over_redis_promotes_into_memory() {
     assert_eq!((got.kv, got.tiers), (kv, vec![("memory", 29)]));
     assert!(store.fetch(&Namespace::shared(), &tokens, 0, SECOND).is_none());
 }
+
+#[test]
+fn redis_missing_or_damaged_chunks_are_misses() {
+    if !redis_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = RedisServer::start(dir.path(), 64 << 20);
+    let ctx = config(4).context();
+    let config = RedisConfig::new(server.url()).with_chunk_bytes(100);
+    let tier = RedisTier::new(ctx, config).unwrap();
+    let ns = Namespace::shared();
+    let blocks = block(&ctx, &ns, 15, 2);
+    for b in &blocks {
+        tier.put(b, later()).unwrap();
+    }
+    let prefix = Scope::new(&FP, &ns).redis_prefix();
+    let mut conn = server.connection();
+    // Block 0 loses a chunk (as Redis's LRU would do): a miss, nothing counted.
+    let hex = blocks[0].key.to_hex();
+    let _: () = redis::cmd("DEL")
+        .arg(format!("{prefix}c:{hex}:1"))
+        .query(&mut conn)
+        .unwrap();
+    assert!(tier.get(&ns, &blocks[0].key, later()).unwrap().is_none());
+    assert_eq!(tier.stats().corrupt, 0);
+    // Block 1 gets a flipped byte: a miss, counted, and its keys deleted.
+    let hex = blocks[1].key.to_hex();
+    let chunk = format!("{prefix}c:{hex}:0");
+    let mut bytes: Vec<u8> = redis::cmd("GET").arg(&chunk).query(&mut conn).unwrap();
+    bytes[5] ^= 0x40;
+    let _: () = redis::cmd("SET").arg(&chunk).arg(bytes).query(&mut conn).unwrap();
+    assert!(tier.get(&ns, &blocks[1].key, later()).unwrap().is_none());
+    assert_eq!(tier.stats().corrupt, 1);
+    let left: u32 = redis::cmd("EXISTS")
+        .arg(format!("{prefix}m:{hex}"))
+        .arg(&chunk)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(left, 0);
+    // A manifest that does not parse: a miss, counted.
+    let _: () = redis::cmd("SET")
+        .arg(format!("{prefix}m:{hex}"))
+        .arg("garbage")
+        .query(&mut conn)
+        .unwrap();
+    assert!(tier.get(&ns, &blocks[1].key, later()).unwrap().is_none());
+    assert_eq!(tier.stats().corrupt, 2);
+}
