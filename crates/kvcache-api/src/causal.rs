@@ -3,7 +3,7 @@
 
 use std::ops::{Range, RangeFrom, RangeFull};
 
-use crate::{Batch, CausalConfig, Pos, Result, SeqId};
+use crate::{Batch, CausalConfig, Pos, Result, SeqId, SeqState};
 
 /// Whether a forward pass computes or only sizes the graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -162,4 +162,23 @@ pub trait CausalCache {
     /// Removes `range` from `seq`. A closed range shifts later positions down by
     /// its length and re-rotates their keys through the cache's [`KeyShift`].
     fn remove(&mut self, seq: SeqId, range: PosRange) -> Result<()>;
+
+    /// Copies positions `range` of `seq`, every layer, into a host
+    /// [`SeqState`] (llama.cpp's per-sequence state get), for a store or
+    /// another cache of the same model. Changes nothing. The default answers
+    /// [`NotSupported`](crate::CacheError::NotSupported).
+    fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqState> {
+        let _ = (seq, range);
+        Err(crate::CacheError::NotSupported("sequence export".into()))
+    }
+
+    /// Writes `state` into `seq`, which must be empty or end right before the
+    /// state's first position (llama.cpp's per-sequence state set). Another
+    /// model or layout is a [`LayoutMismatch`](crate::CacheError::LayoutMismatch)
+    /// error that changes nothing. The default answers
+    /// [`NotSupported`](crate::CacheError::NotSupported).
+    fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+        let _ = (seq, state);
+        Err(crate::CacheError::NotSupported("sequence import".into()))
+    }
 }

@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use crate::{CacheError, DType, Result};
+use crate::{CacheError, DType, Pos, Result};
 
 /// The shape of one model's keys and values, which a [`HostKv`] must match to be
 /// written into a cache.
@@ -445,6 +445,38 @@ impl std::fmt::Debug for HostKv {
             .field("range", &self.range())
             .field("bytes", &self.data.len())
             .finish()
+    }
+}
+
+/// One sequence's keys and values over consecutive positions, with the model
+/// they belong to: what [`CausalCache::export_seq`](crate::CausalCache::export_seq) returns and
+/// [`CausalCache::import_seq`](crate::CausalCache::import_seq) takes.
+///
+/// `kv` holds positions `kv.start() .. kv.end()` of every layer: per layer, keys
+/// `[kv_heads, tokens, head_dim]` and values `[kv_heads, tokens, head_dim_v]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqState {
+    /// The model that computed the keys and values.
+    pub fingerprint: Fingerprint,
+    /// The keys and values; token offset `i` is position `i`.
+    pub kv: HostKv,
+}
+
+impl SeqState {
+    /// The positions held, `kv.start() .. kv.end()`; an
+    /// [`InvalidArgument`](CacheError::InvalidArgument) error when they do not
+    /// fit a [`Pos`] (the last usable position is `Pos::MAX - 1`).
+    pub fn positions(&self) -> Result<Range<Pos>> {
+        let pos = |offset: usize| {
+            Pos::try_from(offset).map_err(|_| {
+                CacheError::InvalidArgument(format!(
+                    "token offsets {:?} do not fit positions (at most {})",
+                    self.kv.range(),
+                    Pos::MAX - 1
+                ))
+            })
+        };
+        Ok(pos(self.kv.start())?..pos(self.kv.end())?)
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, Pos, PosRange,
-    Result, SeqId,
+    Result, SeqId, SeqState,
 };
 
 use crate::book::{Book, RemovePlan};
@@ -523,5 +523,13 @@ impl CausalCache for CausalKvCache {
     fn remove(&mut self, seq: SeqId, range: PosRange) -> Result<()> {
         let prepared = self.prepare_remove(seq, range)?;
         self.commit_remove(prepared)
+    }
+
+    fn export_seq(&self, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqState> {
+        CausalKvCache::export_seq(self, seq, range)
+    }
+
+    fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+        CausalKvCache::import_seq(self, seq, state)
     }
 }

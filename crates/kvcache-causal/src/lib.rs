@@ -75,7 +75,7 @@ mod window;
 
 pub use cache::{CausalKvCache, SharedKeyShift};
 pub use inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
+pub use kvcache_api::SeqState;
 pub use layer_groups::LayerGroupCache;
 pub use rope::{RopeLayout, RopeShift};
 pub use storage::MAX_LAYERS;
-pub use transfer::SeqState;

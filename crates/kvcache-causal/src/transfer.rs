@@ -46,41 +46,9 @@
 
 use std::ops::Range;
 
-use kvcache_api::{CacheError, Fingerprint, HostKv, KvLayout, Pos, Result, SeqId};
+use kvcache_api::{CacheError, Fingerprint, HostKv, KvLayout, Pos, Result, SeqId, SeqState};
 
 use crate::cache::CausalKvCache;
-
-/// One sequence's keys and values over consecutive positions, with the model
-/// they belong to: what [`CausalKvCache::export_seq`] returns and
-/// [`CausalKvCache::import_seq`] takes.
-///
-/// `kv` holds positions `kv.start() .. kv.end()` of every layer: per layer, keys
-/// `[kv_heads, tokens, head_dim]` and values `[kv_heads, tokens, head_dim_v]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeqState {
-    /// The model that computed the keys and values.
-    pub fingerprint: Fingerprint,
-    /// The keys and values; token offset `i` is position `i`.
-    pub kv: HostKv,
-}
-
-impl SeqState {
-    /// The positions held, `kv.start() .. kv.end()`; an
-    /// [`InvalidArgument`](CacheError::InvalidArgument) error when they do not
-    /// fit a [`Pos`] (the last usable position is `Pos::MAX - 1`).
-    pub fn positions(&self) -> Result<Range<Pos>> {
-        let pos = |offset: usize| {
-            Pos::try_from(offset).map_err(|_| {
-                CacheError::InvalidArgument(format!(
-                    "token offsets {:?} do not fit positions (at most {})",
-                    self.kv.range(),
-                    Pos::MAX - 1
-                ))
-            })
-        };
-        Ok(pos(self.kv.start())?..pos(self.kv.end())?)
-    }
-}
 
 impl CausalKvCache {
     /// Sets the model fingerprint that exported states carry and imported states

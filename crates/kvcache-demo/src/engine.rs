@@ -2,12 +2,20 @@
 //! requests join free sequence slots as others finish, prompts prefill in chunks
 //! beside other sequences' decode steps, and a sequence that fills its context
 //! drops half of its middle (a shifting removal, llama.cpp's context shift).
+//!
+//! With a [`PrefixStore`] ([`Engine::set_store`]) requests reuse prefixes across
+//! requests, processes and replicas: a joining request imports the longest
+//! stored prefix of its prompt into its sequence ([`CausalCache::import_seq`])
+//! and evaluates only the rest; once its prompt is evaluated, the part the store
+//! lacks is exported ([`CausalCache::export_seq`]) and written behind the
+//! engine's back.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use kvcache_api::{CausalCache, Pos, PosRange, SeqId};
+use kvcache_api::{CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState};
 
 use crate::{BatchToken, DemoError, Llama, Result};
 
@@ -90,6 +98,20 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Tokens to generate.
     pub max_new_tokens: usize,
+    /// The tenant's namespace: prefixes are reused within it only.
+    pub namespace: Namespace,
+}
+
+impl Request {
+    /// A request in the shared namespace.
+    pub fn new(id: usize, prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        Request {
+            id,
+            prompt,
+            max_new_tokens,
+            namespace: Namespace::shared(),
+        }
+    }
 }
 
 /// How the engine schedules passes.
@@ -137,6 +159,8 @@ pub struct Finished {
     pub total: Duration,
     /// Context shifts the sequence went through.
     pub context_shifts: usize,
+    /// Prompt tokens imported from the prefix store instead of evaluated.
+    pub restored: usize,
 }
 
 /// What happened during [`Engine::run`], in order.
@@ -206,6 +230,13 @@ pub struct Stats {
     pub elapsed: Duration,
     /// Time in passes that contained decode tokens only.
     pub decode_time: Duration,
+    /// Prompt tokens imported from the prefix store.
+    pub restored_tokens: usize,
+    /// Prompt tokens exported to the prefix store.
+    pub stored_tokens: usize,
+    /// Store answers the cache refused to import (the request evaluated its
+    /// whole prompt instead).
+    pub store_errors: usize,
 }
 
 impl Stats {
@@ -227,6 +258,24 @@ struct Slot {
     joined: Instant,
     first_token: Option<Duration>,
     shifts: usize,
+    restored: usize,
+}
+
+/// The store an engine reuses prefixes through, the model its entries belong
+/// to, and how long a read may take.
+struct StoreLink {
+    store: Arc<dyn PrefixStore>,
+    fingerprint: Fingerprint,
+    deadline: Duration,
+}
+
+impl std::fmt::Debug for StoreLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreLink")
+            .field("fingerprint", &self.fingerprint)
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A continuous-batching engine over one causal cache with one slot per
@@ -238,6 +287,11 @@ pub struct Engine<'m, C> {
     config: EngineConfig,
     queue: VecDeque<Request>,
     slots: Vec<Option<Slot>>,
+    store: Option<StoreLink>,
+    /// Store counters of the run in progress.
+    restored_tokens: usize,
+    stored_tokens: usize,
+    store_errors: usize,
 }
 
 impl<'m, C> Engine<'m, C>
@@ -265,7 +319,22 @@ where
             config,
             queue: VecDeque::new(),
             slots: (0..slots).map(|_| None).collect(),
+            store: None,
+            restored_tokens: 0,
+            stored_tokens: 0,
+            store_errors: 0,
         })
+    }
+
+    /// Reuses prefixes through `store`, whose entries belong to the model
+    /// `fingerprint` (the cache must carry the same one, or every import is
+    /// refused and counted), waiting at most `deadline` for a read.
+    pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, fingerprint: Fingerprint, deadline: Duration) {
+        self.store = Some(StoreLink {
+            store,
+            fingerprint,
+            deadline,
+        });
     }
 
     /// Queues a request; it joins when a slot is free.
@@ -307,7 +376,57 @@ where
             self.pass(&mut stats, on_event)?;
         }
         stats.elapsed = start.elapsed();
+        stats.restored_tokens = std::mem::take(&mut self.restored_tokens);
+        stats.stored_tokens = std::mem::take(&mut self.stored_tokens);
+        stats.store_errors = std::mem::take(&mut self.store_errors);
         Ok(stats)
+    }
+
+    /// Imports the longest stored prefix of `prompt` into the empty sequence
+    /// `seq`, leaving at least the last prompt token to evaluate. Returns the
+    /// tokens imported; any failure imports nothing.
+    fn restore(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32]) -> usize {
+        let Some(link) = &self.store else { return 0 };
+        let Some(found) = link
+            .store
+            .fetch(namespace, &prompt[..prompt.len() - 1], 0, link.deadline)
+        else {
+            return 0;
+        };
+        let state = SeqState {
+            fingerprint: link.fingerprint,
+            kv: found.kv,
+        };
+        match self.cache.import_seq(seq, &state) {
+            Ok(()) => {
+                self.restored_tokens += state.kv.tokens();
+                state.kv.tokens()
+            }
+            Err(error) => {
+                tracing::warn!(%error, seq, "prefix store: import refused, evaluating the whole prompt");
+                self.store_errors += 1;
+                0
+            }
+        }
+    }
+
+    /// Writes the part of the evaluated `prompt` of `seq` that the store lacks.
+    fn store_prompt(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32]) {
+        let Some(link) = &self.store else { return };
+        let from = link.store.known_prefix(namespace, prompt);
+        if from >= prompt.len() {
+            return;
+        }
+        match self.cache.export_seq(seq, from as Pos..prompt.len() as Pos) {
+            Ok(state) => {
+                self.stored_tokens += state.kv.tokens();
+                link.store.submit(namespace, prompt, state.kv);
+            }
+            Err(error) => {
+                tracing::warn!(%error, seq, "prefix store: export failed, prompt not stored");
+                self.store_errors += 1;
+            }
+        }
     }
 
     fn admit(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
@@ -317,6 +436,7 @@ where
             }
             let Some(req) = self.queue.pop_front() else { break };
             self.cache.remove(seq, PosRange::from(0..))?;
+            let restored = self.restore(seq, &req.namespace.clone(), &req.prompt.clone());
             on_event(&Event::Joined {
                 id: req.id,
                 seq,
@@ -325,11 +445,12 @@ where
             self.slots[seq] = Some(Slot {
                 tokens: req.prompt.clone(),
                 req,
-                cached: 0,
+                cached: restored,
                 generated: Vec::new(),
                 joined: Instant::now(),
                 first_token: None,
                 shifts: 0,
+                restored,
             });
         }
         Ok(())
@@ -453,7 +574,13 @@ where
                     done: slot.cached,
                     total: slot.req.prompt.len(),
                 });
+                // The whole prompt is in the cache now: share it.
+                if self.store.is_some() {
+                    let (namespace, prompt) = (slot.req.namespace.clone(), slot.req.prompt.clone());
+                    self.store_prompt(seq, &namespace, &prompt);
+                }
             }
+            let slot = self.slots[seq].as_mut().expect("planned slots are live");
             let token = picks.next().expect("one pick per row");
             slot.first_token.get_or_insert_with(|| slot.joined.elapsed());
             slot.generated.push(token);
@@ -475,6 +602,7 @@ where
                     time_to_first_token: s.first_token.unwrap_or_default(),
                     total: s.joined.elapsed(),
                     context_shifts: s.shifts,
+                    restored: s.restored,
                 }));
             }
         }

@@ -420,11 +420,7 @@ fn batching_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Resul
         // Different lengths, so sequences leave at different times and queued
         // conversations join mid-flight.
         let max_new = (args.max_new / 2 + (id * 7) % args.max_new.max(1)).max(1);
-        engine.submit(Request {
-            id,
-            prompt: prompt_tokens(tokenizer, user)?,
-            max_new_tokens: max_new,
-        })?;
+        engine.submit(Request::new(id, prompt_tokens(tokenizer, user)?, max_new))?;
     }
     let mut print = printer(tokenizer, &args.prompts);
     let (mut decode_passes, mut decode_tokens, mut mixed) = (0, 0, 0);
@@ -471,11 +467,11 @@ fn window_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<
         },
     )?;
     for id in 0..n {
-        engine.submit(Request {
+        engine.submit(Request::new(
             id,
-            prompt: prompt_tokens(tokenizer, &args.prompts[id])?,
-            max_new_tokens: args.max_new,
-        })?;
+            prompt_tokens(tokenizer, &args.prompts[id])?,
+            args.max_new,
+        ))?;
     }
     let mut print = printer(tokenizer, &args.prompts);
     let stats = engine.run(&mut print)?;
@@ -512,11 +508,7 @@ fn shift_demo(model: &Llama, tokenizer: &ChatTokenizer, args: &Args) -> Result<(
             eos: None,
         },
     )?;
-    engine.submit(Request {
-        id: 0,
-        prompt,
-        max_new_tokens: new,
-    })?;
+    engine.submit(Request::new(0, prompt, new))?;
     let mut print = printer(tokenizer, &args.prompts);
     let stats = engine.run(&mut print)?;
     summary("context shift", &stats);

@@ -26,11 +26,7 @@ fn prompt(id: usize) -> Vec<u32> {
 fn continuous_batching_matches_decoding_alone() {
     let model = model();
     let requests: Vec<Request> = (0..7)
-        .map(|id| Request {
-            id,
-            prompt: prompt(id),
-            max_new_tokens: 2 + (id * 3) % 7,
-        })
+        .map(|id| Request::new(id, prompt(id), 2 + (id * 3) % 7))
         .collect();
     let mut engine = Engine::new(
         &model,
@@ -106,13 +102,7 @@ fn context_shift_equals_recomputing_the_shifted_tokens() {
         },
     )
     .unwrap();
-    engine
-        .submit(Request {
-            id: 0,
-            prompt: p.clone(),
-            max_new_tokens: new,
-        })
-        .unwrap();
+    engine.submit(Request::new(0, p.clone(), new)).unwrap();
     let mut events = Vec::new();
     let stats = engine.run(&mut |e| events.push(e.clone())).unwrap();
     let got = events
@@ -161,4 +151,98 @@ fn e2_modes_decode_the_same_tokens() {
     assert_eq!(report.mismatched_sequences, 0);
     assert_eq!(lines.len(), 4);
     assert!(report.to_string().contains("speed-up"));
+}
+
+/// Runs `requests` through a new engine (a new cache: another process, as far
+/// as the store can tell) sharing `store`; returns the finished requests by id
+/// and the run's totals.
+fn run_with_store(
+    model: &Llama,
+    store: &std::sync::Arc<kvcache_store::TieredStore>,
+    cache_model: kvcache_api::Fingerprint,
+    requests: &[Request],
+) -> (Vec<kvcache_demo::engine::Finished>, kvcache_demo::engine::Stats) {
+    let mut cache = cache(model, CausalConfig::new(3, 64, 16));
+    cache.set_fingerprint(cache_model);
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 5,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_store(store.clone(), MODEL, std::time::Duration::from_secs(5));
+    for r in requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut finished = Vec::new();
+    let stats = engine
+        .run(&mut |e| {
+            if let Event::Finished(f) = e {
+                finished.push(f.clone());
+            }
+        })
+        .unwrap();
+    finished.sort_by_key(|f| f.id);
+    store.flush();
+    assert_eq!(engine.cache().used_cells(), 0);
+    (finished, stats)
+}
+
+const MODEL: kvcache_api::Fingerprint = kvcache_api::Fingerprint([7; 32]);
+
+#[test]
+fn engines_reuse_prefixes_through_a_store_by_export_and_import() {
+    use kvcache_api::{DType, KvLayout, Namespace};
+    use kvcache_store::{MemoryTier, StoreConfig, TieredStore};
+
+    let model = model();
+    let c = model.config();
+    let layout = KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32);
+    let config = StoreConfig::new(MODEL, layout).with_block_tokens(4);
+    let memory = MemoryTier::new(config.context(), 1 << 24);
+    let store = std::sync::Arc::new(TieredStore::new(config, vec![Box::new(memory)]).unwrap());
+
+    // A shared "system prompt" of 10 tokens, then each request's own tokens.
+    let system: Vec<u32> = (0..10).map(|i| (i * 5 + 1) % 64).collect();
+    let with = |tail: &[u32]| [&system[..], tail].concat();
+    let first = Request::new(0, with(&[40, 41, 42]), 4);
+    let (done, stats) = run_with_store(&model, &store, MODEL, std::slice::from_ref(&first));
+    assert_eq!((done[0].restored, stats.restored_tokens), (0, 0));
+    assert_eq!(stats.stored_tokens, first.prompt.len());
+
+    // A second engine: the next turn of that conversation restores all of the
+    // first prompt (its 1-token partial last block too); another conversation
+    // restores the system prompt's whole blocks; each decodes the same tokens as
+    // a cache that evaluated everything.
+    let next_turn = Request::new(1, with(&[40, 41, 42, 50, 51]), 5);
+    let other = Request::new(2, with(&[60, 61]), 5);
+    let mut tenant = other.clone();
+    tenant.id = 3;
+    tenant.namespace = Namespace::new("tenant-b").unwrap();
+    let requests = [next_turn, other, tenant];
+    let (done, stats) = run_with_store(&model, &store, MODEL, &requests);
+    assert_eq!(
+        done.iter().map(|f| f.restored).collect::<Vec<_>>(),
+        [13, 8, 0],
+        "whole stored prompt; the system prompt's two full blocks; nothing across namespaces"
+    );
+    assert_eq!(stats.restored_tokens, 21);
+    assert_eq!(stats.prefill_tokens, 15 - 13 + 12 - 8 + 12);
+    for (f, r) in done.iter().zip(&requests) {
+        let mut alone = cache(&model, CausalConfig::new(1, 64, 64));
+        let expect = greedy(&model, &mut alone, 0, &r.prompt, r.max_new_tokens, None).unwrap();
+        assert_eq!(f.generated, expect, "request {}", f.id);
+    }
+
+    // A cache of another model refuses the store's keys and values: the request
+    // evaluates everything and still answers right.
+    let (done, stats) = run_with_store(&model, &store, kvcache_api::Fingerprint([8; 32]), &requests[..1]);
+    assert_eq!((done[0].restored, stats.store_errors), (0, 1));
+    let mut alone = cache(&model, CausalConfig::new(1, 64, 64));
+    let expect = greedy(&model, &mut alone, 0, &requests[0].prompt, 5, None).unwrap();
+    assert_eq!(done[0].generated, expect);
 }
