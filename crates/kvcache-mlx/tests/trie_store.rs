@@ -410,3 +410,32 @@ fn layers_without_rows_reuse_only_in_process() {
     assert_eq!((c.stats().store_writes, store.blocks()), (0, 0));
     assert_eq!(request(&mut c, &n, &[&prompt[..], &[9]].concat(), &[]).cached, 8);
 }
+
+#[test]
+fn the_prompt_reaches_the_store_when_decoding_starts() {
+    let store = store(2, 4);
+    let (mut trie, _) = cache_with("kk", NO_LIMIT, &store);
+    let prompt = range(1, 9);
+    let mut session = trie.begin(&prompt).unwrap();
+    session
+        .prefill(|tokens, caches| {
+            feed_all(caches, tokens);
+            Ok::<(), CacheError>(())
+        })
+        .unwrap();
+    assert_eq!(
+        store.known_prefix(&Namespace::shared(), &prompt),
+        0,
+        "nothing before decoding"
+    );
+    // The first sampled token: the prompt is written while the engine decodes,
+    // so another engine on the store can reuse it before this session ends.
+    session.record(77);
+    assert_eq!(store.known_prefix(&Namespace::shared(), &prompt), 9);
+    feed_all(session.caches_mut(), &[77]);
+    session.record(78);
+    session.close().unwrap();
+    let s = trie.stats();
+    assert_eq!((s.store_writes, s.store_tokens_written), (1, 9), "written once");
+    trie.check();
+}

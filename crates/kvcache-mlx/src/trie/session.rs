@@ -25,6 +25,8 @@ pub struct Session<'a, C: SnapshotCache> {
     /// Offsets, ascending, where prefill must stop for a snapshot.
     pending: Vec<usize>,
     closed: bool,
+    /// Whether the prompt was written through to the store already.
+    stored: bool,
 }
 
 impl<'a, C: SnapshotCache> Session<'a, C> {
@@ -43,6 +45,7 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
             cached,
             pending,
             closed: false,
+            stored: false,
         }
     }
 
@@ -144,7 +147,17 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
 
     /// Records a generated token. Every recorded token but the last one is
     /// expected to be evaluated before the session closes.
+    ///
+    /// The first one means the prompt has been evaluated: when the caches hold
+    /// exactly the prompt, what the store lacks of it is written through now,
+    /// so that other engines on the store can reuse it while this one decodes.
     pub fn record(&mut self, token: u32) {
+        if !self.stored && self.tokens.len() == self.prompt_len && self.cache.min_offset() == self.prompt_len
+        {
+            self.cache
+                .write_through(&self.namespace, &self.tokens[..self.prompt_len]);
+            self.stored = true;
+        }
         self.tokens.push(token);
     }
 
@@ -261,7 +274,7 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         if offset > frontier_end {
             cache.advance(&self.tokens[frontier_end..offset]);
         }
-        if problem.is_none() {
+        if problem.is_none() && !self.stored {
             let held = offset.min(self.prompt_len);
             cache.write_through(&self.namespace, &self.tokens[..held]);
         }
