@@ -27,7 +27,7 @@ use crate::keys::BlockKey;
 use crate::lru::Lru;
 use crate::stats::{bump, TierCounters};
 use crate::tails::TailsIndex;
-use crate::tier::{Block, Tier, TierContext};
+use crate::tier::{Block, OpenRows, RowReader, Tier, TierContext};
 
 /// The file name suffix of entries.
 const SUFFIX: &str = ".safetensors";
@@ -274,15 +274,14 @@ impl DiskTier {
         result
     }
 
-    /// Reads and checks the file of `key`; `Corrupt` when any check fails.
-    fn read_block(&self, namespace: &Namespace, key: &BlockKey, path: &Path) -> Result<Option<Block>> {
+    /// Opens the file of `key` and checks its header (`None`: no such file).
+    fn open_checked(&self, namespace: &Namespace, key: &BlockKey, path: &Path) -> Result<Option<Opened>> {
         let mut file = match File::open(path) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(StoreError::io("open", path, e)),
         };
         let meta = file.metadata().map_err(|e| StoreError::io("stat", path, e))?;
-        let (len, modified) = (meta.len(), meta.modified().ok());
         let header = read_header(&mut file, path)?;
         if !header.belongs_to(&self.context) {
             return Err(StoreError::Corrupt(format!(
@@ -290,7 +289,24 @@ impl DiskTier {
                 path.display()
             )));
         }
-        self.check_header(&header, key, namespace, len)?;
+        self.check_header(&header, key, namespace, meta.len())?;
+        Ok(Some(Opened {
+            file,
+            header,
+            modified: meta.modified().ok(),
+        }))
+    }
+
+    /// Reads and checks the file of `key`; `Corrupt` when any check fails.
+    fn read_block(&self, namespace: &Namespace, key: &BlockKey, path: &Path) -> Result<Option<Block>> {
+        let Some(Opened {
+            mut file,
+            header,
+            modified,
+        }) = self.open_checked(namespace, key, path)?
+        else {
+            return Ok(None);
+        };
         let mut data = Vec::with_capacity(header.data_len as usize);
         (&mut file)
             .take(header.data_len)
@@ -305,12 +321,7 @@ impl DiskTier {
                 path.display()
             )));
         }
-        // Keeps the LRU order across restarts (at a minute's resolution, so hot
-        // entries cost no metadata write per read); failing to is harmless.
-        let now = SystemTime::now();
-        if modified.is_none_or(|m| now.duration_since(m).is_ok_and(|age| age > MTIME_RESOLUTION)) {
-            let _ = file.set_modified(now);
-        }
+        touch(&file, modified);
         let kv = HostKv::from_bytes(self.context.layout, header.start, header.tokens, data)
             .map_err(|e| StoreError::Corrupt(format!("{}: {e}", path.display())))?;
         Ok(Some(Block {
@@ -319,6 +330,92 @@ impl DiskTier {
             namespace: namespace.clone(),
             kv,
         }))
+    }
+
+    /// Forgets `key` and, for a damaged file, removes and counts it: what a read
+    /// that failed its checks does.
+    fn drop_entry(&self, key: &BlockKey, damaged: Option<&str>) {
+        self.lock().forget(key, &self.context);
+        if let Some(why) = damaged {
+            self.discard_file(&self.path_of(key), why);
+        }
+    }
+}
+
+/// An entry file, open and past its checked header.
+struct Opened {
+    file: File,
+    header: Header,
+    modified: Option<SystemTime>,
+}
+
+/// Refreshes the modification time of a file just read, which keeps the LRU
+/// order across restarts, at a minute's resolution so that hot entries cost no
+/// metadata write per read. Failing to is harmless.
+fn touch(file: &File, modified: Option<SystemTime>) {
+    let now = SystemTime::now();
+    if modified.is_none_or(|m| now.duration_since(m).is_ok_and(|age| age > MTIME_RESOLUTION)) {
+        let _ = file.set_modified(now);
+    }
+}
+
+/// A [`RowReader`] over an entry file: reads straight into the fetch's answer,
+/// checksumming as it goes.
+struct DiskRows<'a> {
+    tier: &'a DiskTier,
+    key: BlockKey,
+    opened: Opened,
+    left: u64,
+    hasher: crc32fast::Hasher,
+    scratch: Vec<u8>,
+}
+
+impl DiskRows<'_> {
+    fn truncated(&self) -> StoreError {
+        let why = format!("{}: truncated data", self.tier.path_of(&self.key).display());
+        self.tier.drop_entry(&self.key, Some(&why));
+        StoreError::Corrupt(why)
+    }
+}
+
+impl RowReader for DiskRows<'_> {
+    fn read_to(&mut self, len: usize, out: &mut Vec<u8>) -> Result<()> {
+        if len as u64 > self.left {
+            return Err(StoreError::Corrupt("read past the end of a block".into()));
+        }
+        let before = out.len();
+        (&mut self.opened.file)
+            .take(len as u64)
+            .read_to_end(out)
+            .map_err(|e| StoreError::io("read", self.tier.path_of(&self.key), e))?;
+        if out.len() - before != len {
+            out.truncate(before);
+            return Err(self.truncated());
+        }
+        self.hasher.update(&out[before..]);
+        self.left -= len as u64;
+        Ok(())
+    }
+
+    fn skip(&mut self, len: usize) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        let result = self.read_to(len, &mut scratch);
+        self.scratch = scratch;
+        result
+    }
+
+    fn finish(self: Box<Self>) -> Result<bool> {
+        if self.left != 0 {
+            return Ok(false);
+        }
+        if self.hasher.finalize() != self.opened.header.crc32 {
+            let why = format!("{}: checksum mismatch", self.tier.path_of(&self.key).display());
+            self.tier.drop_entry(&self.key, Some(&why));
+            return Ok(false);
+        }
+        touch(&self.opened.file, self.opened.modified);
+        Ok(true)
     }
 }
 
@@ -339,20 +436,55 @@ impl Tier for DiskTier {
                 _ => return Ok(None),
             };
         }
-        let path = self.path_of(key);
-        match self.read_block(namespace, key, &path) {
+        match self.read_block(namespace, key, &self.path_of(key)) {
             Ok(Some(block)) => Ok(Some(Arc::new(block))),
             Ok(None) => {
-                self.lock().forget(key, &self.context);
+                self.drop_entry(key, None);
                 Ok(None)
             }
             Err(StoreError::Corrupt(why)) => {
-                self.lock().forget(key, &self.context);
-                self.discard_file(&path, &why);
+                self.drop_entry(key, Some(&why));
                 Ok(None)
             }
             Err(err) => Err(err),
         }
+    }
+
+    fn holds(&self, namespace: &Namespace, key: &BlockKey) -> Option<bool> {
+        let index = self.lock();
+        Some(index.entries.get(key).is_some_and(|e| e.namespace == *namespace))
+    }
+
+    fn open_rows(&self, namespace: &Namespace, key: &BlockKey, _deadline: Instant) -> Result<OpenRows<'_>> {
+        {
+            let mut index = self.lock();
+            match index.entries.get(key) {
+                Some(entry) if entry.namespace == *namespace => index.lru.touch(key),
+                _ => return Ok(None),
+            };
+        }
+        let opened = match self.open_checked(namespace, key, &self.path_of(key)) {
+            Ok(Some(opened)) => opened,
+            Ok(None) => {
+                self.drop_entry(key, None);
+                return Ok(None);
+            }
+            Err(StoreError::Corrupt(why)) => {
+                self.drop_entry(key, Some(&why));
+                return Ok(None);
+            }
+            Err(err) => return Err(err),
+        };
+        let range = opened.header.start..opened.header.start + opened.header.tokens;
+        let rows = DiskRows {
+            tier: self,
+            key: *key,
+            left: opened.header.data_len,
+            opened,
+            hasher: crc32fast::Hasher::new(),
+            scratch: Vec::new(),
+        };
+        Ok(Some((range, Box::new(rows))))
     }
 
     fn put(&self, block: &Arc<Block>, deadline: Instant) -> Result<()> {

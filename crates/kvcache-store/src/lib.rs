@@ -111,4 +111,4 @@ pub use namespace::Scope;
 pub use redis_tier::{RedisConfig, RedisTier};
 pub use stats::{StoreStats, TierCounters, TierStats};
 pub use store::{StoreConfig, TieredStore};
-pub use tier::{Block, Tier, TierContext};
+pub use tier::{Block, OpenRows, RowReader, Tier, TierContext};

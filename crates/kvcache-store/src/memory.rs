@@ -12,7 +12,7 @@ use crate::keys::BlockKey;
 use crate::lru::Lru;
 use crate::stats::{bump, TierCounters};
 use crate::tails::TailsIndex;
-use crate::tier::{Block, Tier, TierContext};
+use crate::tier::{Block, OpenRows, RowReader, SliceRows, Tier, TierContext};
 
 /// Blocks in host memory, least recently used evicted first beyond a byte
 /// budget.
@@ -145,7 +145,51 @@ impl Tier for MemoryTier {
         true
     }
 
+    fn holds(&self, namespace: &Namespace, key: &BlockKey) -> Option<bool> {
+        let inner = self.lock();
+        Some(inner.blocks.get(key).is_some_and(|b| b.namespace == *namespace))
+    }
+
+    fn open_rows(&self, namespace: &Namespace, key: &BlockKey, deadline: Instant) -> Result<OpenRows<'_>> {
+        let Some(block) = self.get(namespace, key, deadline)? else {
+            return Ok(None);
+        };
+        Ok(Some((block.kv.range(), Box::new(ArcRows { block, at: 0 }))))
+    }
+
     fn counters(&self) -> &TierCounters {
         &self.counters
+    }
+}
+
+/// A [`RowReader`] over a shared block.
+struct ArcRows {
+    block: Arc<Block>,
+    at: usize,
+}
+
+impl ArcRows {
+    fn rest(&self) -> SliceRows<'_> {
+        SliceRows {
+            bytes: &self.block.kv.as_bytes()[self.at.min(self.block.kv.as_bytes().len())..],
+        }
+    }
+}
+
+impl RowReader for ArcRows {
+    fn read_to(&mut self, len: usize, out: &mut Vec<u8>) -> Result<()> {
+        self.rest().read_to(len, out)?;
+        self.at += len;
+        Ok(())
+    }
+
+    fn skip(&mut self, len: usize) -> Result<()> {
+        self.rest().skip(len)?;
+        self.at += len;
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>) -> Result<bool> {
+        Ok(self.at == self.block.kv.as_bytes().len())
     }
 }

@@ -21,6 +21,10 @@ use crate::stats::{add, bump, StoreCounters, StoreStats};
 use crate::tier::{Block, Tier, TierContext};
 use crate::writer::Writer;
 
+/// The most blocks a planned fetch reads at once (one open reader each);
+/// longer answers are read block by block.
+const MAX_PLANNED_BLOCKS: usize = 256;
+
 /// The model, layout, block size and writer settings of a [`TieredStore`].
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -95,6 +99,9 @@ impl std::fmt::Debug for TieredStore {
 struct Core {
     config: StoreConfig,
     tiers: Vec<Box<dyn Tier>>,
+    /// Whether every tier says what it holds without I/O (then fetches plan
+    /// first and assemble straight from row readers).
+    local: bool,
     known: KnownKeys,
     counters: StoreCounters,
 }
@@ -139,7 +146,10 @@ impl TieredStore {
                 what,
             });
         }
+        let probe = (Namespace::shared(), BlockKey::ROOT);
+        let local = tiers.iter().all(|t| t.holds(&probe.0, &probe.1).is_some());
         let core = Arc::new(Core {
+            local,
             known: KnownKeys::new(config.known_keys),
             config,
             tiers,
@@ -361,6 +371,11 @@ impl Core {
         let deadline = now
             .checked_add(budget)
             .unwrap_or(now + Duration::from_secs(86_400 * 365));
+        if self.local {
+            if let Some(answer) = self.fetch_planned(namespace, tokens, from, deadline) {
+                return answer;
+            }
+        }
         let scope = Scope::new(&self.config.fingerprint, namespace);
         let mut chain = KeyChain::new(scope, self.config.block_tokens, tokens);
         chain.skip_to(from);
@@ -404,6 +419,148 @@ impl Core {
         self.assemble(&parts, from)
     }
 
+    /// The first tier that holds `key`, as the tiers tell without I/O.
+    fn holder(&self, namespace: &Namespace, key: &BlockKey) -> Option<usize> {
+        self.tiers
+            .iter()
+            .position(|tier| tier.holds(namespace, key) == Some(true))
+    }
+
+    /// A fetch over tiers that all know what they hold: plans the blocks (no
+    /// I/O), then appends each head's rows, block after block, straight from
+    /// the tiers' row readers into the answer (one copy, checksums verified on
+    /// the way). `None` when the plan does not hold up (an entry vanished or
+    /// failed its checks): the caller falls back to reading block by block,
+    /// which counts and removes what is damaged.
+    fn fetch_planned(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        from: usize,
+        deadline: Instant,
+    ) -> Option<Option<Fetched>> {
+        let scope = Scope::new(&self.config.fingerprint, namespace);
+        let mut chain = KeyChain::new(scope, self.config.block_tokens, tokens);
+        chain.skip_to(from);
+        // (token range, key, parent, tier) of each block, in order.
+        let mut plan: Vec<(Range<usize>, BlockKey, BlockKey, usize)> = Vec::new();
+        while let Some((range, key)) = chain.peek() {
+            let Some(tier) = self.holder(namespace, &key) else {
+                break;
+            };
+            plan.push((range, key, chain.parent(), tier));
+            chain.next();
+        }
+        if chain.remaining() > 0 {
+            let (lengths, _) = self.tails(namespace, &chain.parent(), deadline);
+            for len in lengths.into_iter().filter(|&len| len <= chain.remaining()) {
+                let Some(key) = chain.tail_key(len) else { continue };
+                if let Some(tier) = self.holder(namespace, &key) {
+                    let at = chain.position();
+                    plan.push((at..at + len, key, chain.parent(), tier));
+                    break;
+                }
+            }
+        }
+        let Some(end) = plan.last().map(|(range, ..)| range.end).filter(|&end| end > from) else {
+            self.tiers.iter().for_each(|t| bump(&t.counters().misses));
+            return Some(None);
+        };
+        if plan.len() > MAX_PLANNED_BLOCKS {
+            return None;
+        }
+        let mut readers = Vec::with_capacity(plan.len());
+        for (range, key, _, tier) in &plan {
+            match self.tiers[*tier].open_rows(namespace, key, deadline) {
+                Ok(Some((held, reader))) if held == *range => readers.push(reader),
+                _ => return None,
+            }
+        }
+        let layout = &self.config.layout;
+        let elem = layout.dtype.size_in_bytes();
+        let mut out = Vec::with_capacity((end - from) * layout.token_bytes());
+        for _layer in 0..layout.layers {
+            if Instant::now() >= deadline {
+                bump(&self.counters.fetch_timeouts);
+                return Some(None);
+            }
+            for dim in [layout.head_dim, layout.head_dim_v] {
+                let row = dim * elem;
+                for _head in 0..layout.kv_heads {
+                    for ((range, ..), reader) in plan.iter().zip(readers.iter_mut()) {
+                        let skip = from.saturating_sub(range.start);
+                        let read = reader
+                            .skip(skip * row)
+                            .and_then(|()| reader.read_to((range.len() - skip) * row, &mut out));
+                        if read.is_err() {
+                            return None;
+                        }
+                    }
+                }
+            }
+        }
+        for reader in readers {
+            if !matches!(reader.finish(), Ok(true)) {
+                return None;
+            }
+        }
+        let kv = HostKv::from_bytes(*layout, from, end - from, out).ok()?;
+        let mut served = vec![0usize; self.tiers.len()];
+        for (range, key, parent, tier) in &plan {
+            let counters = self.tiers[*tier].counters();
+            bump(&counters.hits);
+            add(&counters.bytes_read, (range.len() * layout.token_bytes()) as u64);
+            served[*tier] += range.end - range.start.max(from);
+            self.known.insert(*key);
+            self.promote(namespace, &kv, range, key, parent, *tier, deadline);
+        }
+        Some(Some(self.fetched(kv, served)))
+    }
+
+    /// Copies a block of the answer `kv`, served by tier `from_tier`, into the
+    /// in-memory tiers above it (not a block that starts before the answer).
+    #[allow(clippy::too_many_arguments)]
+    fn promote(
+        &self,
+        namespace: &Namespace,
+        kv: &HostKv,
+        range: &Range<usize>,
+        key: &BlockKey,
+        parent: &BlockKey,
+        from_tier: usize,
+        deadline: Instant,
+    ) {
+        let mut uppers = self.tiers[..from_tier].iter().filter(|t| t.promotes()).peekable();
+        if uppers.peek().is_none() || range.start < kv.start() {
+            return;
+        }
+        let Ok(rows) = rows::join(&self.config.layout, &[kv], range.clone()) else {
+            return;
+        };
+        let block = Arc::new(Block {
+            key: *key,
+            parent: *parent,
+            namespace: namespace.clone(),
+            kv: rows,
+        });
+        for upper in uppers {
+            if upper.put(&block, deadline).is_err() {
+                bump(&upper.counters().errors);
+            }
+        }
+    }
+
+    /// The answer, with the tokens each tier served.
+    fn fetched(&self, kv: HostKv, served: Vec<usize>) -> Fetched {
+        let tiers = served
+            .into_iter()
+            .enumerate()
+            .filter(|&(_, tokens)| tokens > 0)
+            .map(|(i, tokens)| (self.tiers[i].name(), tokens))
+            .collect();
+        Fetched { kv, tiers }
+    }
+
     /// Joins the blocks found into `[from, end)` and says which tier served what.
     fn assemble(&self, parts: &[(Arc<Block>, usize)], from: usize) -> Option<Fetched> {
         let end = parts.last()?.0.kv.end();
@@ -422,13 +579,7 @@ impl Core {
         for (block, tier) in parts {
             served[*tier] += block.kv.end() - block.kv.start().max(from);
         }
-        let tiers = served
-            .into_iter()
-            .enumerate()
-            .filter(|&(_, tokens)| tokens > 0)
-            .map(|(i, tokens)| (self.tiers[i].name(), tokens))
-            .collect();
-        Some(Fetched { kv, tiers })
+        Some(self.fetched(kv, served))
     }
 
     fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {

@@ -2,6 +2,7 @@
 //! directory, Redis), the [`Block`] they hold and the [`TierContext`] they are
 //! built for.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -96,6 +97,24 @@ pub trait Tier: Send + Sync {
     /// Entries held, where the tier keeps count.
     fn entries(&self) -> Option<u64>;
 
+    /// Whether the block `key` of `namespace` is held, if the tier can tell
+    /// without I/O (`None`, the default, where it cannot, as Redis). A store
+    /// whose tiers all can plans a fetch before reading, and assembles the
+    /// answer straight from [`open_rows`](Self::open_rows) readers.
+    fn holds(&self, namespace: &Namespace, key: &BlockKey) -> Option<bool> {
+        let _ = (namespace, key);
+        None
+    }
+
+    /// A reader of the block `key`'s canonical bytes in order, and the token
+    /// range it holds; `None` for a miss (or where the tier has no readers: the
+    /// default). A damaged entry found on the way is removed and counted, as by
+    /// [`get`](Self::get).
+    fn open_rows(&self, namespace: &Namespace, key: &BlockKey, deadline: Instant) -> Result<OpenRows<'_>> {
+        let _ = (namespace, key, deadline);
+        Ok(None)
+    }
+
     /// Whether blocks found in slower tiers are copied into this one on the
     /// fetching thread (true for cheap, in-memory tiers).
     fn promotes(&self) -> bool {
@@ -109,5 +128,55 @@ pub trait Tier: Send + Sync {
     fn stats(&self) -> TierStats {
         self.counters()
             .snapshot(self.name(), self.used_bytes().ok(), self.budget(), self.entries())
+    }
+}
+
+/// What [`Tier::open_rows`] finds: the token range the block holds and a
+/// reader of its bytes.
+pub type OpenRows<'a> = Option<(Range<usize>, Box<dyn RowReader + 'a>)>;
+
+/// A block's canonical bytes (layer by layer: keys head by head, then values
+/// head by head), streamed in order, so that a fetch can place each head's rows
+/// straight into its answer.
+pub trait RowReader {
+    /// Appends the next `len` bytes to `out`. A short entry is
+    /// [`StoreError::Corrupt`](crate::StoreError::Corrupt).
+    fn read_to(&mut self, len: usize, out: &mut Vec<u8>) -> Result<()>;
+
+    /// Consumes the next `len` bytes without keeping them.
+    fn skip(&mut self, len: usize) -> Result<()>;
+
+    /// After every byte was consumed: whether the block checked out (its
+    /// checksum). A tier that finds it damaged removes and counts it.
+    fn finish(self: Box<Self>) -> Result<bool>;
+}
+
+/// A [`RowReader`] over bytes in memory.
+#[derive(Debug)]
+pub(crate) struct SliceRows<'a> {
+    pub(crate) bytes: &'a [u8],
+}
+
+impl RowReader for SliceRows<'_> {
+    fn read_to(&mut self, len: usize, out: &mut Vec<u8>) -> Result<()> {
+        let (head, rest) = self
+            .bytes
+            .split_at_checked(len)
+            .ok_or_else(|| crate::StoreError::Corrupt("read past the end of a block".into()))?;
+        out.extend_from_slice(head);
+        self.bytes = rest;
+        Ok(())
+    }
+
+    fn skip(&mut self, len: usize) -> Result<()> {
+        self.bytes = self
+            .bytes
+            .get(len..)
+            .ok_or_else(|| crate::StoreError::Corrupt("skipped past the end of a block".into()))?;
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>) -> Result<bool> {
+        Ok(self.bytes.is_empty())
     }
 }

@@ -275,6 +275,21 @@ fn a_damaged_block_through_the_store_shortens_the_answer() {
     assert_eq!((stats.tiers[0].corrupt, stats.tiers[0].hits), (1, 1));
     assert_eq!(disk.entries(), Some(2));
     assert_eq!(store.known_prefix(&ns, &tokens), 4);
+    // Now the first block's file loses its end: nothing left to serve.
+    let path = dir.path().join(format!("{}.safetensors", keys[0].to_hex()));
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 3)
+        .unwrap();
+    assert!(store.fetch(&ns, &tokens, 0, SECOND).is_none());
+    assert_eq!(store.stats().tiers[0].corrupt, 2);
+    assert!(!path.exists());
+    // The third block is whole: a caller that holds [0, 9) still gets the rest.
+    let got = store.fetch(&ns, &tokens, 9, SECOND).unwrap();
+    assert_eq!(got.kv, kv.slice(9..12).unwrap());
 }
 
 fn redis_store(server: &RedisServer, cfg: &StoreConfig) -> TieredStore {

@@ -56,7 +56,13 @@ fn keys_separate_namespaces_and_models() {
 
 #[test]
 fn a_stored_prompt_comes_back_whole_including_its_tail() {
-    let store = memory_store(8, 1 << 20);
+    // Planned fetches (the tier says what it holds) and block-by-block ones
+    // (it does not) give the same answers.
+    stored_prompt_comes_back_whole(memory_store(8, 1 << 20));
+    stored_prompt_comes_back_whole(opaque_memory_store(8, 1 << 20));
+}
+
+fn stored_prompt_comes_back_whole(store: kvcache_store::TieredStore) {
     let ns = Namespace::new("t1").unwrap();
     let tokens = prompt(1, 21); // blocks 0..8, 8..16, tail 16..21
     let kv = kv_of(layout(), &tokens, 0..21);
@@ -105,7 +111,11 @@ fn a_stored_prompt_comes_back_whole_including_its_tail() {
 
 #[test]
 fn the_longest_matching_tail_wins() {
-    let store = memory_store(8, 1 << 20);
+    longest_matching_tail_wins(memory_store(8, 1 << 20));
+    longest_matching_tail_wins(opaque_memory_store(8, 1 << 20));
+}
+
+fn longest_matching_tail_wins(store: kvcache_store::TieredStore) {
     let ns = Namespace::shared();
     let long = prompt(2, 21);
     let short = long[..18].to_vec();

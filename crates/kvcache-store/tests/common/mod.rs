@@ -6,8 +6,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvcache_api::{DType, Fingerprint, HostKv, KvLayout};
-use kvcache_store::{MemoryTier, StoreConfig, Tier, TieredStore};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace};
+use kvcache_store::{
+    Block, BlockKey, MemoryTier, Result, StoreConfig, Tier, TierContext, TierCounters, TieredStore,
+};
 
 /// Keys and values differ in head size, and elements are two bytes.
 pub fn layout() -> KvLayout {
@@ -68,6 +73,53 @@ pub fn memory_store(block_tokens: usize, budget: u64) -> TieredStore {
     let config = config(block_tokens);
     let tiers: Vec<Box<dyn Tier>> = vec![Box::new(MemoryTier::new(config.context(), budget))];
     TieredStore::new(config, tiers).unwrap()
+}
+
+/// A store with one memory tier that hides what it holds (no `holds`, no row
+/// readers), as Redis does: fetches go block by block instead of by plan.
+pub fn opaque_memory_store(block_tokens: usize, budget: u64) -> TieredStore {
+    let config = config(block_tokens);
+    let tiers: Vec<Box<dyn Tier>> = vec![Box::new(Opaque(MemoryTier::new(config.context(), budget)))];
+    TieredStore::new(config, tiers).unwrap()
+}
+
+/// A tier that passes everything on but what lets a store plan its fetches.
+pub struct Opaque<T>(pub T);
+
+impl<T: Tier> Tier for Opaque<T> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn context(&self) -> &TierContext {
+        self.0.context()
+    }
+    fn get(&self, ns: &Namespace, key: &BlockKey, d: Instant) -> Result<Option<Arc<Block>>> {
+        self.0.get(ns, key, d)
+    }
+    fn put(&self, block: &Arc<Block>, d: Instant) -> Result<()> {
+        self.0.put(block, d)
+    }
+    fn contains(&self, ns: &Namespace, key: &BlockKey, d: Instant) -> Result<bool> {
+        self.0.contains(ns, key, d)
+    }
+    fn remove(&self, ns: &Namespace, key: &BlockKey, d: Instant) -> Result<()> {
+        self.0.remove(ns, key, d)
+    }
+    fn tails(&self, ns: &Namespace, parent: &BlockKey, d: Instant) -> Result<Vec<usize>> {
+        self.0.tails(ns, parent, d)
+    }
+    fn used_bytes(&self) -> Result<u64> {
+        self.0.used_bytes()
+    }
+    fn budget(&self) -> Option<u64> {
+        self.0.budget()
+    }
+    fn entries(&self) -> Option<u64> {
+        self.0.entries()
+    }
+    fn counters(&self) -> &TierCounters {
+        self.0.counters()
+    }
 }
 
 pub const SECOND: Duration = Duration::from_secs(1);
