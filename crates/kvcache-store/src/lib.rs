@@ -112,3 +112,8 @@ pub use redis_tier::{RedisConfig, RedisTier};
 pub use stats::{StoreStats, TierCounters, TierStats};
 pub use store::{StoreConfig, TieredStore};
 pub use tier::{Block, OpenRows, RowReader, Tier, TierContext};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;
