@@ -2,8 +2,9 @@
 //!
 //! Writes go through the background [`Writer`](crate::writer): a submitted run is
 //! cut into blocks (the last one may be a tail), keyed, and written to every
-//! tier. Fetches run on the caller's thread, block by block and tier by tier
-//! (fastest first), within the caller's deadline; a block found in a slower
+//! tier. Fetches run on the caller's thread within its deadline: planned and
+//! read straight into the answer where every tier knows what it holds, else
+//! block by block and tier by tier (fastest first); a block found in a slower
 //! tier is promoted into the in-memory tiers above it.
 
 use std::ops::Range;
@@ -36,7 +37,7 @@ pub struct StoreConfig {
     pub block_tokens: usize,
     /// Submitted runs the writer queue holds before dropping more (default 64).
     pub queue_capacity: usize,
-    /// The longest one block write to one tier may take (default 30 s).
+    /// The longest the writes of one run to one tier may take (default 30 s).
     pub write_timeout: Duration,
     /// Block keys remembered for [`PrefixStore::known_prefix`] (default 1 Mi).
     pub known_keys: usize,
