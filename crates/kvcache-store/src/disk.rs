@@ -4,12 +4,18 @@
 //!
 //! Crash safety: a block is written to a temporary name (`.tmp-…`) in the same
 //! directory, `sync_all`ed, renamed to `{key hex}.safetensors`, and the directory
-//! is fsynced (once for all the blocks of one [`Tier::put_many`]); a crash
-//! leaves either no entry or a whole one, and temporary files left behind are
-//! removed at the next open. A read checks the header
-//! against the store (model, layout, namespace, key), the file length and the
-//! CRC32 of the data; a file that fails is a miss, is removed, and is counted in
-//! [`TierCounters::corrupt`].
+//! is fsynced (once per group of up to 8 blocks of one [`Tier::put_many`],
+//! whose files are synced side by side); a crash leaves either no entry or a
+//! whole one, and temporary files left behind are removed at the next open.
+//!
+//! A read checks the header against the store (model, layout, namespace, key),
+//! the file length and the CRC32 of the data; a file that fails is a miss, is
+//! removed, and is counted in [`TierCounters::corrupt`]. Reads come whole
+//! ([`Tier::get`]) or as a [`RowReader`] that a planned fetch reads straight
+//! into its answer, checksumming on the way.
+//!
+//! One process per directory: opening it removes temporary files, another live
+//! writer's included.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
