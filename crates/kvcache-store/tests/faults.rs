@@ -295,7 +295,9 @@ fn a_damaged_block_through_the_store_shortens_the_answer() {
 fn redis_store(server: &RedisServer, cfg: &StoreConfig) -> TieredStore {
     let mut redis = RedisConfig::new(server.url());
     redis.connect_timeout = Duration::from_millis(500);
-    redis.io_timeout = Duration::from_secs(2);
+    // Far above any deadline below: a fetch that took this long would not
+    // have honoured its own.
+    redis.io_timeout = Duration::from_secs(10);
     let tier = RedisTier::new(cfg.context(), redis).unwrap();
     TieredStore::new(cfg.clone(), vec![Box::new(tier)]).unwrap()
 }
@@ -319,8 +321,13 @@ fn redis_stopped_mid_run_then_restarted() {
     let deadline = Duration::from_millis(300);
     let started = Instant::now();
     assert!(store.fetch(&ns, &a, 0, deadline).is_none());
-    // Bounded well below the 2 s socket timeout: a dead server answers at once.
-    assert!(started.elapsed() < deadline + SECOND, "{:?}", started.elapsed());
+    // A dead server answers at once; the bound only catches a hang (no timing
+    // is measured: 2 s of slack on a busy machine, against a 10 s socket timeout).
+    assert!(
+        started.elapsed() < deadline + 2 * SECOND,
+        "{:?}",
+        started.elapsed()
+    );
     for s in 0..20 {
         let p = prompt(100 + s, 20);
         store.submit(&ns, &p, kv_of(layout(), &p, 0..20));
@@ -374,8 +381,9 @@ fn a_frozen_redis_costs_a_fetch_its_deadline_not_more() {
     let took = started.elapsed();
     signal("-CONT");
     assert!(got.is_none());
-    // The socket timeout is the time left, not the tier's 2 s.
-    assert!(took < deadline + Duration::from_millis(700), "{took:?}");
+    // The socket timeout is the time left, not the tier's 10 s (2 s of slack
+    // for a busy machine).
+    assert!(took < deadline + 2 * SECOND, "{took:?}");
     let stats = store.stats();
     assert_eq!(stats.fetch_timeouts, 1);
     assert!(stats.tiers[0].errors >= 1);
