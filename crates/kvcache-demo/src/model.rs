@@ -725,7 +725,8 @@ mod skinny {
         let mut y = vec![0f32; m * n];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above), which is
+            // all `avx2::matmul_nt` requires.
             unsafe { avx2::matmul_nt(x, w, m, n, k, &mut y) };
             return y;
         }
@@ -767,6 +768,11 @@ mod skinny {
 
         /// See [`super::matmul_nt`]: weight rows go two at a time (a last odd one
         /// pairs with itself), rows of `x` up to [`TILE`] at a time.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA (`is_x86_feature_detected!`).
+        /// Nothing else: every access goes through bounds-checked slices, so
+        /// lengths that disagree with `m`, `n` and `k` panic.
         #[target_feature(enable = "avx2,fma")]
         pub(super) unsafe fn matmul_nt(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, y: &mut [f32]) {
             let mut j = 0;
@@ -778,7 +784,8 @@ mod skinny {
                 while i < m {
                     let t = (m - i).min(TILE);
                     let xs = &x[i * k..(i + t) * k];
-                    // SAFETY: AVX2 and FMA are enabled in this function, as `tile` needs.
+                    // SAFETY: this function's contract: the CPU supports AVX2 and
+                    // FMA, which is all `tile` requires (it checks the lengths).
                     let s = unsafe {
                         match t {
                             4 => tile::<4>(xs, w0, w1, k),
@@ -800,14 +807,22 @@ mod skinny {
         }
 
         /// `[c][r] = x_r . w_c` for the `T <= TILE` rows of `x` (`T x k`).
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA. The lengths are checked (`T <=
+        /// TILE`, `x` at least `T * k` floats, `w0` and `w1` at least `k`): a
+        /// short slice panics before any load.
         #[target_feature(enable = "avx2,fma")]
         unsafe fn tile<const T: usize>(x: &[f32], w0: &[f32], w1: &[f32], k: usize) -> [[f32; TILE]; 2] {
             assert!(T <= TILE && x.len() >= T * k && w0.len() >= k && w1.len() >= k);
             let k8 = k / 8 * 8;
             let mut s = [[0f32; TILE]; 2];
-            // SAFETY: the target features are enabled; every load reads 8 floats at
-            // q + 8 <= k of a row of k floats; prefetches never fault, so running
-            // past the end (`wrapping_add`) is harmless.
+            // SAFETY: the CPU supports AVX2 and FMA (this function's contract), as
+            // the intrinsics and `hsum` require. Every load reads 8 floats at
+            // `q + 8 <= k8 <= k` of a row of `k` floats: row `r < T` of `x`
+            // (`x.len() >= T * k`), or `w0`/`w1` (`len >= k`), all asserted above.
+            // Prefetches never fault, and `wrapping_add` makes no in-bounds
+            // promise, so running past the end is harmless.
             unsafe {
                 let mut a0 = [_mm256_setzero_ps(); T];
                 let mut a1 = [_mm256_setzero_ps(); T];
@@ -839,16 +854,17 @@ mod skinny {
         }
 
         /// Sum of the 8 lanes.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA (the features this function is
+        /// compiled with; its intrinsics need only AVX).
         #[target_feature(enable = "avx2,fma")]
         unsafe fn hsum(v: __m256) -> f32 {
-            // SAFETY: AVX is enabled (implied by AVX2). Needed before Rust 1.86 made
-            // these intrinsics safe inside `target_feature` functions (MSRV 1.85).
-            #[allow(unused_unsafe)]
-            unsafe {
-                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-            }
+            // These intrinsics need only AVX, which this function is compiled
+            // with: calling them here is safe (Rust 1.86, below the MSRV).
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
         }
     }
 }

@@ -24,6 +24,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvcache_api::Result;
@@ -32,9 +33,13 @@ use mlx_rs::Array;
 
 use super::arrays::{backend, dim, seq_len, seq_slice};
 
-/// The data of `a` as bytes, when `a` is evaluated and row-contiguous (a
-/// compact array or a whole buffer, not a strided view); `None` otherwise.
-fn host_bytes(a: &Array) -> Result<Option<&[u8]>> {
+/// The data pointer and length in bytes of `a`, when `a` is evaluated and
+/// row-contiguous (a compact array or a whole buffer, not a strided view) and
+/// not empty; `None` otherwise.
+///
+/// The pointer comes straight from mlx (not through a reference), so a caller
+/// that owns the buffer exclusively may write through it.
+fn host_data(a: &Array) -> Result<Option<(*mut u8, usize)>> {
     a.eval().map_err(backend)?;
     let mut row_contiguous = false;
     // SAFETY: `a` is a valid, evaluated array handle for the duration of the call,
@@ -43,16 +48,28 @@ fn host_bytes(a: &Array) -> Result<Option<&[u8]>> {
     if rc != 0 || !row_contiguous || a.nbytes() == 0 {
         return Ok(None);
     }
-    // SAFETY: an evaluated row-contiguous array's data is `nbytes` contiguous
-    // bytes starting at its data pointer (`data<uint8_t>()` is that pointer
-    // whatever the dtype); mlx never writes to an evaluated array's buffer while
-    // `a` holds it, and the slice borrows `a`, so the buffer outlives it.
+    // SAFETY: `a` is a valid, evaluated array handle; the call only reads it.
     let data = unsafe { mlx_sys::mlx_array_data_uint8(a.as_ptr()) };
     if data.is_null() {
         return Ok(None);
     }
-    // SAFETY: see above.
-    Ok(Some(unsafe { std::slice::from_raw_parts(data, a.nbytes()) }))
+    Ok(Some((data.cast_mut(), a.nbytes())))
+}
+
+/// The data of `a` as bytes, when `a` is evaluated and row-contiguous (see
+/// [`host_data`]); `None` otherwise.
+fn host_bytes(a: &Array) -> Result<Option<&[u8]>> {
+    let Some((data, len)) = host_data(a)? else {
+        return Ok(None);
+    };
+    // SAFETY: an evaluated row-contiguous array's data is `nbytes` contiguous,
+    // initialised bytes starting at its data pointer (`data<uint8_t>()` is that
+    // pointer whatever the dtype). The slice borrows `a`, which holds the
+    // buffer, so the buffer outlives it; and nothing writes the buffer while
+    // `a` holds it: mlx writes an evaluated buffer only when it donates it to
+    // an op, which it does only when no other array (`a` here) shares it, and
+    // `write_rows` writes only into a buffer made exclusive to its `&mut Array`.
+    Ok(Some(unsafe { std::slice::from_raw_parts(data, len) }))
 }
 
 /// The row geometry shared by two `[B, H, *, D]` arrays: `(B * H, bytes per
@@ -138,9 +155,10 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
 
 /// Writes positions `rows` of `update` at `[start, start + rows.len())` of
 /// `buf`, both evaluated-able `[B, H, *, D]` arrays of one dtype, in place when
-/// possible. Returns `false`, having changed nothing, when the host path does
-/// not apply (a strided `update`, other shapes or dtypes, positions out of
-/// range), for the caller to use mlx ops instead.
+/// possible. Returns `false` when the host path does not apply (a strided
+/// `update`, other shapes or dtypes, positions out of range), for the caller to
+/// write every row with mlx ops instead; `buf` then holds the same values as
+/// before, or already has the first row written (which the caller rewrites).
 pub(crate) fn write_rows(buf: &mut Array, start: usize, update: &Array, rows: Range<usize>) -> Result<bool> {
     let Some((heads, row)) = geometry(buf, update) else {
         return Ok(false);
@@ -160,20 +178,37 @@ pub(crate) fn write_rows(buf: &mut Array, start: usize, update: &Array, rows: Ra
     buf.try_index_mut((.., .., dim(start)?..dim(start + 1)?, ..), &first)
         .map_err(backend)?;
     buf.eval().map_err(backend)?;
-    let Some(dst) = host_bytes(buf)? else {
+    if rows.len() == 1 {
+        // Done, and nothing may be written here anyway: when `buf` is a single
+        // row (a cache growing in steps of 1), the update covers all of it and
+        // mlx's `slice_update` returns the update itself, so `buf` now shares
+        // the buffer of `update` (a snapshot being restored) instead of owning
+        // one of its own.
+        return Ok(true);
+    }
+    let Some((ptr, len)) = host_data(buf)? else {
         // A slice_update of a whole buffer is row-contiguous; should mlx ever
         // answer otherwise, the caller rewrites every row through mlx.
         return Ok(false);
     };
-    let (ptr, len) = (dst.as_ptr().cast_mut(), dst.len());
-    // SAFETY: `buf` was just produced by an evaluated `slice_update` whose input
-    // handle we dropped before evaluation: its buffer was either donated by mlx
-    // (which it does only when no other array shares the buffer) or newly
-    // allocated for it. No view of `buf` has been made since, so no other
-    // array, graph node or slice can read or write these bytes while the copy
-    // runs; `buf` keeps them alive, and `src` is another array's buffer
-    // (`update` is a distinct, evaluated array: a write cannot alias it, since
-    // sharing its buffer would have prevented the donation).
+    // With two rows or more, `buf` (at least that long) is larger than the
+    // one-row update, so the `slice_update` was a real one and cannot have
+    // returned `update`. Should an mlx version share `update`'s buffer anyway,
+    // leave the rest to mlx rather than write into it.
+    let src_range = src.as_ptr() as usize..src.as_ptr() as usize + src.len();
+    if (ptr as usize) < src_range.end && src_range.start < ptr as usize + len {
+        return Ok(false);
+    }
+    // SAFETY: `ptr` and `len` are `buf`'s data pointer and byte length, taken
+    // from mlx (not derived from a shared reference), after `buf` was produced
+    // by an evaluated `slice_update` that is not the whole-update shortcut
+    // (above) and whose input handle we dropped before evaluation: its buffer
+    // was either donated by mlx (which it does only when no other array shares
+    // the buffer) or newly allocated for it. No view of `buf` has been made
+    // since, and `buf` is borrowed mutably here, so no other array, graph node
+    // or slice can read or write these bytes while the copy runs; `buf` keeps
+    // them alive. `src` is `update`'s buffer, checked just above not to overlap
+    // them.
     let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
     copy_rows(dst, src, heads, row, rows.start + 1..rows.end, start + 1);
     Ok(true)
@@ -209,8 +244,9 @@ pub(crate) type RowParts<'a> = &'a [(&'a Array, Range<usize>)];
 /// serves an `.npy` header for `[B, H, n, D * item]` bytes and copies each
 /// head's runs of rows straight into mlx's buffer. The copy is then a view of
 /// those bytes as the parts' dtype. All outputs are evaluated together, and the
-/// readers are closed before returning (a late read would fail rather than
-/// touch the parts).
+/// readers' plans are closed before returning, on every path (an error, a
+/// panic): a late read then fails rather than touch the parts or a buffer mlx
+/// has freed.
 pub(crate) fn compact_rows(outputs: &[RowParts<'_>]) -> Result<Option<Vec<Array>>> {
     let mut plans = Vec::with_capacity(outputs.len());
     for parts in outputs {
@@ -219,15 +255,21 @@ pub(crate) fn compact_rows(outputs: &[RowParts<'_>]) -> Result<Option<Vec<Array>
         };
         plans.push(plan);
     }
-    let mut states = Vec::with_capacity(plans.len());
     let mut loaded = Vec::with_capacity(plans.len());
+    // Declared after `loaded`, so that on an early return or a panic it closes
+    // the plans before the loaded arrays (whose buffers the reads write) go.
+    let mut open = OpenPlans(Vec::with_capacity(plans.len()));
     for (plan, parts) in plans.into_iter().zip(outputs) {
         let (first, _) = parts[0];
         let shape = first.shape();
         let dims = [shape[0] as usize, shape[1] as usize, plan.rows, plan.row];
         let state = Arc::new(Mutex::new(Some(plan)));
-        states.push(Arc::clone(&state));
-        let bytes = load_bytes(dims, state)?;
+        open.0.push(Arc::clone(&state));
+        // SAFETY: `open` closes the plan before this function returns or
+        // unwinds, so before the parts (borrowed by `outputs` for longer)
+        // change or go, and before `loaded`, holding the returned array and
+        // what is computed from it, is dropped (`open` is dropped first).
+        let bytes = unsafe { load_bytes(dims, state) }?;
         let copy = if first.dtype() == mlx_rs::Dtype::Uint8 {
             bytes
         } else {
@@ -236,11 +278,24 @@ pub(crate) fn compact_rows(outputs: &[RowParts<'_>]) -> Result<Option<Vec<Array>
         loaded.push(copy);
     }
     let evaluated = super::arrays::eval(&loaded);
-    for state in &states {
-        *state.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    }
+    drop(open);
     evaluated?;
     Ok(Some(loaded))
+}
+
+/// The plans of [`compact_rows`]'s readers, closed when this is dropped, which
+/// happens on every way out of `compact_rows`, unwinding included: reads that
+/// mlx makes after that (a late one on its io pool, after an evaluation
+/// failed) find the plan closed and copy nothing.
+struct OpenPlans(Vec<Arc<Mutex<Option<RowPlan>>>>);
+
+impl Drop for OpenPlans {
+    fn drop(&mut self) {
+        for plan in &self.0 {
+            // Taking the lock waits for a read in progress to finish.
+            *plan.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
 }
 
 /// The copy plan for one output of [`compact_rows`], or `None` when its parts
@@ -297,10 +352,10 @@ struct RowPlan {
     runs: Vec<SourceRun>,
 }
 
-// SAFETY: the plan's pointers are read only by the reader, under the mutex that
-// `compact_rows` takes to close it; until then the parts it borrows keep the
-// buffers alive and unchanged (evaluated mlx buffers are never written while
-// arrays hold them).
+// SAFETY: a plan holds raw pointers into the parts' buffers and nothing else
+// that is tied to a thread; it is moved into the `Mutex` its reader shares, and
+// its pointers are followed only by `copy_to`, whose callers hold that mutex
+// and see the plan open (see `copy_to`'s contract).
 unsafe impl Send for RowPlan {}
 
 impl RowPlan {
@@ -309,7 +364,12 @@ impl RowPlan {
     }
 
     /// Copies payload bytes `[at, at + dst.len())` into `dst`.
-    fn copy_to(&self, dst: &mut [u8], at: usize) {
+    ///
+    /// # Safety
+    /// The arrays the plan was made from (by [`plan_rows`]) must still be
+    /// alive and unchanged: the plan is open, which [`compact_rows`] ensures
+    /// for as long as it borrows them and no longer.
+    unsafe fn copy_to(&self, dst: &mut [u8], at: usize) {
         let stream = dst.len() >= STREAM_MIN_BYTES;
         let end = at + dst.len();
         let mut pos = 0;
@@ -320,8 +380,10 @@ impl RowPlan {
                 if lo < hi {
                     let s = (h * run.len + run.rows.start) * self.row + (lo - pos);
                     // SAFETY: the run lies inside its source's `heads * len * row`
-                    // bytes (checked in `plan_rows`), which are alive and
-                    // unchanged while the plan is open (see `RowPlan`'s Send).
+                    // bytes (`rows.end <= len`, checked in `plan_rows`, and
+                    // `lo - pos < n`), which are alive and unchanged (this
+                    // function's contract), and evaluated mlx buffers are
+                    // initialised.
                     let src = unsafe { std::slice::from_raw_parts(run.data.add(s), hi - lo) };
                     copy_bytes(&mut dst[lo - at..hi - at], src, stream);
                 }
@@ -332,10 +394,12 @@ impl RowPlan {
 }
 
 /// The descriptor behind an mlx `io::Reader`: a `.npy` header, then the bytes
-/// the plan copies; `plan` is `None` once closed.
+/// the plan copies; `plan` is `None` once closed. Every callback takes shared
+/// access only (the position is atomic), so callbacks that mlx might make at
+/// the same time from different threads never alias a `&mut`.
 struct Reader {
     header: Vec<u8>,
-    pos: usize,
+    pos: AtomicUsize,
     plan: Arc<Mutex<Option<RowPlan>>>,
     payload: usize,
 }
@@ -356,7 +420,16 @@ fn npy_header(dims: [usize; 4]) -> Vec<u8> {
 }
 
 /// A lazy `u8` array `[B, H, n, D * item]` loaded through a reader of `plan`.
-fn load_bytes(dims: [usize; 4], plan: Arc<Mutex<Option<RowPlan>>>) -> Result<Array> {
+///
+/// # Safety
+/// Until `plan` is closed (set to `None` under its lock), mlx may read through
+/// the reader at any time, even after an evaluation of the array failed or
+/// panicked (a late read on mlx's io pool): it copies from the arrays the plan
+/// points into, into the buffer mlx allocated for the returned array. So the
+/// caller must close `plan` before those arrays change or are dropped, and
+/// before it drops the returned array or anything computed from it once their
+/// evaluation has started; [`compact_rows`] does both with [`OpenPlans`].
+unsafe fn load_bytes(dims: [usize; 4], plan: Arc<Mutex<Option<RowPlan>>>) -> Result<Array> {
     let payload = plan
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -364,7 +437,7 @@ fn load_bytes(dims: [usize; 4], plan: Arc<Mutex<Option<RowPlan>>>) -> Result<Arr
         .map_or(0, RowPlan::payload);
     let reader = Box::new(Reader {
         header: npy_header(dims),
-        pos: 0,
+        pos: AtomicUsize::new(0),
         plan,
         payload,
     });
@@ -381,9 +454,11 @@ fn load_bytes(dims: [usize; 4], plan: Arc<Mutex<Option<RowPlan>>>) -> Result<Arr
     };
     // SAFETY: `desc` is a leaked `Box<Reader>`, which mlx frees exactly once
     // through `reader_free` when its last reference to the reader goes (our
-    // handle below, the parsing in `load`, the `Load` primitive); every
-    // callback treats `desc` as that `Reader`. The stream handle is freed after
-    // use and `res` is a fresh array handle that `Array::from_ptr` takes over.
+    // handle below, the parsing in `load`, the `Load` primitive); until then
+    // every callback gets that live `Reader` (the contract of the `reader_*`
+    // functions), and its reads copy only while the plan is open, which this
+    // function's caller keeps sound. The stream handle is freed after use and
+    // `res` is a fresh array handle that `Array::from_ptr` takes over.
     unsafe {
         let io = mlx_sys::mlx_io_reader_new(Box::into_raw(reader).cast(), vtable);
         let stream = mlx_sys::mlx_default_cpu_stream_new();
@@ -402,36 +477,45 @@ fn load_bytes(dims: [usize; 4], plan: Arc<Mutex<Option<RowPlan>>>) -> Result<Arr
 /// The `Reader` behind an mlx reader descriptor.
 ///
 /// # Safety
-/// `desc` must be the pointer `load_bytes` gave mlx, not yet freed, and not in
-/// use by another callback at the same time (mlx calls a reader from one
-/// thread at a time: the header while `load` parses it, the data once, from
-/// the `Load` task).
-unsafe fn reader<'a>(desc: *mut c_void) -> &'a mut Reader {
-    // SAFETY: see the function's contract.
-    unsafe { &mut *desc.cast::<Reader>() }
+/// `desc` must be the pointer `load_bytes` gave mlx, not yet freed, and not
+/// freed while the returned reference is in use (mlx frees it once, after its
+/// last call).
+unsafe fn reader<'a>(desc: *mut c_void) -> &'a Reader {
+    // SAFETY: see the function's contract; only shared references to the
+    // `Reader` are ever made while it lives.
+    unsafe { &*desc.cast::<Reader>() }
 }
 
+/// The reader's `is_open` and `good`: always.
 extern "C" fn reader_true(_: *mut c_void) -> bool {
     true
 }
 
-extern "C" fn reader_tell(desc: *mut c_void) -> usize {
-    // SAFETY: called by mlx with the descriptor of a live reader.
-    unsafe { reader(desc) }.pos
+/// The reader's `tell`.
+///
+/// # Safety
+/// `desc` must be a live reader descriptor (see [`reader`]).
+unsafe extern "C" fn reader_tell(desc: *mut c_void) -> usize {
+    // SAFETY: the function's contract.
+    unsafe { reader(desc) }.pos.load(Ordering::Relaxed)
 }
 
-extern "C" fn reader_seek(desc: *mut c_void, off: i64, whence: c_int) -> c_int {
-    // SAFETY: called by mlx with the descriptor of a live reader.
+/// The reader's `seek`.
+///
+/// # Safety
+/// `desc` must be a live reader descriptor (see [`reader`]).
+unsafe extern "C" fn reader_seek(desc: *mut c_void, off: i64, whence: c_int) -> c_int {
+    // SAFETY: the function's contract.
     let r = unsafe { reader(desc) };
     let base = match whence {
         libc_seek::SET => 0,
-        libc_seek::CUR => r.pos as i64,
+        libc_seek::CUR => r.pos.load(Ordering::Relaxed) as i64,
         libc_seek::END => (r.header.len() + r.payload) as i64,
         _ => return -1,
     };
     match usize::try_from(base + off) {
         Ok(pos) => {
-            r.pos = pos;
+            r.pos.store(pos, Ordering::Relaxed);
             0
         }
         Err(_) => -1,
@@ -445,64 +529,93 @@ mod libc_seek {
     pub(super) const END: i32 = 2;
 }
 
-extern "C" fn reader_read(desc: *mut c_void, data: *mut c_char, n: usize) -> usize {
-    // SAFETY: called by mlx with the descriptor of a live reader.
+/// The reader's `read`: at the current position, which it advances.
+///
+/// # Safety
+/// `desc` must be a live reader descriptor (see [`reader`]), and `data` as
+/// [`read_at`] requires.
+unsafe extern "C" fn reader_read(desc: *mut c_void, data: *mut c_char, n: usize) -> usize {
+    // SAFETY: the function's contract.
     let r = unsafe { reader(desc) };
-    let at = r.pos;
-    let read = read_at(r, data, n, at);
-    r.pos += read;
+    let at = r.pos.load(Ordering::Relaxed);
+    // SAFETY: the function's contract.
+    let read = unsafe { read_at(r, data, n, at) };
+    r.pos.store(at + read, Ordering::Relaxed);
     read
 }
 
-extern "C" fn reader_read_at(desc: *mut c_void, data: *mut c_char, n: usize, off: usize) -> usize {
-    // SAFETY: called by mlx with the descriptor of a live reader; only shared
-    // access is taken, so even concurrent reads of parts of the data (which mlx
-    // 0.32 does not make) would not alias a `&mut`: the plan is behind a mutex.
-    read_at(unsafe { &*desc.cast::<Reader>() }, data, n, off)
+/// The reader's `read_at_offset`; the position is left alone.
+///
+/// # Safety
+/// `desc` must be a live reader descriptor (see [`reader`]), and `data` as
+/// [`read_at`] requires.
+unsafe extern "C" fn reader_read_at(desc: *mut c_void, data: *mut c_char, n: usize, off: usize) -> usize {
+    // SAFETY: the function's contract.
+    unsafe { read_at(reader(desc), data, n, off) }
 }
 
 /// Reads up to `n` bytes at `off` of the header-then-payload stream into
-/// `data` (mlx's `n` writable bytes); returns how many, 0 once closed.
-fn read_at(r: &Reader, data: *mut c_char, n: usize, off: usize) -> usize {
+/// `data`; returns how many, 0 once the plan is closed (which mlx's reader
+/// turns into an error), having then not touched `data` at all.
+///
+/// # Safety
+/// While `r`'s plan is open, `data` must be valid for writes of `n` bytes
+/// that nothing else reads or writes during the call (mlx's header scratch
+/// buffer, or the `Load` output, allocated for that array alone and not yet
+/// visible to anyone), and the plan's sources alive (see
+/// [`RowPlan::copy_to`]). Once the plan is closed `data` may dangle.
+unsafe fn read_at(r: &Reader, data: *mut c_char, n: usize, off: usize) -> usize {
     let total = r.header.len() + r.payload;
     let n = n.min(total.saturating_sub(off));
     if n == 0 {
         return 0;
     }
-    // SAFETY: mlx passes `n` (or more) writable bytes at `data` that nothing
-    // else uses during the call: a header scratch buffer, or the `Load`
-    // output, allocated for this array alone and not yet visible to anyone.
-    let dst = unsafe { std::slice::from_raw_parts_mut(data.cast::<u8>(), n) };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // The lock is held for the whole copy, so closing the plan waits for a
+        // read in progress, and a read that starts later finds it closed.
         let guard = r.plan.lock().unwrap_or_else(|e| e.into_inner());
         let Some(plan) = guard.as_ref() else {
+            // Closed: `data` may point into a buffer mlx has freed; make no
+            // reference to it.
             return 0;
         };
+        // SAFETY: the plan is open, so by the function's contract `data` holds
+        // `n` writable bytes that nothing else uses during the call.
+        let dst = unsafe { std::slice::from_raw_parts_mut(data.cast::<u8>(), n) };
         let header = r.header.len();
         let split = header.saturating_sub(off).min(n);
         dst[..split].copy_from_slice(&r.header[off.min(header)..off.min(header) + split]);
         if split < n {
-            plan.copy_to(&mut dst[split..], off + split - header);
+            // SAFETY: the plan is open, and its sources alive (the function's
+            // contract).
+            unsafe { plan.copy_to(&mut dst[split..], off + split - header) };
         }
         n
     }));
     result.unwrap_or(0)
 }
 
+/// The reader's `write`: refused.
 extern "C" fn reader_write(_: *mut c_void, _: *const c_char, _: usize) -> usize {
     0
 }
 
+/// The reader's `label`.
 extern "C" fn reader_label(_: *mut c_void) -> *const c_char {
     c"kvcache-mlx row copy".as_ptr()
 }
 
-extern "C" fn reader_free(desc: *mut c_void) {
-    // SAFETY: mlx calls `free` once, when the last reference to the reader
-    // goes; `desc` came from `Box::into_raw` in `load_bytes`.
+/// The reader's `free`.
+///
+/// # Safety
+/// `desc` must be a reader descriptor from [`load_bytes`], freed no other way
+/// and used by no call after this one (mlx calls `free` once, when its last
+/// reference to the reader goes).
+unsafe extern "C" fn reader_free(desc: *mut c_void) {
+    // SAFETY: the function's contract: `desc` came from `Box::into_raw` in
+    // `load_bytes` and nothing uses it any more.
     drop(unsafe { Box::from_raw(desc.cast::<Reader>()) });
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -706,40 +819,187 @@ mod tests {
         assert!(compact_rows(&[&[]]).unwrap().is_none());
     }
 
+    /// A reader of `plan` as `load_bytes` makes it, outside mlx.
+    fn reader_of(dims: [usize; 4], plan: &Arc<Mutex<Option<RowPlan>>>) -> Reader {
+        let payload = plan.lock().unwrap().as_ref().map_or(0, RowPlan::payload);
+        Reader {
+            header: npy_header(dims),
+            pos: AtomicUsize::new(0),
+            plan: Arc::clone(plan),
+            payload,
+        }
+    }
+
     #[test]
     fn readers_serve_any_byte_range_and_nothing_once_closed() {
         let a = iota(&[1, 2, 6, 4], 0.0);
         let plan = plan_rows(&[(&a, 1..4), (&a, 5..6)]).unwrap().unwrap();
-        let payload = plan.payload();
-        assert_eq!(payload, 2 * 4 * 16);
+        assert_eq!(plan.payload(), 2 * 4 * 16);
         let state = Arc::new(Mutex::new(Some(plan)));
-        let r = Reader {
-            header: npy_header([1, 2, 4, 16]),
-            pos: 0,
-            plan: Arc::clone(&state),
-            payload,
-        };
+        let r = reader_of([1, 2, 4, 16], &state);
         assert_eq!(r.header.len() % 64, 0);
-        let total = r.header.len() + payload;
+        let total = r.header.len() + r.payload;
         let mut whole = vec![0u8; total];
-        assert_eq!(read_at(&r, whole.as_mut_ptr().cast(), total, 0), total);
+        // SAFETY (this and the reads below): `whole`, `pieces[at..]` and `past`
+        // hold at least the `n` bytes asked for, and `a`, the plan's source,
+        // is alive.
+        assert_eq!(unsafe { read_at(&r, whole.as_mut_ptr().cast(), total, 0) }, total);
         assert_eq!(&whole[..r.header.len()], &r.header[..]);
         for chunk in [1, 7, 16, 100] {
             let mut pieces = vec![0u8; total];
             for at in (0..total).step_by(chunk) {
                 let n = chunk.min(total - at);
-                assert_eq!(read_at(&r, pieces[at..].as_mut_ptr().cast(), n, at), n);
+                assert_eq!(unsafe { read_at(&r, pieces[at..].as_mut_ptr().cast(), n, at) }, n);
             }
             assert_eq!(pieces, whole, "chunks of {chunk}");
         }
-        let mut past = [0u8; 8];
-        assert_eq!(read_at(&r, past.as_mut_ptr().cast(), 8, total), 0);
+        let mut past = [0xAAu8; 8];
+        assert_eq!(unsafe { read_at(&r, past.as_mut_ptr().cast(), 8, total) }, 0);
         *state.lock().unwrap() = None;
-        assert_eq!(read_at(&r, past.as_mut_ptr().cast(), 8, 0), 0, "closed");
+        assert_eq!(
+            unsafe { read_at(&r, past.as_mut_ptr().cast(), 8, 0) },
+            0,
+            "closed"
+        );
+        assert_eq!(past, [0xAA; 8], "a closed reader writes nothing");
         let bytes: Vec<f32> = whole[r.header.len()..]
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect();
         assert_eq!(bytes, values(&joined(&[(&a, 1..4), (&a, 5..6)])));
+    }
+
+    // Finding 1: the destination of an in-place write is derived from mlx's
+    // data pointer, not from a shared slice; the write still lands in place
+    // and leaves the source alone.
+    #[test]
+    fn in_place_writes_leave_the_source_intact() {
+        let update = iota(&[1, 2, 6, 4], 500.0);
+        let update_before = values(&update);
+        let mut buf = iota(&[1, 2, 8, 4], 0.0);
+        let want = expected(&buf, 1, &update, 0..6);
+        let before = address(&buf);
+        assert!(write_rows(&mut buf, 1, &update, 0..6).unwrap());
+        assert_eq!(address(&buf), before, "written in place");
+        assert_eq!(values(&buf), want);
+        assert_eq!(values(&update), update_before);
+    }
+
+    // Finding 2: a one-row buffer given a one-row update becomes the update
+    // itself (mlx's whole-array `slice_update` shortcut); `write_rows` must
+    // then write nothing through it, and the update keeps its values through
+    // any number of such writes.
+    #[test]
+    fn a_one_row_buffer_shares_the_update_and_is_never_written_through() {
+        let snap = iota(&[1, 2, 1, 4], 700.0);
+        let snap_before = values(&snap);
+        let mut buf = iota(&[1, 2, 1, 4], 0.0);
+        for _ in 0..2 {
+            assert!(write_rows(&mut buf, 0, &snap, 0..1).unwrap());
+            assert_eq!(
+                address(&buf),
+                address(&snap),
+                "mlx hands back the update itself: the case is reached"
+            );
+            assert_eq!(values(&buf), snap_before);
+            assert_eq!(values(&snap), snap_before);
+        }
+        // A next one-row write replaces `buf`, never the shared buffer.
+        let other = iota(&[1, 2, 1, 4], 900.0);
+        assert!(write_rows(&mut buf, 0, &other, 0..1).unwrap());
+        assert_eq!(values(&buf), values(&other));
+        assert_eq!(values(&snap), snap_before, "the snapshot was not written");
+    }
+
+    // Finding 2, with more rows: a buffer that shares the source's buffer is
+    // copied by the first row's `slice_update` before any row is written
+    // through its pointer, so the source keeps its values.
+    #[test]
+    fn a_buffer_sharing_the_source_is_copied_before_rows_are_written() {
+        let update = iota(&[1, 2, 4, 4], 300.0);
+        let update_before = values(&update);
+        let mut buf = update.clone();
+        // `buf` and `update` share one buffer: mlx cannot donate it, so the
+        // first row's `slice_update` copies it, and the rows land in the copy.
+        let want = expected(&buf, 0, &update, 1..4);
+        assert!(write_rows(&mut buf, 0, &update, 1..4).unwrap());
+        assert_ne!(address(&buf), address(&update));
+        assert_eq!(values(&buf), want);
+        assert_eq!(values(&update), update_before);
+    }
+
+    // Finding 3: a read after the plan was closed (a late read on mlx's io
+    // pool after a failed evaluation, whose output buffer may be freed) makes
+    // no reference to the destination at all: with a null or a dangling
+    // pointer it returns 0 (an error for mlx's reader) and touches nothing.
+    // Building the slice first, as before, is a null `&mut [u8]`, which the
+    // standard library's debug checks abort on.
+    #[test]
+    fn reads_after_close_make_no_reference_to_the_destination() {
+        let a = iota(&[1, 2, 6, 4], 0.0);
+        let plan = plan_rows(&[(&a, 0..6)]).unwrap().unwrap();
+        let state = Arc::new(Mutex::new(Some(plan)));
+        let r = reader_of([1, 2, 6, 16], &state);
+        drop(OpenPlans(vec![Arc::clone(&state)]));
+        assert!(state.lock().unwrap().is_none(), "closed by the guard");
+        let dangling = {
+            let freed = vec![0u8; 64];
+            freed.as_ptr().cast_mut()
+        };
+        for data in [std::ptr::null_mut(), dangling] {
+            for off in [0, r.header.len(), r.header.len() + 8] {
+                // SAFETY: the plan is closed, so `read_at` may be given any
+                // pointer (its contract) and must not use it.
+                assert_eq!(unsafe { read_at(&r, data.cast(), 16, off) }, 0);
+            }
+        }
+        // The same through mlx's callbacks, on a descriptor as `load_bytes`
+        // makes it.
+        let desc = Box::into_raw(Box::new(reader_of([1, 2, 6, 16], &state))).cast::<c_void>();
+        // SAFETY: `desc` is a live reader descriptor until `reader_free`, and
+        // its plan is closed, so the data pointer may be null.
+        unsafe {
+            assert_eq!(reader_read_at(desc, std::ptr::null_mut(), 16, 0), 0);
+            assert_eq!(reader_read(desc, std::ptr::null_mut(), 16), 0);
+            assert_eq!(reader_tell(desc), 0, "nothing read");
+            reader_free(desc);
+        }
+    }
+
+    // Finding 3, end to end: an array loaded from a plan that is closed before
+    // mlx reads it fails to evaluate instead of reading the plan's sources
+    // (dropped here) or writing its output.
+    #[test]
+    fn a_load_evaluated_after_close_fails_without_reading() {
+        let a = iota(&[1, 2, 6, 4], 0.0);
+        let plan = plan_rows(&[(&a, 0..6)]).unwrap().unwrap();
+        let state = Arc::new(Mutex::new(Some(plan)));
+        let open = OpenPlans(vec![Arc::clone(&state)]);
+        // SAFETY: `open` closes the plan below, before `a` (its source) is
+        // dropped and before the loaded array is evaluated or dropped.
+        let bytes = unsafe { load_bytes([1, 2, 6, 16], state) }.unwrap();
+        drop(open);
+        drop(a);
+        assert!(bytes.eval().is_err(), "a read of a closed plan is an error");
+    }
+
+    // Finding 4: the plans are closed by a guard, so a panic between loading
+    // and closing (out of an evaluation) still closes them.
+    #[test]
+    fn plans_are_closed_when_a_panic_unwinds() {
+        let a = iota(&[1, 2, 6, 4], 0.0);
+        let plan = plan_rows(&[(&a, 0..6)]).unwrap().unwrap();
+        let state = Arc::new(Mutex::new(Some(plan)));
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _open = OpenPlans(vec![Arc::clone(&state)]);
+            panic!("an evaluation panics");
+        }));
+        assert!(caught.is_err());
+        assert!(state.lock().unwrap_or_else(|e| e.into_inner()).is_none());
+        let r = reader_of([1, 2, 6, 16], &state);
+        let mut out = [0x55u8; 16];
+        // SAFETY: `out` holds the 16 bytes asked for.
+        assert_eq!(unsafe { read_at(&r, out.as_mut_ptr().cast(), 16, 0) }, 0);
+        assert_eq!(out, [0x55; 16]);
     }
 }
