@@ -245,6 +245,7 @@ impl Drop for Replica {
 pub struct RedisServer {
     child: Child,
     dir: PathBuf,
+    max_memory: usize,
 }
 
 impl RedisServer {
@@ -254,11 +255,45 @@ impl RedisServer {
     pub fn start(max_memory: usize) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("kvcache-redis-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).map_err(|e| DemoError::io(&dir, e))?;
-        let socket = dir.join("redis.sock");
-        let child = Command::new("redis-server")
+        let child = Self::spawn(&dir, max_memory)?;
+        let server = RedisServer {
+            child,
+            dir,
+            max_memory,
+        };
+        server.wait_ready()?;
+        Ok(server)
+    }
+
+    /// Whether `redis-server` can be started from `PATH`.
+    pub fn available() -> bool {
+        Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Kills the server (by its process id), as an outage would.
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts a new, empty server on the same socket after [`stop`](Self::stop).
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        let _ = std::fs::remove_file(self.socket());
+        self.child = Self::spawn(&self.dir, self.max_memory)?;
+        self.wait_ready()
+    }
+
+    fn spawn(dir: &Path, max_memory: usize) -> Result<Child> {
+        Command::new("redis-server")
             .args(["--port", "0", "--save", "", "--appendonly", "no"])
             .arg("--unixsocket")
-            .arg(&socket)
+            .arg(dir.join("redis.sock"))
             .args([
                 "--maxmemory",
                 &max_memory.to_string(),
@@ -266,15 +301,17 @@ impl RedisServer {
                 "allkeys-lru",
             ])
             .arg("--dir")
-            .arg(&dir)
+            .arg(dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| DemoError::io(Path::new("redis-server (apt-get install redis-server)"), e))?;
-        let server = RedisServer { child, dir };
+            .map_err(|e| DemoError::io(Path::new("redis-server (apt-get install redis-server)"), e))
+    }
+
+    fn wait_ready(&self) -> Result<()> {
         for _ in 0..200 {
-            if server.ping() {
-                return Ok(server);
+            if self.ping() {
+                return Ok(());
             }
             std::thread::sleep(Duration::from_millis(25));
         }
