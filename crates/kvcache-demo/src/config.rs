@@ -77,8 +77,8 @@ impl LlamaConfig {
         let ok = self.n_layers > 0
             && self.n_heads > 0
             && self.n_kv_heads > 0
-            && self.n_heads % self.n_kv_heads == 0
-            && self.head_dim % 2 == 0
+            && self.n_heads.is_multiple_of(self.n_kv_heads)
+            && self.head_dim.is_multiple_of(2)
             && self.head_dim > 0
             && self.dim == self.n_heads * self.head_dim
             && self.vocab_size > 0

@@ -57,9 +57,9 @@ pub const DISK_BYTES: u64 = 8 << 30;
 pub fn open(fingerprint: Fingerprint, layout: KvLayout, options: &StoreOptions) -> Result<Arc<TieredStore>> {
     let config = StoreConfig::new(fingerprint, layout);
     let context = config.context();
-    let mut tiers: Vec<Box<dyn Tier>> = vec![Box::new(MemoryTier::new(context.clone(), MEMORY_BYTES))];
+    let mut tiers: Vec<Box<dyn Tier>> = vec![Box::new(MemoryTier::new(context, MEMORY_BYTES))];
     if let Some(dir) = &options.dir {
-        tiers.push(Box::new(DiskTier::open(context.clone(), dir, DISK_BYTES)?));
+        tiers.push(Box::new(DiskTier::open(context, dir, DISK_BYTES)?));
     }
     if let Some(url) = &options.redis {
         tiers.push(Box::new(RedisTier::new(context, RedisConfig::new(url.clone()))?));
