@@ -267,8 +267,11 @@ pub(crate) fn compact_rows(outputs: &[RowParts<'_>]) -> Result<Option<Vec<Array>
         open.0.push(Arc::clone(&state));
         // SAFETY: `open` closes the plan before this function returns or
         // unwinds, so before the parts (borrowed by `outputs` for longer)
-        // change or go, and before `loaded`, holding the returned array and
-        // what is computed from it, is dropped (`open` is dropped first).
+        // change or go. Evaluation starts only once every output is in
+        // `loaded`, which `open` is dropped before (declared after it); an
+        // error out of this loop drops `bytes` or earlier outputs unevaluated,
+        // when mlx has nothing left to read for them (it reads the header
+        // within `load`, the data only when evaluating).
         let bytes = unsafe { load_bytes(dims, state) }?;
         let copy = if first.dtype() == mlx_rs::Dtype::Uint8 {
             bytes
@@ -313,12 +316,13 @@ fn plan_rows(parts: RowParts<'_>) -> Result<Option<RowPlan>> {
         if rows.end > seq_len(a) || rows.start > rows.end {
             return Ok(None);
         }
-        let Some(bytes) = host_bytes(a)? else {
+        // The raw pointer straight from mlx: the plan outlives any borrow.
+        let Some((data, _)) = host_data(a)? else {
             return Ok(None);
         };
         geom = Some(g);
         runs.push(SourceRun {
-            data: bytes.as_ptr(),
+            data: data.cast_const(),
             len: seq_len(a),
             rows: rows.clone(),
         });
@@ -943,7 +947,7 @@ mod tests {
         drop(OpenPlans(vec![Arc::clone(&state)]));
         assert!(state.lock().unwrap().is_none(), "closed by the guard");
         let dangling = {
-            let freed = vec![0u8; 64];
+            let freed = Box::new([0u8; 64]);
             freed.as_ptr().cast_mut()
         };
         for data in [std::ptr::null_mut(), dangling] {
