@@ -480,6 +480,90 @@ impl SeqState {
     }
 }
 
+/// One array of a layer's whole state on the host: `shape` (row-major, the
+/// backend's own dimensions, e.g. `[batch, heads, slots, head_dim]` for a
+/// rotating window's keys, `[batch, ...]` for a recurrent state), `dtype`, and
+/// `data`, `shape.iter().product() * dtype.size_in_bytes()` little-endian bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct HostArray {
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+    /// The elements, row-major, little-endian.
+    pub data: Vec<u8>,
+}
+
+impl HostArray {
+    /// An array of `shape` and `dtype` over `data`; an
+    /// [`InvalidArgument`](CacheError::InvalidArgument) error when the length
+    /// does not fit the shape.
+    pub fn new(shape: Vec<usize>, dtype: DType, data: Vec<u8>) -> Result<Self> {
+        let array = HostArray { shape, dtype, data };
+        array.check()?;
+        Ok(array)
+    }
+
+    /// Elements: the product of the shape (1 for a scalar).
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Checks that `data` holds exactly the elements the shape names.
+    pub fn check(&self) -> Result<()> {
+        let want = self
+            .shape
+            .iter()
+            .try_fold(self.dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d));
+        if want != Some(self.data.len()) {
+            return Err(CacheError::InvalidArgument(format!(
+                "{} bytes for an array {:?} of {}",
+                self.data.len(),
+                self.shape,
+                self.dtype
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for HostArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostArray")
+            .field("shape", &self.shape)
+            .field("dtype", &self.dtype)
+            .field("bytes", &self.data.len())
+            .finish()
+    }
+}
+
+/// The whole live state of one layer cache standing at token offset `offset`,
+/// on the host: what a layer that cannot cut its state into token rows (a
+/// rotating window, a recurrent state) gives out
+/// ([`SnapshotCache::read_state`](crate::SnapshotCache::read_state)) and takes
+/// back ([`load_state`](crate::SnapshotCache::load_state)). The arrays and
+/// their order are the cache's own (each cache documents them); such a state
+/// is valid at exactly `offset`, never before or after.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostState {
+    /// The tokens the state summarises (the cache's offset).
+    pub offset: usize,
+    /// The state's arrays, in the cache's order.
+    pub arrays: Vec<HostArray>,
+}
+
+impl HostState {
+    /// Bytes of array data held.
+    pub fn bytes(&self) -> usize {
+        self.arrays.iter().map(|a| a.data.len()).sum()
+    }
+
+    /// Checks every array (see [`HostArray::check`]).
+    pub fn check(&self) -> Result<()> {
+        self.arrays.iter().try_for_each(HostArray::check)
+    }
+}
+
 /// What a [`PrefixStore::fetch`] found: keys and values for `[from, end)` of the
 /// prompt, and how many tokens each tier served.
 #[derive(Debug, Clone)]
@@ -527,6 +611,33 @@ pub trait PrefixStore: Send + Sync {
     /// later fetches of any prompt beginning with `tokens[..kv.end()]`.
     /// `kv.start()` must be a multiple of the block size. Returns at once.
     fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv);
+
+    /// Stores whole-layer states standing at exactly `tokens.len()`: for each
+    /// `(layer, state)`, the state of layer `layer` after `tokens` (so
+    /// `state.offset == tokens.len()`). They serve later
+    /// [`fetch_states`](Self::fetch_states) of exactly that prefix. Returns at
+    /// once. The default stores nothing (a store of rows only).
+    ///
+    /// Layers that cannot cut their state into token rows (rotating windows,
+    /// recurrent states) can be restored only at an offset where their whole
+    /// state was stored: a prompt end, where the trie writes them.
+    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], states: Vec<(usize, HostState)>) {
+        let _ = (namespace, tokens, states);
+    }
+
+    /// The states stored by [`submit_states`](Self::submit_states) for exactly
+    /// the prefix `tokens` (every state at offset `tokens.len()`), sorted by
+    /// layer; `None` when none are stored, they are damaged, or the store
+    /// cannot say within `deadline`. The default answers `None`.
+    fn fetch_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        deadline: std::time::Duration,
+    ) -> Option<Vec<(usize, HostState)>> {
+        let _ = (namespace, tokens, deadline);
+        None
+    }
 }
 
 #[cfg(test)]

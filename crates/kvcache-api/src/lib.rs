@@ -41,7 +41,8 @@ pub use causal::{CausalCache, ForwardMode, KeyShift, KvView, PosRange};
 pub use config::{CausalConfig, DType, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
 pub use host::{
-    Fetched, Fingerprint, HostKv, KvLayout, LayerRows, LayerRowsMut, Namespace, PrefixStore, SeqState,
+    Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
+    PrefixStore, SeqState,
 };
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};

@@ -4,7 +4,7 @@
 use std::any::Any;
 use std::ops::Range;
 
-use crate::{LayerRows, LayerRowsMut, Result};
+use crate::{HostState, LayerRows, LayerRowsMut, Result};
 
 /// Paged-out state of one layer's cache for the token range [`range`](Self::range).
 ///
@@ -91,6 +91,28 @@ pub trait SnapshotCache: Send {
         let _ = (src, rows);
         Ok(false)
     }
+
+    /// The whole live state at the current offset, on the host, for a cache
+    /// that cannot cut its state into token rows (a rotating window, a
+    /// recurrent state): `Ok(None)` when it holds nothing or cannot give its
+    /// state out (the default). The live cache is unchanged.
+    fn read_state(&self) -> Result<Option<HostState>> {
+        Ok(None)
+    }
+
+    /// Replaces the whole live state with `state` (as [`read_state`](Self::read_state)
+    /// of a cache of the same kind and shape gave it); the offset becomes
+    /// `state.offset`.
+    ///
+    /// Returns `Ok(false)`, changing nothing, when this cache cannot take a
+    /// whole state (the default). Arrays of another number, shape or dtype than
+    /// the cache's are a [`ShapeMismatch`](crate::CacheError::ShapeMismatch) or
+    /// [`DTypeMismatch`](crate::CacheError::DTypeMismatch) error that changes
+    /// nothing.
+    fn load_state(&mut self, state: &HostState) -> Result<bool> {
+        let _ = state;
+        Ok(false)
+    }
 }
 
 impl<C: SnapshotCache + ?Sized> SnapshotCache for Box<C> {
@@ -125,6 +147,12 @@ impl<C: SnapshotCache + ?Sized> SnapshotCache for Box<C> {
     }
     fn append_rows(&mut self, src: LayerRows<'_>, rows: Range<usize>) -> Result<bool> {
         (**self).append_rows(src, rows)
+    }
+    fn read_state(&self) -> Result<Option<HostState>> {
+        (**self).read_state()
+    }
+    fn load_state(&mut self, state: &HostState) -> Result<bool> {
+        (**self).load_state(state)
     }
 }
 

@@ -239,8 +239,9 @@ fn a_refused_restore_rewinds_every_layer() {
     );
     let s = c.stats();
     assert_eq!((s.store_hits, s.store_tokens, s.store_rejected), (0, 0, 1));
-    // A recurrent layer cannot be cut into rows: nothing is written.
-    assert_eq!(s.store_writes, 0);
+    // A recurrent layer cannot be cut into rows: its whole state is written at
+    // each prompt end (4, then 11), the KV layer's rows the store lacked once.
+    assert_eq!((s.store_writes, s.store_states_written), (1, 2));
 
     // A layer that fails: nothing changes, the trie stays consistent.
     let (mut c, n) = cache_with("kk", NO_LIMIT, &store);
@@ -402,12 +403,19 @@ fn the_budget_holds_off_the_active_path_under_random_schedules() {
 }
 
 #[test]
-fn layers_without_rows_reuse_only_in_process() {
+fn layers_without_rows_write_their_whole_state_at_the_prompt_end() {
     let store = store(2, 4);
     let prompt = range(1, 8);
     let (mut c, n) = cache_with("kw", NO_LIMIT, &store);
     request(&mut c, &n, &prompt, &[]);
-    assert_eq!((c.stats().store_writes, store.blocks()), (0, 0));
+    let s = c.stats();
+    assert_eq!((s.store_writes, s.store_states_written), (1, 1));
+    assert_eq!((store.blocks(), store.state_prefixes()), (2, 1));
+    let states = store
+        .fetch_states(&Namespace::shared(), &prompt, DEADLINE)
+        .unwrap();
+    assert_eq!(states.len(), 1);
+    assert_eq!((states[0].0, states[0].1.offset), (1, 8));
     assert_eq!(request(&mut c, &n, &[&prompt[..], &[9]].concat(), &[]).cached, 8);
 }
 
@@ -438,4 +446,132 @@ fn the_prompt_reaches_the_store_when_decoding_starts() {
     let s = trie.stats();
     assert_eq!((s.store_writes, s.store_tokens_written), (1, 9), "written once");
     trie.check();
+}
+
+// ---- models with layers that cannot be cut into rows ----
+
+/// A model of a KV layer, a recurrent layer and a window of 4 (`"krw"`) whose
+/// first conversation (prompt 1..=10, reply 50, 51, 52) was closed in a trie
+/// now gone: the store holds the KV rows of `[0, 10)` and whole states at 10.
+fn closed_mixed_conversation() -> Arc<MemStore> {
+    let store = store(3, 4);
+    let (mut first, n) = cache_with("krw", NO_LIMIT, &store);
+    request(&mut first, &n, &range(1, 10), &[50, 51, 52]);
+    let s = first.stats();
+    assert_eq!((s.store_writes, s.store_tokens_written), (1, 10));
+    assert_eq!(s.store_states_written, 2, "the recurrent and the window layer");
+    assert_eq!(store.state_prefixes(), 1);
+    store
+}
+
+#[test]
+fn a_mixed_model_conversation_is_restored_by_a_restarted_process() {
+    let store = closed_mixed_conversation();
+    let prompt = range(1, 10);
+    let next_turn = [&prompt[..], &[60, 61, 62]].concat();
+
+    // A new process: every layer holds exactly what evaluating the 10 stored
+    // tokens gives (checked by `request` after `begin`: the KV layer's
+    // tokens, the recurrent hash, the window's last 4 tokens).
+    let (mut second, n) = cache_with("krw", NO_LIMIT, &store);
+    let out = request(&mut second, &n, &next_turn, &[]);
+    assert_eq!(out.cached, 10);
+    assert_eq!(out.remaining, vec![60, 61, 62]);
+    assert_eq!(out.fed, 3 * 3, "only the new tokens, in each of 3 layers");
+    assert_eq!(n.appended_tokens(), 10, "rows went to the KV layer only");
+    let s = second.stats();
+    assert_eq!(
+        (s.hits, s.store_hits, s.store_tokens, s.store_rejected),
+        (1, 1, 10, 0)
+    );
+    assert_eq!(s.store_states_loaded, 2);
+    // The new prompt end is written: rows past the whole blocks, new states.
+    assert_eq!(
+        (s.store_writes, s.store_tokens_written, s.store_states_written),
+        (1, 5, 2)
+    );
+    second.check();
+
+    // Over an in-process prefix (5 tokens from the trie), the stored states
+    // replace the live ones and the KV layer takes the rows past it.
+    let (mut third, n) = cache_with("krw", NO_LIMIT, &store);
+    store.set_offline(true);
+    request(&mut third, &n, &range(1, 5), &[]);
+    store.set_offline(false);
+    let out = request(&mut third, &n, &[&prompt[..], &[70]].concat(), &[]);
+    assert_eq!(out.cached, 10);
+    assert_eq!(out.fed, 3);
+    assert_eq!(third.stats().store_states_loaded, 2);
+}
+
+#[test]
+fn a_prompt_ending_where_no_state_is_stored_restores_nothing_from_the_store() {
+    let store = closed_mixed_conversation();
+    let prompt = range(1, 10);
+    let (mut c, n) = cache_with("krw", NO_LIMIT, &store);
+
+    // An exact repeat: the rows end at 9 (the last token is evaluated), where
+    // no state was stored. The KV layer's rows are taken back, all 10 tokens
+    // evaluated.
+    let out = request(&mut c, &n, &prompt, &[]);
+    assert_eq!(out.cached, 0);
+    assert_eq!(out.fed, 3 * 10);
+    let s = c.stats();
+    assert_eq!((s.store_hits, s.store_rejected, s.store_states_loaded), (0, 1, 0));
+
+    // A prompt that parts from the stored one at 8 (a block boundary): rows
+    // of [0, 8) exist, states at 8 do not.
+    let (mut c, n) = cache_with("krw", NO_LIMIT, &store);
+    let out = request(&mut c, &n, &[&prompt[..8], &[99, 100]].concat(), &[]);
+    assert_eq!(out.cached, 0);
+    assert_eq!(c.stats().store_rejected, 1);
+
+    // A model of KV layers only would have reused those 8 tokens: the rows
+    // are there (the KV layer's, read as a one-layer model's would be).
+    assert_eq!(store.known_prefix(&Namespace::shared(), &prompt[..8]), 8);
+}
+
+#[test]
+fn a_refused_state_gives_every_layer_back_what_it_held() {
+    let store = closed_mixed_conversation();
+    let prompt = range(1, 10);
+    // The window's stored state is damaged: 3 tokens where a window of 4
+    // holds 4. The recurrent layer (before it) has loaded its state by then.
+    let mut states = store
+        .fetch_states(&Namespace::shared(), &prompt, DEADLINE)
+        .unwrap();
+    assert_eq!(states.iter().map(|(l, _)| *l).collect::<Vec<_>>(), vec![1, 2]);
+    let window = &mut states[1].1.arrays[0];
+    window.shape = vec![3];
+    window.data.truncate(12);
+    store.submit_states(&Namespace::shared(), &prompt, states);
+
+    let (mut c, n) = cache_with("krw", NO_LIMIT, &store);
+    store.set_offline(true);
+    request(&mut c, &n, &range(1, 5), &[]);
+    store.set_offline(false);
+    // `request` checks that every layer holds exactly tokens 1..=5 after
+    // `begin`: the recurrent layer got its own state back.
+    let out = request(&mut c, &n, &[&prompt[..], &[70]].concat(), &[]);
+    assert_eq!(out.cached, 5);
+    let s = c.stats();
+    assert_eq!((s.store_hits, s.store_rejected, s.store_states_loaded), (0, 1, 0));
+    c.check();
+}
+
+#[test]
+fn namespaces_keep_states_apart() {
+    let store = store(2, 4);
+    let prompt = range(1, 9);
+    let next_turn = [&prompt[..], &[40, 41]].concat();
+    {
+        let (mut writer, n) = cache_with("kr", NO_LIMIT, &store);
+        request_in(&mut writer, &n, &ns("a"), &prompt, &[]);
+    }
+    let (mut c, n) = cache_with("kr", NO_LIMIT, &store);
+    assert_eq!(request_in(&mut c, &n, &ns("b"), &next_turn, &[]).cached, 0);
+    assert_eq!(request(&mut c, &n, &next_turn, &[]).cached, 0);
+    let out = request_in(&mut c, &n, &ns("a"), &next_turn, &[]);
+    assert_eq!(out.cached, 9);
+    assert_eq!(c.stats().store_states_loaded, 1);
 }

@@ -1,7 +1,9 @@
 //! Host rows of real mlx-rs `KvCache`s: `read_rows` and `append_rows` round-trip
 //! every dtype exactly, refuse what they cannot do without changing anything,
 //! and a prefix restored from a store into a brand-new trie holds the same
-//! array contents as evaluating it.
+//! array contents as evaluating it. Whole states of `RotatingKvCache` and
+//! `RecurrentCache` (`read_state` / `load_state`) round-trip exactly, behave
+//! as the live cache afterwards, and refuse what does not fit unchanged.
 #![cfg(any(target_os = "macos", kvcache_mlx))]
 
 mod layers_common;
@@ -197,4 +199,213 @@ fn a_prefix_restored_from_the_store_equals_recomputation() {
     second.check();
     let stats = second.stats();
     assert_eq!((stats.store_hits, stats.store_tokens), (1, 14));
+}
+
+// ---- whole states of the layers that cannot be cut into rows ----
+
+/// A rotating cache of a window of 4 (growing by 2) that evaluated `ids` in
+/// chunks of `chunk` tokens, in `dtype`.
+fn rotating_after(ids: &[u32], dtype: Dtype, chunk: usize) -> RotatingKvCache {
+    let mut cache = RotatingKvCache::with_step(4, 2).unwrap();
+    for part in ids.chunks(chunk) {
+        let (k, v) = kv(part, dtype);
+        cache.update(&k, &v).unwrap();
+    }
+    cache
+}
+
+/// The retained window in temporal order, as f32 keys and values.
+fn window_contents(cache: &RotatingKvCache) -> (Vec<f32>, Vec<f32>) {
+    let (k, v) = cache.ordered_window().unwrap().expect("a cache holding tokens");
+    (
+        f32s(&k.as_dtype(Dtype::Float32).unwrap()),
+        f32s(&v.as_dtype(Dtype::Float32).unwrap()),
+    )
+}
+
+#[test]
+fn rotating_state_round_trips_before_and_after_the_wrap() {
+    for (dtype, host) in [
+        (Dtype::Float32, DType::F32),
+        (Dtype::Float16, DType::F16),
+        (Dtype::Bfloat16, DType::BF16),
+    ] {
+        for (tokens, chunk) in [(3, 2), (4, 4), (9, 2), (11, 5)] {
+            let ids: Vec<u32> = (1..=tokens).collect();
+            let live = rotating_after(&ids, dtype, chunk);
+            let state = live.read_state().unwrap().expect("a state");
+            let n = (tokens as usize).min(4);
+            assert_eq!(state.offset, tokens as usize);
+            let shapes: Vec<_> = state.arrays.iter().map(|a| (a.shape.clone(), a.dtype)).collect();
+            assert_eq!(shapes, vec![(vec![1, 2, n, 3], host), (vec![1, 2, n, 2], host)]);
+
+            let mut loaded = RotatingKvCache::with_step(4, 2).unwrap();
+            assert!(loaded.load_state(&state).unwrap());
+            assert_eq!(loaded.offset(), live.offset());
+            assert_eq!(loaded.has_wrapped(), live.has_wrapped());
+            // The same window, in temporal order: the last n tokens (exact
+            // codes in f32; f16 and bf16 round them).
+            assert_eq!(window_contents(&loaded), window_contents(&live));
+            if dtype == Dtype::Float32 {
+                let (k, v) = loaded.ordered_window().unwrap().unwrap();
+                assert_eq!(ids_of(&k, &v), ids[ids.len() - n..].to_vec());
+            }
+            // Byte for byte the same state, and the same after two more steps.
+            assert_eq!(loaded.read_state().unwrap(), Some(state));
+            let mut live = live;
+            for next in [[100, 101, 102], [103, 104, 105]] {
+                let (k, v) = kv(&next, dtype);
+                let (a, b) = (live.update(&k, &v).unwrap(), loaded.update(&k, &v).unwrap());
+                assert_eq!(
+                    f32s(&a.0.as_dtype(Dtype::Float32).unwrap()),
+                    f32s(&b.0.as_dtype(Dtype::Float32).unwrap())
+                );
+                assert_eq!(
+                    f32s(&a.1.as_dtype(Dtype::Float32).unwrap()),
+                    f32s(&b.1.as_dtype(Dtype::Float32).unwrap())
+                );
+                assert_eq!(window_contents(&loaded), window_contents(&live));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rotating_state_that_does_not_fit_changes_nothing() {
+    let ids: Vec<u32> = (1..=6).collect();
+    let good = rotating_after(&ids, Dtype::Float32, 3)
+        .read_state()
+        .unwrap()
+        .unwrap();
+    let mut cache = rotating_after(&[40, 41], Dtype::Float32, 2);
+    let before = (cache.offset(), window_contents(&cache));
+    let unchanged = |cache: &RotatingKvCache| {
+        assert_eq!((cache.offset(), window_contents(cache)), before);
+    };
+
+    // Slots that do not match the offset (5 tokens need all 4 slots).
+    let mut short = good.clone();
+    short.offset = 3;
+    assert!(matches!(
+        cache.load_state(&short),
+        Err(CacheError::ShapeMismatch { .. })
+    ));
+    unchanged(&cache);
+    // Another dtype than the cache holds.
+    let other = rotating_after(&ids, Dtype::Float16, 3)
+        .read_state()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        cache.load_state(&other),
+        Err(CacheError::DTypeMismatch { .. })
+    ));
+    unchanged(&cache);
+    // Another head size.
+    let mut wide = good.clone();
+    wide.arrays[0].shape[3] = 6;
+    let len = wide.arrays[0].data.len();
+    wide.arrays[0].data.extend(vec![0u8; len]);
+    assert!(matches!(
+        cache.load_state(&wide),
+        Err(CacheError::ShapeMismatch { .. })
+    ));
+    unchanged(&cache);
+    // One array only; bytes that do not fit their shape.
+    let mut one = good.clone();
+    one.arrays.pop();
+    assert!(cache.load_state(&one).is_err());
+    let mut torn = good.clone();
+    torn.arrays[1].data.pop();
+    assert!(matches!(
+        cache.load_state(&torn),
+        Err(CacheError::InvalidArgument(_))
+    ));
+    unchanged(&cache);
+    // The good one is taken.
+    assert!(cache.load_state(&good).unwrap());
+    assert_eq!(cache.offset(), 6);
+}
+
+/// A recurrent state of two arrays after `steps` steps: a `[1, 4]` f32 running
+/// sum and a `[1, 2, 3]` bf16 array, both depending on every step.
+fn recurrent_after(steps: u32) -> RecurrentCache {
+    let mut cache = RecurrentCache::new();
+    for step in 1..=steps {
+        let a: Vec<f32> = (0..4).map(|i| (step * 10 + i) as f32 * 0.5).collect();
+        let b: Vec<f32> = (0..6).map(|i| step as f32 - i as f32 * 0.25).collect();
+        let state = vec![
+            Array::from_slice(&a, &[1, 4]),
+            Array::from_slice(&b, &[1, 2, 3])
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap(),
+        ];
+        cache.advance(2, state).unwrap();
+    }
+    cache
+}
+
+fn recurrent_contents(cache: &RecurrentCache) -> Vec<Vec<f32>> {
+    cache
+        .state()
+        .iter()
+        .map(|a| f32s(&a.as_dtype(Dtype::Float32).unwrap()))
+        .collect()
+}
+
+#[test]
+fn recurrent_state_round_trips_and_refuses_what_does_not_fit() {
+    let live = recurrent_after(3);
+    let state = live.read_state().unwrap().expect("a state");
+    assert_eq!(state.offset, 6);
+    let shapes: Vec<_> = state.arrays.iter().map(|a| (a.shape.clone(), a.dtype)).collect();
+    assert_eq!(
+        shapes,
+        vec![(vec![1, 4], DType::F32), (vec![1, 2, 3], DType::BF16)]
+    );
+    assert_eq!(RecurrentCache::new().read_state().unwrap(), None);
+
+    let mut loaded = RecurrentCache::new();
+    assert!(loaded.load_state(&state).unwrap());
+    assert_eq!(loaded.offset(), 6);
+    assert_eq!(recurrent_contents(&loaded), recurrent_contents(&live));
+    assert_eq!(recurrent_contents(&loaded)[0], vec![15.0, 15.5, 16.0, 16.5]);
+    assert_eq!(loaded.read_state().unwrap(), Some(state.clone()));
+
+    // Into a cache holding another state: replaced, offset and all.
+    let mut other = recurrent_after(1);
+    assert!(other.load_state(&state).unwrap());
+    assert_eq!(
+        (other.offset(), recurrent_contents(&other)),
+        (6, recurrent_contents(&live))
+    );
+
+    // Shapes, dtypes or counts other than the cache's: errors, nothing changed.
+    let mut cache = recurrent_after(1);
+    let before = (cache.offset(), recurrent_contents(&cache));
+    let mut bad_shape = state.clone();
+    bad_shape.arrays[0].shape = vec![2, 2];
+    let mut bad_dtype = state.clone();
+    bad_dtype.arrays[0] = kvcache_api::HostArray::new(vec![1, 4], DType::F16, vec![0; 8]).unwrap();
+    let mut bad_count = state.clone();
+    bad_count.arrays.pop();
+    let mut at_zero = state.clone();
+    at_zero.offset = 0;
+    assert!(matches!(
+        cache.load_state(&bad_shape),
+        Err(CacheError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        cache.load_state(&bad_dtype),
+        Err(CacheError::DTypeMismatch { .. })
+    ));
+    assert!(matches!(
+        cache.load_state(&bad_count),
+        Err(CacheError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        cache.load_state(&at_zero),
+        Err(CacheError::InvalidArgument(_))
+    ));
+    assert_eq!((cache.offset(), recurrent_contents(&cache)), before);
 }

@@ -40,6 +40,14 @@
 //! the socket timeout; on timeout or error the fetch answers what it found so
 //! far.
 //!
+//! **Whole states** ([`states`]). Layers that cannot cut their state into
+//! token rows (rotating windows, recurrent states) are stored whole, at the
+//! end of a prompt (`submit_states` / `fetch_states`): one entry per prefix,
+//! keyed by the prefix's last key in the block chain under a domain tag of its
+//! own, encoded with a checksum and carried by ordinary blocks, so every tier
+//! stores, budgets, evicts and checks them as it does rows. They are served
+//! only for exactly the prefix they stand at.
+//!
 //! **Writes** (the writer). `submit` validates, copies the tokens and queues
 //! the run for a background thread through a bounded queue (full: the run is
 //! dropped and counted; the caller never blocks). The writer cuts the run into
@@ -112,6 +120,7 @@ pub mod memory;
 pub mod namespace;
 pub mod redis_tier;
 mod rows;
+pub mod states;
 mod stats;
 mod store;
 mod tails;

@@ -104,6 +104,11 @@ pub(crate) struct StoreCounters {
     pub(crate) blocks_written: AtomicU64,
     pub(crate) fetches: AtomicU64,
     pub(crate) fetch_timeouts: AtomicU64,
+    pub(crate) states_submitted: AtomicU64,
+    pub(crate) states_written: AtomicU64,
+    pub(crate) state_fetches: AtomicU64,
+    pub(crate) state_hits: AtomicU64,
+    pub(crate) state_corrupt: AtomicU64,
 }
 
 /// A snapshot of the store's counters and of every tier's.
@@ -121,8 +126,19 @@ pub struct StoreStats {
     pub blocks_written: u64,
     /// Fetches answered.
     pub fetches: u64,
-    /// Fetches cut short by their deadline.
+    /// Fetches (of rows or states) cut short by their deadline.
     pub fetch_timeouts: u64,
+    /// State writes accepted into the queue (`submit_states`).
+    pub states_submitted: u64,
+    /// State entries the writer stored whole (every part) in at least one tier.
+    pub states_written: u64,
+    /// `fetch_states` calls.
+    pub state_fetches: u64,
+    /// `fetch_states` calls answered with states.
+    pub state_hits: u64,
+    /// State entries found whole but damaged (bad length, checksum or
+    /// encoding): a miss.
+    pub state_corrupt: u64,
 }
 
 impl StoreCounters {
@@ -135,6 +151,11 @@ impl StoreCounters {
             blocks_written: load(&self.blocks_written),
             fetches: load(&self.fetches),
             fetch_timeouts: load(&self.fetch_timeouts),
+            states_submitted: load(&self.states_submitted),
+            states_written: load(&self.states_written),
+            state_fetches: load(&self.state_fetches),
+            state_hits: load(&self.state_hits),
+            state_corrupt: load(&self.state_corrupt),
         }
     }
 }

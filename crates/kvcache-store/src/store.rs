@@ -11,13 +11,14 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvcache_api::{Fetched, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore};
+use kvcache_api::{Fetched, Fingerprint, HostKv, HostState, KvLayout, Namespace, PrefixStore};
 
 use crate::error::{Result, StoreError};
 use crate::keys::{BlockKey, KeyChain};
 use crate::known::KnownKeys;
 use crate::namespace::Scope;
 use crate::rows;
+use crate::states;
 use crate::stats::{add, bump, StoreCounters, StoreStats};
 use crate::tier::{Block, Tier, TierContext};
 use crate::writer::Writer;
@@ -107,11 +108,24 @@ struct Core {
     counters: StoreCounters,
 }
 
-/// One submitted run, as the writer receives it.
-struct Job {
+/// What the writer receives: a submitted run, or submitted states.
+enum Job {
+    Run(Run),
+    States(States),
+}
+
+/// One submitted run.
+struct Run {
     namespace: Namespace,
     tokens: Vec<u32>,
     kv: HostKv,
+}
+
+/// Whole layer states standing at the end of `tokens`, sorted by layer.
+struct States {
+    namespace: Namespace,
+    tokens: Vec<u32>,
+    states: Vec<(usize, HostState)>,
 }
 
 /// Where one block was found.
@@ -194,15 +208,125 @@ impl Drop for TieredStore {
 }
 
 impl Core {
-    /// Cuts a submitted run into blocks and writes them to every tier.
+    /// Cuts a submitted run into blocks (or encodes submitted states into
+    /// parts) and writes them to every tier.
     fn write(&self, job: Job) {
-        let blocks = self.cut(job);
-        self.write_blocks(&blocks);
+        match job {
+            Job::Run(run) => {
+                let blocks = self.cut(run);
+                let stored = self.write_blocks(&blocks);
+                add(&self.counters.blocks_written, stored);
+            }
+            Job::States(job) => {
+                let parts = self.state_parts(&job);
+                if !parts.is_empty() && self.write_blocks(&parts) == parts.len() as u64 {
+                    bump(&self.counters.states_written);
+                }
+            }
+        }
+    }
+
+    /// The parts of submitted states (see [`states`]): blocks whose rows carry
+    /// the encoded entry, zero-padded to whole tokens.
+    fn state_parts(&self, job: &States) -> Vec<Arc<Block>> {
+        let layout = self.config.layout;
+        let token = layout.token_bytes().max(1);
+        let scope = Scope::new(&self.config.fingerprint, &job.namespace);
+        let block_tokens = self.config.block_tokens;
+        let prefix = states::prefix_key(scope, block_tokens, &job.tokens);
+        let bytes = states::encode(&job.states);
+        let size = states::part_bytes(&layout, block_tokens);
+        let mut parts = Vec::with_capacity(states::parts_for(bytes.len(), size));
+        for (i, chunk) in bytes.chunks(size).enumerate() {
+            let tokens = chunk.len().div_ceil(token);
+            let mut data = Vec::with_capacity(tokens * token);
+            data.extend_from_slice(chunk);
+            data.resize(tokens * token, 0);
+            let Ok(kv) = HostKv::from_bytes(layout, 0, tokens, data) else {
+                return Vec::new();
+            };
+            parts.push(Arc::new(Block {
+                key: states::part_key_of(&scope, &prefix, job.tokens.len(), i as u32),
+                parent: states::STATE_PARENT,
+                namespace: job.namespace.clone(),
+                kv,
+            }));
+        }
+        parts
+    }
+
+    /// The states stored for exactly `tokens`: every part read (tier by tier,
+    /// promoted like blocks) within the deadline, joined and decoded.
+    fn fetch_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        budget: Duration,
+    ) -> Option<Vec<(usize, HostState)>> {
+        bump(&self.counters.state_fetches);
+        if tokens.is_empty() {
+            return None;
+        }
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(budget)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
+        let layout = self.config.layout;
+        let token = layout.token_bytes().max(1);
+        let scope = Scope::new(&self.config.fingerprint, namespace);
+        let prefix = states::prefix_key(scope, self.config.block_tokens, tokens);
+        let size = states::part_bytes(&layout, self.config.block_tokens);
+        let mut bytes = Vec::new();
+        // The first part says how long the entry is, hence how many parts
+        // there are and how many tokens each holds.
+        let mut len = size;
+        let mut i = 0;
+        while i < states::parts_for(len, size) {
+            let carried = (len - i * size).min(size);
+            let expected = (i > 0).then_some(0..carried.div_ceil(token));
+            let key = states::part_key_of(&scope, &prefix, tokens.len(), i as u32);
+            let block = match self.lookup(namespace, &key, expected, deadline) {
+                Lookup::Found(block, _) => block,
+                Lookup::Missing => return None,
+                Lookup::OutOfTime => {
+                    bump(&self.counters.fetch_timeouts);
+                    return None;
+                }
+            };
+            bytes.extend_from_slice(block.kv.as_bytes());
+            if i == 0 {
+                let first = states::encoded_len(&bytes);
+                let fits = first.is_some_and(|first| {
+                    block.kv.start() == 0 && block.kv.tokens() == first.min(size).div_ceil(token)
+                });
+                let (true, Some(first)) = (fits, first) else {
+                    bump(&self.counters.state_corrupt);
+                    return None;
+                };
+                len = first;
+                bytes.reserve(len.saturating_sub(bytes.len()));
+            }
+            i += 1;
+        }
+        let decoded = bytes
+            .get(..len)
+            .and_then(states::decode)
+            .filter(|found| found.iter().all(|(_, s)| s.offset == tokens.len()));
+        match decoded {
+            Some(found) => {
+                bump(&self.counters.state_hits);
+                Some(found)
+            }
+            None => {
+                bump(&self.counters.state_corrupt);
+                None
+            }
+        }
     }
 
     /// The blocks of a submitted run, keyed; the last may be a tail.
-    fn cut(&self, job: Job) -> Vec<Arc<Block>> {
-        let Job {
+    fn cut(&self, job: Run) -> Vec<Arc<Block>> {
+        let Run {
             namespace,
             tokens,
             kv,
@@ -252,8 +376,9 @@ impl Core {
         blocks
     }
 
-    /// Writes to every tier the blocks it lacks, in one batch per tier.
-    fn write_blocks(&self, blocks: &[Arc<Block>]) {
+    /// Writes to every tier the blocks it lacks, in one batch per tier;
+    /// returns how many blocks at least one tier holds now.
+    fn write_blocks(&self, blocks: &[Arc<Block>]) -> u64 {
         let mut stored = vec![false; blocks.len()];
         for tier in &self.tiers {
             let deadline = Instant::now() + self.config.write_timeout;
@@ -288,21 +413,23 @@ impl Core {
                 }
             }
         }
+        let mut count = 0;
         for (block, stored) in blocks.iter().zip(stored) {
             if stored {
                 self.known.insert(block.key);
-                bump(&self.counters.blocks_written);
+                count += 1;
             }
         }
+        count
     }
 
-    /// Looks for block `key` (covering `range`) tier by tier; promotes a block
-    /// found below an in-memory tier into it.
+    /// Looks for block `key` (covering `range`, if given) tier by tier;
+    /// promotes a block found below an in-memory tier into it.
     fn lookup(
         &self,
         namespace: &Namespace,
         key: &BlockKey,
-        range: Range<usize>,
+        range: Option<Range<usize>>,
         deadline: Instant,
     ) -> Lookup {
         let mut failed = false;
@@ -312,7 +439,10 @@ impl Core {
             }
             let counters = tier.counters();
             match tier.get(namespace, key, deadline) {
-                Ok(Some(block)) if block.kv.range() == range && block.kv.layout() == &self.config.layout => {
+                Ok(Some(block))
+                    if range.as_ref().is_none_or(|r| block.kv.range() == *r)
+                        && block.kv.layout() == &self.config.layout =>
+                {
                     bump(&counters.hits);
                     add(&counters.bytes_read, block.bytes());
                     for upper in self.tiers[..i].iter().filter(|t| t.promotes()) {
@@ -383,7 +513,7 @@ impl Core {
         let mut parts: Vec<(Arc<Block>, usize)> = Vec::new();
         let mut out_of_time = false;
         while let Some((range, key)) = chain.peek() {
-            match self.lookup(namespace, &key, range, deadline) {
+            match self.lookup(namespace, &key, Some(range), deadline) {
                 Lookup::Found(block, tier) => {
                     parts.push((block, tier));
                     chain.next();
@@ -401,7 +531,7 @@ impl Core {
             for len in lengths.into_iter().filter(|&len| len <= chain.remaining()) {
                 let Some(key) = chain.tail_key(len) else { continue };
                 let range = chain.position()..chain.position() + len;
-                match self.lookup(namespace, &key, range, deadline) {
+                match self.lookup(namespace, &key, Some(range), deadline) {
                     Lookup::Found(block, tier) => {
                         parts.push((block, tier));
                         break;
@@ -655,15 +785,56 @@ impl PrefixStore for TieredStore {
             tracing::warn!(why, "kvcache-store: submit rejected");
             return;
         }
-        let job = Job {
+        let job = Job::Run(Run {
             namespace: namespace.clone(),
             tokens: tokens[..kv.end()].to_vec(),
             kv,
-        };
+        });
         if self.writer.try_submit(job) {
             bump(&core.counters.submitted);
         } else {
             bump(&core.counters.dropped);
         }
+    }
+
+    /// Queues the states for the writer, which encodes them into one entry
+    /// keyed by `tokens` (see the [`states`](crate::states) module) and
+    /// writes it to every tier. Refused and counted (`rejected`): no states, a
+    /// state not at `tokens.len()`, a layer out of range or given twice, an
+    /// array whose bytes do not fit its shape, empty `tokens`.
+    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], mut states: Vec<(usize, HostState)>) {
+        let core = &self.core;
+        states.sort_by_key(|(layer, _)| *layer);
+        let layers = core.config.layout.layers;
+        let fits = !tokens.is_empty()
+            && !states.is_empty()
+            && states.windows(2).all(|w| w[0].0 < w[1].0)
+            && states
+                .iter()
+                .all(|(layer, s)| *layer < layers && s.offset == tokens.len() && s.check().is_ok());
+        if !fits {
+            bump(&core.counters.rejected);
+            tracing::warn!("kvcache-store: states submit rejected");
+            return;
+        }
+        let job = Job::States(States {
+            namespace: namespace.clone(),
+            tokens: tokens.to_vec(),
+            states,
+        });
+        if self.writer.try_submit(job) {
+            bump(&core.counters.states_submitted);
+        } else {
+            bump(&core.counters.dropped);
+        }
+    }
+
+    fn fetch_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        deadline: Duration,
+    ) -> Option<Vec<(usize, HostState)>> {
+        self.core.fetch_states(namespace, tokens, deadline)
     }
 }

@@ -2,11 +2,13 @@
 
 use std::fmt;
 
-use kvcache_api::{BoxedSnapshot, CacheError, Result, Snapshot, SnapshotCache};
+use kvcache_api::{BoxedSnapshot, CacheError, HostState, Result, Snapshot, SnapshotCache};
 use mlx_rs::Array;
 
 use super::arrays::{compact_copy, shape_of};
-use super::snapshot::{downcast_ref, merge_keep_child, refuse_split, RecurrentSnapshot};
+use super::snapshot::{
+    array_from_host, array_to_host, downcast_ref, merge_keep_child, refuse_split, RecurrentSnapshot,
+};
 
 /// The state of a recurrent layer (a convolution window, an SSM state, ...)
 /// after `offset` tokens: one or more arrays `[B, ...]` that the model replaces
@@ -30,6 +32,12 @@ use super::snapshot::{downcast_ref, merge_keep_child, refuse_split, RecurrentSna
 /// and hands back a new one, and the token count is not part of the state's
 /// shape. So the layer reads [`state`](Self::state) and stores its result with
 /// [`advance`](Self::advance), which says how many tokens it consumed.
+///
+/// # On the host
+/// [`read_state`](SnapshotCache::read_state) gives the state arrays in order,
+/// each with its own shape (`[B, ...]`) and dtype (f32, f16 or bf16), at the
+/// current offset; [`load_state`](SnapshotCache::load_state) takes them back.
+/// That is how a store keeps a recurrent layer: whole, at a prompt's end.
 pub struct RecurrentCache {
     state: Vec<Array>,
     offset: usize,
@@ -177,5 +185,40 @@ impl SnapshotCache for RecurrentCache {
     fn free(&mut self) {
         self.state.clear();
         self.offset = 0;
+    }
+
+    /// The state arrays at the current offset, in order; `None` when the cache
+    /// holds no state.
+    fn read_state(&self) -> Result<Option<HostState>> {
+        if self.state.is_empty() {
+            return Ok(None);
+        }
+        let arrays = self.state.iter().map(array_to_host).collect::<Result<Vec<_>>>()?;
+        Ok(Some(HostState {
+            offset: self.offset,
+            arrays,
+        }))
+    }
+
+    /// Replaces the state with `state`'s arrays: as many, of the same shapes
+    /// and dtypes as the state held (any, when the cache is empty), at an
+    /// offset of at least 1. Anything else is an error that changes nothing.
+    fn load_state(&mut self, state: &HostState) -> Result<bool> {
+        if state.offset == 0 || state.arrays.is_empty() {
+            return Err(CacheError::InvalidArgument(format!(
+                "a recurrent state of {} arrays at offset {}",
+                state.arrays.len(),
+                state.offset
+            )));
+        }
+        let arrays = state
+            .arrays
+            .iter()
+            .map(array_from_host)
+            .collect::<Result<Vec<_>>>()?;
+        self.check_compatible(&arrays)?;
+        self.state = arrays;
+        self.offset = state.offset;
+        Ok(true)
     }
 }

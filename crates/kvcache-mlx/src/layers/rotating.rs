@@ -2,13 +2,15 @@
 
 use std::fmt;
 
-use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Result, Snapshot, SnapshotCache};
+use kvcache_api::{BoxedSnapshot, CacheError, HostState, LayerCache, Result, Snapshot, SnapshotCache};
 use mlx_rs::Array;
 
 use super::arrays::{
     compact_seq_slices, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
 };
-use super::snapshot::{downcast_ref, merge_keep_child, refuse_split, RotatingSnapshot};
+use super::snapshot::{
+    array_from_host, array_to_host, downcast_ref, merge_keep_child, refuse_split, RotatingSnapshot,
+};
 use super::DEFAULT_STEP;
 
 /// Keys and values of the last `W` positions of one layer, for sliding-window
@@ -46,6 +48,13 @@ use super::DEFAULT_STEP;
 /// - [`merge`](SnapshotCache::merge) keeps the child (its window supersedes the
 ///   parent's) with the joined range; [`split`](SnapshotCache::split) is refused
 ///   with `(None, Some(snapshot))`.
+///
+/// # On the host
+/// The window cannot be cut into token rows from offset 0, so a store keeps it
+/// whole: [`read_state`](SnapshotCache::read_state) gives two arrays, the ring's
+/// keys `[B, H, n, Dk]` then values `[B, H, n, Dv]` with `n = min(offset, W)`,
+/// in ring order (position `p` in slot `p % W`), at the current offset;
+/// [`load_state`](SnapshotCache::load_state) takes them back.
 pub struct RotatingKvCache {
     window: usize,
     step: usize,
@@ -280,6 +289,59 @@ impl SnapshotCache for RotatingKvCache {
         self.values = None;
         self.layout = None;
         self.offset = 0;
+    }
+
+    /// The ring's `n = min(offset, W)` slots: keys `[B, H, n, Dk]`, values
+    /// `[B, H, n, Dv]`; `None` when the cache is empty.
+    fn read_state(&self) -> Result<Option<HostState>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        if self.offset == 0 {
+            return Ok(None);
+        }
+        let n = self.offset.min(self.window);
+        let arrays = vec![
+            array_to_host(&seq_slice(k, 0, n)?)?,
+            array_to_host(&seq_slice(v, 0, n)?)?,
+        ];
+        Ok(Some(HostState {
+            offset: self.offset,
+            arrays,
+        }))
+    }
+
+    /// Takes a ring as [`read_state`](SnapshotCache::read_state) gives it: two
+    /// arrays, keys `[B, H, n, Dk]` and values `[B, H, n, Dv]` with
+    /// `n = min(offset, W)`, of the cache's batch, heads, dims and dtypes
+    /// (any, when empty). Anything else is an error that changes nothing.
+    fn load_state(&mut self, state: &HostState) -> Result<bool> {
+        let [keys, values] = &state.arrays[..] else {
+            return Err(CacheError::ShapeMismatch {
+                what: "rotating state (number of arrays)",
+                expected: vec![2],
+                got: vec![state.arrays.len()],
+            });
+        };
+        let n = state.offset.min(self.window);
+        if state.offset == 0 || keys.shape.len() != 4 || keys.shape[2] != n {
+            let mut expected = keys.shape.clone();
+            expected.resize(4, 0);
+            expected[2] = n;
+            return Err(CacheError::ShapeMismatch {
+                what: "keys",
+                expected,
+                got: keys.shape.clone(),
+            });
+        }
+        let (keys, values) = (array_from_host(keys)?, array_from_host(values)?);
+        let (layout, tokens) = KvLayout::of(&keys, &values)?;
+        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        self.keys = Some(keys);
+        self.values = Some(values);
+        self.layout = Some(layout);
+        self.offset = state.offset;
+        Ok(true)
     }
 }
 

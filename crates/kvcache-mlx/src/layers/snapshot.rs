@@ -1,12 +1,16 @@
-//! The snapshot types of the layer caches, their byte accounting, and the
-//! checks that turn a foreign snapshot into an error.
+//! The snapshot types of the layer caches, their byte accounting, the checks
+//! that turn a foreign snapshot into an error, and the host copies of whole
+//! states ([`HostArray`] to and from an mlx array, through safe mlx-rs calls
+//! only).
 
 use std::any::Any;
 use std::fmt;
 use std::ops::Range;
 
-use kvcache_api::{BoxedSnapshot, CacheError, Result, Snapshot};
-use mlx_rs::Array;
+use kvcache_api::{BoxedSnapshot, CacheError, DType, HostArray, Result, Snapshot};
+use mlx_rs::{Array, Dtype};
+
+use super::arrays::{backend, dim};
 
 /// Bytes that `arrays` keep alive. Every snapshot array is a compact copy, so
 /// this is exactly the sum of their `nbytes`.
@@ -209,4 +213,57 @@ pub(crate) fn refuse_split<S: WholeStateSnapshot>(
 ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
     let snap = downcast_box::<S>(snapshot)?;
     Ok((None, Some(snap)))
+}
+
+/// A host copy of `a` (any shape; f32, f16 or bf16): its shape, dtype and
+/// row-major little-endian bytes. Evaluates a row-contiguous copy and reads it.
+pub(crate) fn array_to_host(a: &Array) -> Result<HostArray> {
+    let contiguous = a.contiguous().map_err(backend)?;
+    contiguous.eval().map_err(backend)?;
+    let shape: Vec<usize> = a.shape().iter().map(|&d| d as usize).collect();
+    macro_rules! bytes {
+        ($t:ty, $dtype:expr) => {{
+            let data = contiguous.try_as_slice::<$t>().map_err(backend)?;
+            (
+                data.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+                $dtype,
+            )
+        }};
+    }
+    let (data, dtype) = match a.dtype() {
+        Dtype::Float32 => bytes!(f32, DType::F32),
+        Dtype::Float16 => bytes!(half::f16, DType::F16),
+        Dtype::Bfloat16 => bytes!(half::bf16, DType::BF16),
+        other => {
+            return Err(CacheError::DTypeMismatch {
+                what: "state",
+                expected: "f32, f16 or bf16".into(),
+                got: format!("{other:?}"),
+            })
+        }
+    };
+    HostArray::new(shape, dtype, data)
+}
+
+/// An mlx array of `host`'s shape, dtype and elements (checked first: bytes
+/// that do not fit the shape are an `InvalidArgument` error).
+pub(crate) fn array_from_host(host: &HostArray) -> Result<Array> {
+    host.check()?;
+    let shape = host.shape.iter().map(|&d| dim(d)).collect::<Result<Vec<i32>>>()?;
+    macro_rules! build {
+        ($t:ty) => {{
+            let size = std::mem::size_of::<$t>();
+            let data: Vec<$t> = host
+                .data
+                .chunks_exact(size)
+                .map(|b| <$t>::from_le_bytes(b.try_into().expect("element-sized chunk")))
+                .collect();
+            Array::from_slice(&data, &shape)
+        }};
+    }
+    Ok(match host.dtype {
+        DType::F32 => build!(f32),
+        DType::F16 => build!(half::f16),
+        DType::BF16 => build!(half::bf16),
+    })
 }

@@ -16,7 +16,9 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvcache_api::{BoxedSnapshot, CacheError, HostKv, Namespace, PrefixStore, Result, SnapshotCache};
+use kvcache_api::{
+    BoxedSnapshot, CacheError, HostKv, HostState, Namespace, PrefixStore, Result, SnapshotCache,
+};
 
 use super::arena::{common_prefix, Arena, EvictKey, Node, NodeId, NONE, ROOT};
 use super::session::Session;
@@ -47,8 +49,11 @@ use super::stats::Stats;
 /// writes the prompt's keys and values the store lacks into it (write-through),
 /// and `begin` restores from the store the run of tokens past what the trie
 /// restored, before the engine evaluates the rest. Layers that cannot be cut
-/// into token rows (rotating windows, recurrent states) neither write nor
-/// restore: models with such layers reuse prefixes only within the process.
+/// into token rows (rotating windows, recurrent states) write their whole
+/// state at the prompt's end instead, and are restored only from a state
+/// stored at exactly where the rows answer ends: across processes such models
+/// reuse a prefix that ends where a stored prompt ended (rows for the KV
+/// layers, whole states for the others).
 ///
 /// `C` is the layer cache type; `Box<dyn SnapshotCache>` serves models that mix
 /// layer kinds. The trie only uses the [`SnapshotCache`] contract.
@@ -426,10 +431,17 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// last token) into every layer, extending the active path with it, and
     /// returns how many prompt tokens the live caches now hold.
     ///
+    /// The rows answer ends at some `end`. Layers for which the store holds a
+    /// whole state at exactly `prompt[..end]` (layers that cannot cut rows,
+    /// written at a prompt end by [`write_through`](Self::write_through)) load
+    /// it; every other layer appends the rows `[cached, end)`.
+    ///
     /// Nothing changes when there is no store, it answers `None` or nothing
     /// past `cached`, or what it answers does not fit. When some layer refuses
-    /// the rows (or fails), the layers are rewound to `cached`; should that
-    /// fail too, they are freed and the request starts from the root.
+    /// the rows or the state (or fails), every layer is taken back to
+    /// `cached` (row layers rewound, state layers given back the state they
+    /// had); should that fail too, they are freed and the request starts from
+    /// the root.
     fn restore_from_store(&mut self, namespace: &Namespace, prompt: &[u32], cached: usize) -> usize {
         let Some(link) = self.store.clone() else {
             return cached;
@@ -457,25 +469,61 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
             return cached;
         }
+        // Whole states standing at exactly `end`, by layer.
+        let mut states: Vec<Option<HostState>> = (0..self.caches.len()).map(|_| None).collect();
+        if let Some(found) = link.store.fetch_states(namespace, &prompt[..end], link.deadline) {
+            let fits = found
+                .iter()
+                .all(|(layer, state)| *layer < states.len() && state.offset == end);
+            if fits {
+                for (layer, state) in found {
+                    states[layer] = Some(state);
+                }
+            } else {
+                tracing::warn!(end, "prefix cache: ignoring stored states that do not fit");
+            }
+        }
+        let with_states = states.iter().filter(|s| s.is_some()).count();
+        // What the state layers hold now, to give back on a refusal (a state
+        // cannot be rewound); nothing to keep at offset 0.
+        let mut before: Vec<Option<HostState>> = (0..self.caches.len()).map(|_| None).collect();
+        if cached > 0 {
+            for (i, state) in states.iter().enumerate() {
+                if state.is_none() {
+                    continue;
+                }
+                match self.caches[i].read_state() {
+                    Ok(Some(held)) if held.offset == cached => before[i] = Some(held),
+                    _ => {
+                        self.counters.store_rejected += 1;
+                        return cached;
+                    }
+                }
+            }
+        }
         // Rows of the answer from `cached` to `end` (it may start earlier or
         // run past the prompt's last token).
         let rows = cached - kv.start()..end - kv.start();
         let mut taken = true;
         for (i, cache) in self.caches.iter_mut().enumerate() {
-            match cache.append_rows(kv.layer(i), rows.clone()) {
+            let outcome = match &states[i] {
+                Some(state) => cache.load_state(state),
+                None => cache.append_rows(kv.layer(i), rows.clone()),
+            };
+            match outcome {
                 Ok(true) if cache.offset() == end => {}
                 Ok(true) => {
                     tracing::warn!(
                         layer = i,
                         offset = cache.offset(),
                         end,
-                        "prefix cache: rows appended to the wrong offset"
+                        "prefix cache: stored rows or state taken to the wrong offset"
                     );
                     taken = false;
                 }
                 Ok(false) => taken = false,
                 Err(error) => {
-                    tracing::warn!(%error, layer = i, "prefix cache: appending stored rows failed");
+                    tracing::warn!(%error, layer = i, "prefix cache: taking stored rows or state failed");
                     taken = false;
                 }
             }
@@ -486,10 +534,18 @@ impl<C: SnapshotCache> PrefixCache<C> {
         if !taken {
             self.counters.store_rejected += 1;
             let mut rewound = true;
-            for cache in &mut self.caches {
-                if cache.offset() != cached {
-                    rewound &= matches!(cache.restore(None, cached), Ok(true));
+            for (cache, held) in self.caches.iter_mut().zip(&before) {
+                if cache.offset() == cached {
+                    continue;
                 }
+                rewound &= match held {
+                    Some(held) => matches!(cache.load_state(held), Ok(true)),
+                    None if cached == 0 => {
+                        cache.free();
+                        true
+                    }
+                    None => matches!(cache.restore(None, cached), Ok(true)),
+                };
             }
             if !rewound {
                 let _ = self.fail(CacheError::InvalidState(format!(
@@ -503,16 +559,20 @@ impl<C: SnapshotCache> PrefixCache<C> {
         let restored = (end - cached) as u64;
         self.counters.store_hits += 1;
         self.counters.store_tokens += restored;
+        self.counters.store_states_loaded += with_states as u64;
         for (tier, tokens) in fetched.tiers {
             *self.counters.store_tier_tokens.entry(tier).or_default() += tokens as u64;
         }
         end
     }
 
-    /// Writes the keys and values of `prompt` (the prompt tokens the live
-    /// caches hold, from offset 0) that the store does not hold yet through to
-    /// it. Nothing is written when there is no store or some layer cannot cut
-    /// its state into rows.
+    /// Writes `prompt` (the prompt tokens the live caches hold, from offset 0)
+    /// through to the store: the rows the store lacks of the layers that cut
+    /// their state into rows, and the whole state at `prompt.len()` of the
+    /// layers that cannot ([`read_state`](SnapshotCache::read_state): rotating
+    /// windows, recurrent states), keyed by the prompt. Nothing is written when
+    /// there is no store or some layer can do neither (a state layer must
+    /// stand at exactly `prompt.len()`).
     pub(super) fn write_through(&mut self, namespace: &Namespace, prompt: &[u32]) {
         let Some(link) = self.store.clone() else {
             return;
@@ -521,30 +581,55 @@ impl<C: SnapshotCache> PrefixCache<C> {
         if held == 0 || self.caches.iter().any(|c| c.offset() < held) {
             return;
         }
-        let block = link.store.block_tokens().max(1);
-        let mut from = link.store.known_prefix(namespace, prompt).min(held);
-        if from == held {
-            return;
-        }
-        from -= from % block;
         let layout = *link.store.layout();
         if layout.layers != self.caches.len() {
             return;
         }
-        let mut kv = HostKv::zeroed(layout, from, held - from);
+        let mut states = Vec::new();
         for (i, cache) in self.caches.iter().enumerate() {
-            match cache.read_rows(from..held, kv.layer_mut(i)) {
-                Ok(true) => {}
-                Ok(false) => return,
+            match cache.read_state() {
+                Ok(Some(state)) if state.offset == held => states.push((i, state)),
+                Ok(Some(_)) => return,
+                Ok(None) => {}
                 Err(error) => {
-                    tracing::warn!(%error, layer = i, "prefix cache: reading rows for the store failed");
+                    tracing::warn!(%error, layer = i, "prefix cache: reading a state for the store failed");
                     return;
                 }
             }
         }
-        link.store.submit(namespace, prompt, kv);
-        self.counters.store_writes += 1;
-        self.counters.store_tokens_written += (held - from) as u64;
+        let block = link.store.block_tokens().max(1);
+        let mut from = link.store.known_prefix(namespace, prompt).min(held);
+        let mut rows = None;
+        if from < held {
+            from -= from % block;
+            let mut kv = HostKv::zeroed(layout, from, held - from);
+            let mut next = states.iter().map(|(i, _)| *i).peekable();
+            for (i, cache) in self.caches.iter().enumerate() {
+                if next.peek() == Some(&i) {
+                    // A state layer: its rows stay zero, the state stands for them.
+                    next.next();
+                    continue;
+                }
+                match cache.read_rows(from..held, kv.layer_mut(i)) {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(error) => {
+                        tracing::warn!(%error, layer = i, "prefix cache: reading rows for the store failed");
+                        return;
+                    }
+                }
+            }
+            rows = Some(kv);
+        }
+        if let Some(kv) = rows {
+            link.store.submit(namespace, prompt, kv);
+            self.counters.store_writes += 1;
+            self.counters.store_tokens_written += (held - from) as u64;
+        }
+        if !states.is_empty() {
+            self.counters.store_states_written += states.len() as u64;
+            link.store.submit_states(namespace, prompt, states);
+        }
     }
 
     // ---- switching paths ----

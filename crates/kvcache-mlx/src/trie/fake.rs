@@ -9,16 +9,21 @@
 //!   element: the token id's bits as the key, their complement as the value).
 //! - [`FakeRecurrent`]: a non-rewindable recurrent state (a running hash of
 //!   every token seen). It cannot rewind its live state and restores only at a
-//!   snapshot's exact end offset; it cannot split snapshots.
+//!   snapshot's exact end offset; it cannot split snapshots. Its whole state
+//!   goes to the host and back ([`SnapshotCache::read_state`]): one `[2]`
+//!   array of `f32`-sized elements holding the hash's little-endian bytes.
 //! - [`FakeWindow`]: a sliding-window (rotating) cache holding the last `W`
 //!   tokens. Like a rotating KV cache, it rewinds or stops inside a snapshot
 //!   only while nothing has left the window, its snapshots hold the whole
-//!   window, merging keeps the child and splitting is refused.
+//!   window, merging keeps the child and splitting is refused. Its whole state
+//!   on the host is one `[min(offset, W)]` array of `f32`-sized elements: the
+//!   window's token ids, oldest first.
 //!
 //! Every snapshot they create and drop is counted in a shared [`Counters`], so
 //! a test can prove that each snapshot was dropped exactly once or is still
 //! owned by the trie. [`feed_all`] plays the model: it appends tokens to every
-//! layer. [`MemStore`] is an in-memory [`PrefixStore`] to put behind a trie.
+//! layer. [`MemStore`] is an in-memory [`PrefixStore`] (rows and whole states)
+//! to put behind a trie.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -28,8 +33,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kvcache_api::{
-    BoxedSnapshot, CacheError, DType, Fetched, HostKv, KvLayout, LayerRows, LayerRowsMut, Namespace,
-    PrefixStore, Result, Snapshot, SnapshotCache,
+    BoxedSnapshot, CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows,
+    LayerRowsMut, Namespace, PrefixStore, Result, Snapshot, SnapshotCache,
 };
 
 /// Bytes a [`FakeRecurrent`] snapshot reports: a recurrent state has a fixed size.
@@ -144,6 +149,49 @@ pub fn feed_all<C: FakeLayer>(caches: &mut [C], tokens: &[u32]) {
 
 fn foreign() -> CacheError {
     CacheError::InvalidArgument("snapshot made by another kind of cache".into())
+}
+
+/// Little-endian bytes of `words`, as a host array `[words.len()]` of
+/// `f32`-sized elements.
+fn words_array(words: &[u32]) -> HostArray {
+    HostArray {
+        shape: vec![words.len()],
+        dtype: DType::F32,
+        data: words.iter().flat_map(|w| w.to_le_bytes()).collect(),
+    }
+}
+
+/// The words of a state of one `[len]` array of `f32`-sized elements, `len`
+/// given or any; a typed error for anything else.
+fn state_words(state: &HostState, len: Option<usize>) -> Result<Vec<u32>> {
+    state.check()?;
+    let [array] = &state.arrays[..] else {
+        return Err(CacheError::ShapeMismatch {
+            what: "state (number of arrays)",
+            expected: vec![1],
+            got: vec![state.arrays.len()],
+        });
+    };
+    if array.dtype != DType::F32 {
+        return Err(CacheError::DTypeMismatch {
+            what: "state",
+            expected: DType::F32.to_string(),
+            got: array.dtype.to_string(),
+        });
+    }
+    let n = array.elements();
+    if array.shape.len() != 1 || len.is_some_and(|len| len != n) {
+        return Err(CacheError::ShapeMismatch {
+            what: "state",
+            expected: vec![len.unwrap_or(n)],
+            got: array.shape.clone(),
+        });
+    }
+    Ok(array
+        .data
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().expect("four bytes")))
+        .collect())
 }
 
 /// A rewindable fake KV cache: its state is the list of tokens it holds.
@@ -389,8 +437,10 @@ impl SnapshotCache for FakeKv {
 /// offset 0 (or the whole of the tokens), `fetch` answers from the requested
 /// offset to the end of the consecutive blocks held, and `submit` refuses
 /// (counting it) a write whose layout differs or whose start is not a multiple
-/// of the block size. It can be switched offline, to answer every fetch with
-/// `None` as a store past its deadline would.
+/// of the block size. Whole layer states are kept by namespace and the exact
+/// prefix they stand at, and served only for that prefix. It can be switched
+/// offline, to answer every fetch with `None` as a store past its deadline
+/// would.
 #[derive(Debug)]
 pub struct MemStore {
     layout: KvLayout,
@@ -398,9 +448,13 @@ pub struct MemStore {
     inner: Mutex<MemStoreInner>,
 }
 
+/// Whole states by layer, standing at the end of one prefix.
+type LayerStates = Vec<(usize, HostState)>;
+
 #[derive(Debug, Default)]
 struct MemStoreInner {
     blocks: HashMap<(Namespace, Vec<u32>), HostKv>,
+    states: HashMap<(Namespace, Vec<u32>), LayerStates>,
     offline: bool,
     fetches: usize,
     submits: usize,
@@ -430,6 +484,11 @@ impl MemStore {
     /// Blocks held, over every namespace.
     pub fn blocks(&self) -> usize {
         self.lock().blocks.len()
+    }
+
+    /// Prefixes with whole layer states stored, over every namespace.
+    pub fn state_prefixes(&self) -> usize {
+        self.lock().states.len()
     }
 
     /// `fetch` calls so far.
@@ -534,6 +593,32 @@ impl PrefixStore for MemStore {
                 .insert((namespace.clone(), tokens[..end].to_vec()), block);
             start = end;
         }
+    }
+
+    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], mut states: Vec<(usize, HostState)>) {
+        let mut inner = self.lock();
+        let fits = states
+            .iter()
+            .all(|(layer, state)| *layer < self.layout.layers && state.offset == tokens.len());
+        if states.is_empty() || !fits {
+            inner.refused += 1;
+            return;
+        }
+        states.sort_by_key(|(layer, _)| *layer);
+        inner.states.insert((namespace.clone(), tokens.to_vec()), states);
+    }
+
+    fn fetch_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        _deadline: Duration,
+    ) -> Option<Vec<(usize, HostState)>> {
+        let inner = self.lock();
+        if inner.offline {
+            return None;
+        }
+        inner.states.get(&(namespace.clone(), tokens.to_vec())).cloned()
     }
 }
 
@@ -707,6 +792,24 @@ impl SnapshotCache for FakeRecurrent {
         self.offset = 0;
         self.hash = FNV_OFFSET;
     }
+
+    /// The hash as one `[2]` array (low word first); `None` at offset 0.
+    fn read_state(&self) -> Result<Option<HostState>> {
+        if self.offset == 0 {
+            return Ok(None);
+        }
+        Ok(Some(HostState {
+            offset: self.offset,
+            arrays: vec![words_array(&[self.hash as u32, (self.hash >> 32) as u32])],
+        }))
+    }
+
+    fn load_state(&mut self, state: &HostState) -> Result<bool> {
+        let words = state_words(state, Some(2))?;
+        self.hash = u64::from(words[0]) | (u64::from(words[1]) << 32);
+        self.offset = state.offset;
+        Ok(true)
+    }
 }
 
 /// A fake sliding-window cache: the last `window` tokens and the offset.
@@ -860,6 +963,24 @@ impl SnapshotCache for FakeWindow {
     fn free(&mut self) {
         self.offset = 0;
         self.held = Vec::new();
+    }
+
+    /// The window's tokens as one `[min(offset, W)]` array; `None` at offset 0.
+    fn read_state(&self) -> Result<Option<HostState>> {
+        if self.offset == 0 {
+            return Ok(None);
+        }
+        Ok(Some(HostState {
+            offset: self.offset,
+            arrays: vec![words_array(&self.held)],
+        }))
+    }
+
+    fn load_state(&mut self, state: &HostState) -> Result<bool> {
+        let held = state_words(state, Some(state.offset.min(self.window)))?;
+        self.held = held;
+        self.offset = state.offset;
+        Ok(true)
     }
 }
 

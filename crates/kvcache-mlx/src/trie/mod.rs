@@ -103,8 +103,15 @@
 //!   caches back, as after prefill. If any layer refuses or fails, every layer
 //!   is rewound and the tokens are evaluated instead.
 //! - Layers that cannot be cut into token rows (rotating windows, recurrent
-//!   states: `read_rows` answers `false`) make the trie submit nothing and
-//!   refuse restores, so such models reuse prefixes only within the process.
+//!   states: `read_rows` answers `false`) give their whole state instead
+//!   (`read_state`): the trie submits it with `submit_states`, keyed by the
+//!   prompt, beside the other layers' rows. On a miss such a layer loads the
+//!   state stored at exactly where the rows answer ends (`fetch_states`,
+//!   `load_state`); with none there, nothing is restored from the store. So
+//!   such models reuse across processes a prefix ending where a stored prompt
+//!   ended (the next turn of a stored conversation), and any prefix within
+//!   the process. A layer that can give neither rows nor a state makes the
+//!   trie submit nothing.
 //!
 //! ```
 //! use std::sync::Arc;

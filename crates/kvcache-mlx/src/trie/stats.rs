@@ -34,7 +34,8 @@ pub struct Stats {
     /// Prompt tokens restored from the store (counted in `reused_tokens`).
     pub store_tokens: u64,
     /// Store answers the live caches could not take (some layer refused the
-    /// rows or failed): the layers were rewound and the tokens evaluated.
+    /// rows or failed, or a layer that cannot cut rows found no state stored
+    /// where the rows end): the layers were rewound and the tokens evaluated.
     pub store_rejected: u64,
     /// Tokens the store's tiers served, by tier name, as the store reported them.
     pub store_tier_tokens: BTreeMap<&'static str, u64>,
@@ -42,6 +43,11 @@ pub struct Stats {
     pub store_writes: u64,
     /// Prompt tokens those writes held.
     pub store_tokens_written: u64,
+    /// Whole layer states written to the store (layers that cannot cut rows,
+    /// one per such layer and prompt written through).
+    pub store_states_written: u64,
+    /// Whole layer states loaded from the store by restores (counted per layer).
+    pub store_states_loaded: u64,
 
     /// Bytes held by all the trie's snapshots now.
     pub paged_out_bytes: usize,
