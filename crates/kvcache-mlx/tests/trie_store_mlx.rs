@@ -3,7 +3,9 @@
 //! and a prefix restored from a store into a brand-new trie holds the same
 //! array contents as evaluating it. Whole states of `RotatingKvCache` and
 //! `RecurrentCache` (`read_state` / `load_state`) round-trip exactly, behave
-//! as the live cache afterwards, and refuse what does not fit unchanged.
+//! as the live cache afterwards, and refuse what does not fit unchanged; a
+//! model mixing all three kinds, restored from the store into a brand-new
+//! trie, holds what evaluating its prompt gives in every layer.
 #![cfg(any(target_os = "macos", kvcache_mlx))]
 
 mod layers_common;
@@ -408,4 +410,185 @@ fn recurrent_state_round_trips_and_refuses_what_does_not_fit() {
         Err(CacheError::InvalidArgument(_))
     ));
     assert_eq!((cache.offset(), recurrent_contents(&cache)), before);
+}
+
+/// One layer of a model mixing the three real cache kinds.
+enum Mixed {
+    Kv(KvCache),
+    Window(RotatingKvCache),
+    Recurrent(RecurrentCache),
+}
+
+impl Mixed {
+    fn inner(&self) -> &dyn SnapshotCache {
+        match self {
+            Mixed::Kv(c) => c,
+            Mixed::Window(c) => c,
+            Mixed::Recurrent(c) => c,
+        }
+    }
+    fn inner_mut(&mut self) -> &mut dyn SnapshotCache {
+        match self {
+            Mixed::Kv(c) => c,
+            Mixed::Window(c) => c,
+            Mixed::Recurrent(c) => c,
+        }
+    }
+
+    /// What the layer holds, as f32 values: the KV cache's live keys and
+    /// values, the window's retained ones in temporal order, the recurrent state.
+    fn contents(&self) -> Vec<Vec<f32>> {
+        match self {
+            Mixed::Kv(c) => {
+                let (k, v) = contents(c);
+                vec![k, v]
+            }
+            Mixed::Window(c) => {
+                let (k, v) = window_contents(c);
+                vec![k, v]
+            }
+            Mixed::Recurrent(c) => recurrent_contents(c),
+        }
+    }
+}
+
+impl SnapshotCache for Mixed {
+    fn offset(&self) -> usize {
+        self.inner().offset()
+    }
+    fn snapshot(&mut self, from: usize) -> kvcache_api::Result<Option<kvcache_api::BoxedSnapshot>> {
+        self.inner_mut().snapshot(from)
+    }
+    fn restore(
+        &mut self,
+        snapshot: Option<&dyn kvcache_api::Snapshot>,
+        target: usize,
+    ) -> kvcache_api::Result<bool> {
+        self.inner_mut().restore(snapshot, target)
+    }
+    fn merge(
+        &mut self,
+        parent: Option<kvcache_api::BoxedSnapshot>,
+        child: Option<kvcache_api::BoxedSnapshot>,
+    ) -> kvcache_api::Result<Option<kvcache_api::BoxedSnapshot>> {
+        self.inner_mut().merge(parent, child)
+    }
+    fn split(
+        &mut self,
+        snapshot: kvcache_api::BoxedSnapshot,
+        at: usize,
+    ) -> kvcache_api::Result<(
+        Option<kvcache_api::BoxedSnapshot>,
+        Option<kvcache_api::BoxedSnapshot>,
+    )> {
+        self.inner_mut().split(snapshot, at)
+    }
+    fn free(&mut self) {
+        self.inner_mut().free()
+    }
+    fn read_rows(
+        &self,
+        rows: std::ops::Range<usize>,
+        out: kvcache_api::LayerRowsMut<'_>,
+    ) -> kvcache_api::Result<bool> {
+        self.inner().read_rows(rows, out)
+    }
+    fn append_rows(
+        &mut self,
+        src: kvcache_api::LayerRows<'_>,
+        rows: std::ops::Range<usize>,
+    ) -> kvcache_api::Result<bool> {
+        self.inner_mut().append_rows(src, rows)
+    }
+    fn read_state(&self) -> kvcache_api::Result<Option<kvcache_api::HostState>> {
+        self.inner().read_state()
+    }
+    fn load_state(&mut self, state: &kvcache_api::HostState) -> kvcache_api::Result<bool> {
+        self.inner_mut().load_state(state)
+    }
+}
+
+fn mixed_layers() -> Vec<Mixed> {
+    vec![
+        Mixed::Kv(KvCache::with_step(4).unwrap()),
+        Mixed::Window(RotatingKvCache::with_step(4, 2).unwrap()),
+        Mixed::Recurrent(RecurrentCache::new()),
+    ]
+}
+
+/// The mixed model: every token writes keys/values that encode its id into
+/// the KV and window layers, and folds into the recurrent `[1, 3]` state
+/// (`s[i] = s[i] / 2 + id + i`, exact in f32 for these sizes).
+fn eval_mixed(caches: &mut [Mixed], tokens: &[u32]) -> Result<(), CacheError> {
+    let (k, v) = ONE.kv(tokens);
+    for cache in caches {
+        match cache {
+            Mixed::Kv(c) => drop(c.update(&k, &v)?),
+            Mixed::Window(c) => drop(c.update(&k, &v)?),
+            Mixed::Recurrent(c) => {
+                let mut s = c.state().first().map_or(vec![0.0; 3], f32s);
+                for &id in tokens {
+                    for (i, x) in s.iter_mut().enumerate() {
+                        *x = *x / 2.0 + id as f32 + i as f32;
+                    }
+                }
+                c.advance(tokens.len(), vec![Array::from_slice(&s, &[1, 3])])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_mixed_model_restored_from_the_store_equals_recomputation() {
+    let store = Arc::new(MemStore::new(host_layout(3, DType::F32), 4));
+    let deadline = Duration::from_millis(50);
+    let prompt: Vec<u32> = (1..=10).collect();
+    {
+        let mut first = PrefixCache::new(mixed_layers(), usize::MAX).unwrap();
+        first.set_store(store.clone(), deadline).unwrap();
+        let mut s = first.begin(&prompt).unwrap();
+        s.prefill(|chunk, caches| eval_mixed(caches, chunk)).unwrap();
+        s.record(99);
+        s.close().unwrap();
+        first.check();
+        let stats = first.stats();
+        assert_eq!((stats.store_tokens_written, stats.store_states_written), (10, 2));
+    }
+
+    // A restarted process: every layer holds what evaluating the prompt gives.
+    let mut second = PrefixCache::new(mixed_layers(), usize::MAX).unwrap();
+    second.set_store(store.clone(), deadline).unwrap();
+    let next: Vec<u32> = prompt.iter().copied().chain([40, 41, 42]).collect();
+    let mut reference = mixed_layers();
+    eval_mixed(&mut reference, &prompt).unwrap();
+    let mut s = second.begin(&next).unwrap();
+    assert_eq!(s.cached(), 10);
+    assert_eq!(s.remaining(), &[40, 41, 42]);
+    for (layer, want) in s.caches().iter().zip(&reference) {
+        assert_eq!(layer.offset(), 10);
+        assert_eq!(layer.contents(), want.contents());
+    }
+    s.prefill(|chunk, caches| eval_mixed(caches, chunk)).unwrap();
+    eval_mixed(&mut reference, &[40, 41, 42]).unwrap();
+    for (layer, want) in s.caches().iter().zip(&reference) {
+        assert_eq!(layer.contents(), want.contents());
+    }
+    s.close().unwrap();
+    second.check();
+    let stats = second.stats();
+    assert_eq!(
+        (stats.store_hits, stats.store_tokens, stats.store_states_loaded),
+        (1, 10, 2)
+    );
+
+    // An exact repeat of the stored prompt stops one token short, where no
+    // state was stored: nothing from the store, all evaluated.
+    let mut third = PrefixCache::new(mixed_layers(), usize::MAX).unwrap();
+    third.set_store(store, deadline).unwrap();
+    let s = third.begin(&prompt).unwrap();
+    assert_eq!(s.cached(), 0);
+    drop(s);
+    third.check();
+    assert_eq!(third.stats().store_rejected, 1);
 }
