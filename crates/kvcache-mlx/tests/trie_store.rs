@@ -575,3 +575,25 @@ fn namespaces_keep_states_apart() {
     assert_eq!(out.cached, 9);
     assert_eq!(c.stats().store_states_loaded, 1);
 }
+
+#[test]
+fn only_models_with_layers_that_refuse_rows_ask_for_states() {
+    let kv_store = store(2, 4);
+    let prompt = range(1, 9);
+    let next_turn = [&prompt[..], &[30]].concat();
+    {
+        let (mut writer, n) = cache_with("kk", NO_LIMIT, &kv_store);
+        request(&mut writer, &n, &prompt, &[]);
+    }
+    let (mut c, n) = cache_with("kk", NO_LIMIT, &kv_store);
+    assert_eq!(request(&mut c, &n, &next_turn, &[]).cached, 9);
+    assert_eq!((kv_store.state_fetches(), kv_store.state_prefixes()), (0, 0));
+
+    let mixed_store = closed_mixed_conversation();
+    let (mut c, n) = cache_with("krw", NO_LIMIT, &mixed_store);
+    assert_eq!(
+        request(&mut c, &n, &[&range(1, 10)[..], &[30]].concat(), &[]).cached,
+        10
+    );
+    assert_eq!(mixed_store.state_fetches(), 1, "asked once, for both layers");
+}

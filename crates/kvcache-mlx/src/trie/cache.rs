@@ -431,10 +431,12 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// last token) into every layer, extending the active path with it, and
     /// returns how many prompt tokens the live caches now hold.
     ///
-    /// The rows answer ends at some `end`. Layers for which the store holds a
-    /// whole state at exactly `prompt[..end]` (layers that cannot cut rows,
-    /// written at a prompt end by [`write_through`](Self::write_through)) load
-    /// it; every other layer appends the rows `[cached, end)`.
+    /// The rows answer ends at some `end`. Every layer appends the rows
+    /// `[cached, end)`; a layer that refuses rows (it cannot cut its state)
+    /// loads instead the whole state stored for exactly `prompt[..end]`
+    /// (written at a prompt end by [`write_through`](Self::write_through);
+    /// asked of the store once, at the first such layer). With none there, the
+    /// restore is refused.
     ///
     /// Nothing changes when there is no store, it answers `None` or nothing
     /// past `cached`, or what it answers does not fit. When some layer refuses
@@ -469,47 +471,40 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
             return cached;
         }
-        // Whole states standing at exactly `end`, by layer.
-        let mut states: Vec<Option<HostState>> = (0..self.caches.len()).map(|_| None).collect();
-        if let Some(found) = link.store.fetch_states(namespace, &prompt[..end], link.deadline) {
-            let fits = found
-                .iter()
-                .all(|(layer, state)| *layer < states.len() && state.offset == end);
-            if fits {
-                for (layer, state) in found {
-                    states[layer] = Some(state);
-                }
-            } else {
-                tracing::warn!(end, "prefix cache: ignoring stored states that do not fit");
-            }
-        }
-        let with_states = states.iter().filter(|s| s.is_some()).count();
-        // What the state layers hold now, to give back on a refusal (a state
-        // cannot be rewound); nothing to keep at offset 0.
-        let mut before: Vec<Option<HostState>> = (0..self.caches.len()).map(|_| None).collect();
-        if cached > 0 {
-            for (i, state) in states.iter().enumerate() {
-                if state.is_none() {
-                    continue;
-                }
-                match self.caches[i].read_state() {
-                    Ok(Some(held)) if held.offset == cached => before[i] = Some(held),
-                    _ => {
-                        self.counters.store_rejected += 1;
-                        return cached;
-                    }
-                }
-            }
-        }
         // Rows of the answer from `cached` to `end` (it may start earlier or
-        // run past the prompt's last token).
+        // run past the prompt's last token). A layer that refuses rows loads
+        // the whole state stored at exactly `end`, if there is one: the states
+        // are fetched at the first such layer, so a model of row layers only
+        // never asks for them.
         let rows = cached - kv.start()..end - kv.start();
+        let layers = self.caches.len();
+        let mut states: Option<Vec<Option<HostState>>> = None;
+        // What the state layers held, to give back on a refusal (a state
+        // cannot be rewound); nothing to keep at offset 0.
+        let mut before: Vec<Option<HostState>> = vec![None; layers];
+        let mut loaded = 0u64;
         let mut taken = true;
-        for (i, cache) in self.caches.iter_mut().enumerate() {
-            let outcome = match &states[i] {
-                Some(state) => cache.load_state(state),
-                None => cache.append_rows(kv.layer(i), rows.clone()),
-            };
+        for i in 0..layers {
+            let mut outcome = self.caches[i].append_rows(kv.layer(i), rows.clone());
+            if matches!(outcome, Ok(false)) {
+                let found =
+                    states.get_or_insert_with(|| Self::states_at(&link, namespace, &prompt[..end], layers));
+                if let Some(state) = found[i].take() {
+                    outcome = if cached == 0 {
+                        self.caches[i].load_state(&state)
+                    } else {
+                        match self.caches[i].read_state() {
+                            Ok(Some(held)) if held.offset == cached => {
+                                before[i] = Some(held);
+                                self.caches[i].load_state(&state)
+                            }
+                            _ => Ok(false),
+                        }
+                    };
+                    loaded += 1;
+                }
+            }
+            let cache = &self.caches[i];
             match outcome {
                 Ok(true) if cache.offset() == end => {}
                 Ok(true) => {
@@ -559,11 +554,40 @@ impl<C: SnapshotCache> PrefixCache<C> {
         let restored = (end - cached) as u64;
         self.counters.store_hits += 1;
         self.counters.store_tokens += restored;
-        self.counters.store_states_loaded += with_states as u64;
+        self.counters.store_states_loaded += loaded;
         for (tier, tokens) in fetched.tiers {
             *self.counters.store_tier_tokens.entry(tier).or_default() += tokens as u64;
         }
         end
+    }
+
+    /// The whole states the store holds for exactly `prefix`, by layer (of
+    /// `layers`); none where it holds none or answers states that do not
+    /// stand at `prefix.len()`.
+    fn states_at(
+        link: &StoreLink,
+        namespace: &Namespace,
+        prefix: &[u32],
+        layers: usize,
+    ) -> Vec<Option<HostState>> {
+        let mut out = vec![None; layers];
+        let Some(found) = link.store.fetch_states(namespace, prefix, link.deadline) else {
+            return out;
+        };
+        if found
+            .iter()
+            .any(|(layer, state)| *layer >= layers || state.offset != prefix.len())
+        {
+            tracing::warn!(
+                end = prefix.len(),
+                "prefix cache: ignoring stored states that do not fit"
+            );
+            return out;
+        }
+        for (layer, state) in found {
+            out[layer] = Some(state);
+        }
+        out
     }
 
     /// Writes `prompt` (the prompt tokens the live caches hold, from offset 0)

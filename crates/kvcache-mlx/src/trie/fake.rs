@@ -457,6 +457,7 @@ struct MemStoreInner {
     states: HashMap<(Namespace, Vec<u32>), LayerStates>,
     offline: bool,
     fetches: usize,
+    state_fetches: usize,
     submits: usize,
     refused: usize,
 }
@@ -489,6 +490,11 @@ impl MemStore {
     /// Prefixes with whole layer states stored, over every namespace.
     pub fn state_prefixes(&self) -> usize {
         self.lock().states.len()
+    }
+
+    /// `fetch_states` calls so far.
+    pub fn state_fetches(&self) -> usize {
+        self.lock().state_fetches
     }
 
     /// `fetch` calls so far.
@@ -614,7 +620,8 @@ impl PrefixStore for MemStore {
         tokens: &[u32],
         _deadline: Duration,
     ) -> Option<Vec<(usize, HostState)>> {
-        let inner = self.lock();
+        let mut inner = self.lock();
+        inner.state_fetches += 1;
         if inner.offline {
             return None;
         }
