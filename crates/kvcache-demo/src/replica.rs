@@ -17,9 +17,8 @@
 //! spawns one, sends commands and reads the answers.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -237,122 +236,4 @@ impl Drop for Replica {
             let _ = self.child.wait();
         }
     }
-}
-
-/// A `redis-server` of our own on a Unix socket in a temporary directory,
-/// stopped (by its process id) when dropped.
-#[derive(Debug)]
-pub struct RedisServer {
-    child: Child,
-    dir: PathBuf,
-    max_memory: usize,
-}
-
-impl RedisServer {
-    /// Starts `redis-server` from `PATH` with no persistence, at most
-    /// `max_memory` bytes (least recently used keys evicted), listening on a
-    /// socket only, and waits until it answers `PING`.
-    pub fn start(max_memory: usize) -> Result<Self> {
-        let dir = std::env::temp_dir().join(format!("kvcache-redis-{}-{}", std::process::id(), unique()));
-        std::fs::create_dir_all(&dir).map_err(|e| DemoError::io(&dir, e))?;
-        let child = Self::spawn(&dir, max_memory)?;
-        let server = RedisServer {
-            child,
-            dir,
-            max_memory,
-        };
-        server.wait_ready()?;
-        Ok(server)
-    }
-
-    /// Whether `redis-server` can be started from `PATH`.
-    pub fn available() -> bool {
-        Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    }
-
-    /// Kills the server (by its process id), as an outage would.
-    pub fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Starts a new, empty server on the same socket after [`stop`](Self::stop).
-    pub fn restart(&mut self) -> Result<()> {
-        self.stop();
-        let _ = std::fs::remove_file(self.socket());
-        self.child = Self::spawn(&self.dir, self.max_memory)?;
-        self.wait_ready()
-    }
-
-    fn spawn(dir: &Path, max_memory: usize) -> Result<Child> {
-        Command::new("redis-server")
-            .args(["--port", "0", "--save", "", "--appendonly", "no"])
-            .arg("--unixsocket")
-            .arg(dir.join("redis.sock"))
-            .args([
-                "--maxmemory",
-                &max_memory.to_string(),
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| DemoError::io(Path::new("redis-server (apt-get install redis-server)"), e))
-    }
-
-    fn wait_ready(&self) -> Result<()> {
-        for _ in 0..200 {
-            if self.ping() {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        Err(DemoError::Format(
-            "redis-server did not answer PING within 5 s".into(),
-        ))
-    }
-
-    /// The server's Unix socket.
-    pub fn socket(&self) -> PathBuf {
-        self.dir.join("redis.sock")
-    }
-
-    /// The URL the `redis` crate connects with.
-    pub fn url(&self) -> String {
-        format!("redis+unix://{}", self.socket().display())
-    }
-
-    fn ping(&self) -> bool {
-        use std::io::Read;
-        let Ok(mut stream) = std::os::unix::net::UnixStream::connect(self.socket()) else {
-            return false;
-        };
-        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-        let mut reply = [0u8; 7];
-        stream.write_all(b"PING\r\n").is_ok()
-            && stream.read_exact(&mut reply).is_ok()
-            && &reply == b"+PONG\r\n"
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn unique() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    NEXT.fetch_add(1, Ordering::Relaxed)
 }

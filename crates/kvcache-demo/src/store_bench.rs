@@ -12,7 +12,9 @@
 use std::fmt;
 use std::path::Path;
 
-use crate::replica::{RedisServer, Replica, TurnLine};
+use kvcache_store::redis_server::RedisServer;
+
+use crate::replica::{Replica, TurnLine};
 use crate::trace::Trace;
 use crate::Result;
 
@@ -220,10 +222,14 @@ pub fn e4_replicas(
     log: &mut dyn FnMut(&str),
 ) -> Result<E4Report> {
     let requests = requests.min(trace.requests.len());
-    let redis = RedisServer::start(redis_bytes)?;
+    let dir = std::env::temp_dir().join(format!("kvcache-e4-redis-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| crate::DemoError::io(&dir, e))?;
+    let redis = RedisServer::start(&dir, redis_bytes as u64)?;
     let with_redis = vec!["--redis".to_owned(), redis.url()];
-    let shared = run_pair(setup, &with_redis, requests, "shared", log)?;
+    let shared = run_pair(setup, &with_redis, requests, "shared", log);
     drop(redis);
+    let _ = std::fs::remove_dir_all(&dir);
+    let shared = shared?;
     let alone = run_pair(setup, &[], requests, "alone", log)?;
     Ok(E4Report {
         shared,

@@ -13,21 +13,9 @@ use std::time::Duration;
 use candle_core::Device;
 use kvcache_api::{DType, Fingerprint, KvLayout};
 use kvcache_demo::chat::{ChatServer, Reuse};
-use kvcache_demo::replica::RedisServer;
 use kvcache_demo::{Llama, LlamaConfig};
+use kvcache_store::redis_server::{self, RedisServer};
 use kvcache_store::{RedisConfig, RedisTier, StoreConfig, TieredStore};
-
-fn redis_or_skip() -> bool {
-    if RedisServer::available() {
-        return true;
-    }
-    assert!(
-        std::env::var("KVCACHE_REQUIRE_REDIS").as_deref() != Ok("1"),
-        "redis-server is not on PATH and KVCACHE_REQUIRE_REDIS=1 (run `cargo xtask prepare`)"
-    );
-    eprintln!("skipped: redis-server not on PATH");
-    false
-}
 
 fn prompt(seed: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| (seed * 31 + i * 7) % 64).collect()
@@ -35,13 +23,15 @@ fn prompt(seed: u32, len: u32) -> Vec<u32> {
 
 #[test]
 fn the_engine_answers_through_a_redis_outage_and_uses_redis_again() {
-    if !redis_or_skip() {
+    if !redis_server::available_or_skip() {
         return;
     }
     let model = Llama::random(LlamaConfig::tiny(), 11, &Device::Cpu).unwrap();
     let c = model.config();
     let layout = KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32);
-    let mut redis = RedisServer::start(64 << 20).unwrap();
+    let dir = std::env::temp_dir().join(format!("kvcache-outage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut redis = RedisServer::start(&dir, 64 << 20).unwrap();
     // Redis is the only tier: every restore below comes from it.
     let config = StoreConfig::new(Fingerprint([3; 32]), layout).with_block_tokens(8);
     let tier = RedisTier::new(config.context(), RedisConfig::new(redis.url())).unwrap();
@@ -65,7 +55,7 @@ fn the_engine_answers_through_a_redis_outage_and_uses_redis_again() {
     assert_eq!(turn.generated, alone(&next));
 
     // Outage: the server answers every request by evaluating, and the same tokens.
-    redis.stop();
+    redis.kill();
     let errors_before = store.stats().tiers[0].errors;
     for seed in 3..6 {
         let p = [&first[..], &prompt(seed, 5)].concat();
@@ -90,4 +80,6 @@ fn the_engine_answers_through_a_redis_outage_and_uses_redis_again() {
     let turn = server().generate(&again, 3, None).unwrap();
     assert_eq!((turn.restored, turn.tiers.clone()), (18, vec![("redis", 18)]));
     assert_eq!(turn.generated, alone(&again));
+    drop(redis);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

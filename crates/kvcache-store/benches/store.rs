@@ -28,10 +28,11 @@
 
 use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore};
+use kvcache_store::redis_server::RedisServer;
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
 
 const TOKENS: usize = 1024;
@@ -66,7 +67,7 @@ fn main() {
     let quick = std::env::var("KVCACHE_BENCH_QUICK").is_ok_and(|v| v == "1");
     let runs = if quick { 3 } else { 9 };
     let scratch = tempfile::tempdir().expect("temp dir");
-    let redis = RedisServer::start(scratch.path());
+    let redis = RedisServer::start(scratch.path(), 2 << 30).ok();
     if redis.is_none() {
         eprintln!("redis: skipped (redis-server not on PATH or did not start)");
     }
@@ -129,7 +130,7 @@ fn measure(
     };
     let store = TieredStore::new(config, tiers).expect("store");
     let ns = Namespace::shared();
-    let mut bound_conn = redis.map(RedisServer::connection);
+    let mut bound_conn = redis.map(|r| r.connection().expect("redis connection"));
     let mut samples = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
     // The first runs fill the tier and the allocator's arenas; only later ones
     // are kept (a steady state: the tier evicts as much as it stores).
@@ -243,61 +244,4 @@ fn bound_redis(kv: &HostKv, conn: &mut redis::Connection, run: usize) -> (Durati
 fn median(mut samples: Vec<Duration>) -> Duration {
     samples.sort();
     samples[samples.len() / 2]
-}
-
-/// A `redis-server` of the bench's own on a Unix socket, killed on drop.
-struct RedisServer {
-    child: Child,
-    socket: std::path::PathBuf,
-}
-
-impl RedisServer {
-    fn start(dir: &Path) -> Option<RedisServer> {
-        let socket = dir.join("redis.sock");
-        let child = Command::new("redis-server")
-            .args(["--port", "0", "--unixsocket"])
-            .arg(&socket)
-            .args(["--save", "", "--appendonly", "no", "--maxmemory", "2gb"])
-            .args(["--maxmemory-policy", "allkeys-lru", "--dir"])
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let mut server = RedisServer { child, socket };
-        for _ in 0..400 {
-            if server.socket.exists() && server.try_connection().is_some() {
-                return Some(server);
-            }
-            if let Ok(Some(_)) = server.child.try_wait() {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        None
-    }
-
-    fn url(&self) -> String {
-        format!("redis+unix://{}", self.socket.display())
-    }
-
-    fn try_connection(&self) -> Option<redis::Connection> {
-        let mut conn = redis::Client::open(self.url())
-            .ok()?
-            .get_connection_with_timeout(Duration::from_secs(1))
-            .ok()?;
-        redis::cmd("PING").query::<String>(&mut conn).ok()?;
-        Some(conn)
-    }
-
-    fn connection(&self) -> redis::Connection {
-        self.try_connection().expect("redis connection")
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }

@@ -2,14 +2,14 @@
 //! and a `redis-server` of the test's own.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace};
+use kvcache_store::redis_server;
 use kvcache_store::{
     Block, BlockKey, MemoryTier, Result, StoreConfig, Tier, TierContext, TierCounters, TieredStore,
 };
@@ -124,105 +124,44 @@ impl<T: Tier> Tier for Opaque<T> {
 
 pub const SECOND: Duration = Duration::from_secs(1);
 
-/// Whether `redis-server` is on PATH. When it is not: panics if
-/// `KVCACHE_REQUIRE_REDIS=1`, else says the test is skipped.
+/// Whether the test can use Redis: see [`redis_server::available_or_skip`].
 pub fn redis_available() -> bool {
-    let found = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).any(|dir| dir.join("redis-server").is_file()))
-        .unwrap_or(false);
-    if found {
-        return true;
-    }
-    if std::env::var("KVCACHE_REQUIRE_REDIS").as_deref() == Ok("1") {
-        panic!("redis-server not on PATH and KVCACHE_REQUIRE_REDIS=1 (run `cargo xtask prepare`)");
-    }
-    eprintln!("skipped: redis-server not on PATH");
-    false
+    redis_server::available_or_skip()
 }
 
-/// A `redis-server` on a Unix socket in a directory of the test's, killed by its
-/// process id on drop.
-pub struct RedisServer {
-    child: Option<Child>,
-    pub socket: PathBuf,
-    pub maxmemory: u64,
-}
+/// A `redis-server` of the test's own on `dir/redis.sock` (killed on drop).
+pub struct RedisServer(redis_server::RedisServer);
 
 impl RedisServer {
-    /// Starts a server on `dir/redis.sock` with no persistence and
-    /// `maxmemory` bytes under allkeys-lru, and waits until it answers PING.
+    /// Starts a server with `maxmemory` bytes under allkeys-lru.
     pub fn start(dir: &Path, maxmemory: u64) -> RedisServer {
-        let socket = dir.join("redis.sock");
-        let child = Command::new("redis-server")
-            .args(["--port", "0", "--unixsocket"])
-            .arg(&socket)
-            .args(["--unixsocketperm", "700", "--save", "", "--appendonly", "no"])
-            .args([
-                "--maxmemory",
-                &maxmemory.to_string(),
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server");
-        let mut server = RedisServer {
-            child: Some(child),
-            socket,
-            maxmemory,
-        };
-        server.wait_ready();
-        server
+        RedisServer(redis_server::RedisServer::start(dir, maxmemory).expect("start redis-server"))
     }
 
     pub fn url(&self) -> String {
-        format!("redis+unix://{}", self.socket.display())
+        self.0.url()
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.0.pid()
+    }
+
+    pub fn maxmemory(&self) -> u64 {
+        self.0.maxmemory()
     }
 
     /// A connection for checks from the test.
     pub fn connection(&self) -> redis::Connection {
-        let client = redis::Client::open(self.url()).unwrap();
-        client.get_connection_with_timeout(SECOND).unwrap()
-    }
-
-    fn wait_ready(&mut self) {
-        for _ in 0..400 {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("redis-server exited at start: {status}");
-                }
-            }
-            if self.socket.exists() {
-                let ping = redis::Client::open(self.url())
-                    .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
-                    .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-                if ping.is_ok() {
-                    return;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        panic!("redis-server did not answer PING within 10 s");
+        self.0.connection().expect("redis connection")
     }
 
     /// Kills the server (SIGKILL, by its process id) and reaps it.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.0.kill();
     }
-}
 
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
+    /// A new, empty server on the same socket.
+    pub fn restart(&mut self) {
+        self.0.restart().expect("restart redis-server");
     }
 }
