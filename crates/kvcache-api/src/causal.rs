@@ -129,6 +129,16 @@ pub trait CausalCache {
     /// The configuration in force.
     fn config(&self) -> &CausalConfig;
 
+    /// Number of cells the cache holds: the most columns a pass's mask and
+    /// [`KvView`] can have (`[batch_padded, cells]`), whatever the pass.
+    ///
+    /// The default is the sizing rule of the configuration in force,
+    /// [`CausalConfig::num_cells`]; a cache that sizes itself otherwise (or holds
+    /// several configurations) answers for itself.
+    fn num_cells(&self) -> usize {
+        self.config().num_cells()
+    }
+
     /// Replaces the configuration, dropping every stored token.
     fn configure(&mut self, config: CausalConfig) -> Result<()>;
 

@@ -448,6 +448,11 @@ impl CausalCache for CausalKvCache {
         self.book.config()
     }
 
+    /// The cells the bookkeeping allocated ([`CausalKvCache::num_cells`]).
+    fn num_cells(&self) -> usize {
+        self.book.cells().len()
+    }
+
     /// Replaces the configuration; every stored token and tensor is dropped (the
     /// device and shift function stay).
     fn configure(&mut self, config: CausalConfig) -> Result<()> {

@@ -142,6 +142,15 @@ impl CausalCache for LayerGroupCache {
         self.groups[group].config()
     }
 
+    /// The cells of the current layer's group (the width of its masks and
+    /// views), as [`config`](CausalCache::config) is that group's configuration;
+    /// the first group's for a layer outside every group. Each group's own count
+    /// is `groups()[g].num_cells()`.
+    fn num_cells(&self) -> usize {
+        let group = self.current().unwrap_or(0);
+        self.groups[group].num_cells()
+    }
+
     /// A single configuration cannot describe several groups: use
     /// [`LayerGroupCache::configure_groups`].
     fn configure(&mut self, _config: CausalConfig) -> Result<()> {
