@@ -107,6 +107,35 @@ where
     }
 }
 
+/// Makes a boxed [`KeyShift`] of a closure, fixing its parameter types so that
+/// none needs writing out: `layer: usize`, `keys: &T` (`[n, kv_heads, head_dim]`)
+/// and `shifts: &[Pos]` (`[n]`), returning `Result<T>` of the same shape.
+///
+/// A bare closure passed where a `Box<dyn KeyShift<T>>` is expected needs its
+/// parameters annotated (`|layer: usize, keys: &Tensor, shifts: &[Pos]|`), since
+/// Rust infers a closure's signature only from a bound it is passed to directly;
+/// this function is that bound. Name the tensor type once, `key_shift::<T, _>`
+/// (Rust checks the closure's body before it sees where the box goes); a backend
+/// crate can fix it for you, as `kvcache_causal::key_shift` does for candle.
+///
+/// ```
+/// use kvcache_api::{key_shift, KeyShift};
+///
+/// // Keys as plain numbers, one per cell: a "rotation" adds the shift.
+/// let shift = key_shift::<Vec<f32>, _>(|_layer, keys, shifts| {
+///     Ok(keys.iter().zip(shifts).map(|(k, &s)| k + s as f32).collect())
+/// });
+/// assert_eq!(shift.shift(0, &vec![1.0, 2.0], &[0, -1])?, vec![1.0, 1.0]);
+/// # Ok::<(), kvcache_api::CacheError>(())
+/// ```
+pub fn key_shift<T, F>(f: F) -> Box<dyn KeyShift<T>>
+where
+    T: 'static,
+    F: Fn(usize, &T, &[Pos]) -> Result<T> + Send + Sync + 'static,
+{
+    Box::new(f)
+}
+
 /// A KV cache whose cells are shared by several sequences, driven one forward
 /// pass at a time.
 ///

@@ -37,7 +37,7 @@ mod shared;
 mod snapshot;
 
 pub use batch::{Batch, Pos, SeqId};
-pub use causal::{CausalCache, ForwardMode, KeyShift, KvView, PosRange};
+pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
 pub use config::{CausalConfig, DType, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
 pub use host::{

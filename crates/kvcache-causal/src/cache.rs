@@ -17,6 +17,34 @@ use crate::storage::{same_storage, Storage};
 /// A shift function as the cache keeps it: shared by deep clones, never mutated.
 pub type SharedKeyShift = Arc<dyn KeyShift<Tensor>>;
 
+/// Makes a shift function for a [`CausalKvCache`] of a closure with no parameter
+/// types written out: `layer: usize`, `keys: &Tensor` (`[n, kv_heads, head_dim]`,
+/// a view of `n` consecutive cells of that layer) and `shifts: &[Pos]` (`[n]`, each
+/// cell's position delta, 0 for cells that do not move), returning the re-rotated
+/// keys, same shape. [`kvcache_api::key_shift`] with the tensor type fixed to
+/// candle's.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use kvcache_api::{CacheError, CausalConfig};
+/// use kvcache_causal::{key_shift, CausalKvCache};
+///
+/// let shift = key_shift(|_layer, keys, shifts| {
+///     // Stand-in for a real rotation: add each cell's delta to its key.
+///     let deltas: Vec<f32> = shifts.iter().map(|&s| s as f32).collect();
+///     let deltas = Tensor::from_vec(deltas, (shifts.len(), 1, 1), keys.device());
+///     deltas.and_then(|d| keys.broadcast_add(&d)).map_err(CacheError::backend)
+/// });
+/// let cache = CausalKvCache::new(CausalConfig::new(1, 64, 8), Device::Cpu, Some(shift))?;
+/// # Ok::<(), CacheError>(())
+/// ```
+pub fn key_shift<F>(f: F) -> Box<dyn KeyShift<Tensor>>
+where
+    F: Fn(usize, &Tensor, &[Pos]) -> Result<Tensor> + Send + Sync + 'static,
+{
+    kvcache_api::key_shift::<Tensor, F>(f)
+}
+
 /// A multi-sequence causal KV cache whose keys and values are candle tensors.
 ///
 /// Cells (one token's keys and values for every layer) are shared by up to
@@ -98,6 +126,25 @@ pub(crate) struct PreparedRemove {
 impl CausalKvCache {
     /// An empty cache for `config` whose tensors live on `device`; `shift`
     /// re-rotates keys when a removal moves positions (see [`crate::RopeShift`]).
+    ///
+    /// A closure becomes a shift function through [`crate::key_shift`], with
+    /// no parameter types written out (`keys: &Tensor` `[n, kv_heads, head_dim]`,
+    /// `shifts: &[Pos]` `[n]`):
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use kvcache_api::{CacheError, CausalConfig};
+    /// use kvcache_causal::{key_shift, CausalKvCache};
+    ///
+    /// let shift = key_shift(|_layer, keys, shifts| {
+    ///     // Stand-in for a real rotation: add each cell's delta to its key.
+    ///     let deltas: Vec<f32> = shifts.iter().map(|&s| s as f32).collect();
+    ///     let deltas = Tensor::from_vec(deltas, (shifts.len(), 1, 1), keys.device());
+    ///     deltas.and_then(|d| keys.broadcast_add(&d)).map_err(CacheError::backend)
+    /// });
+    /// let cache = CausalKvCache::new(CausalConfig::new(1, 64, 8), Device::Cpu, Some(shift))?;
+    /// # Ok::<(), CacheError>(())
+    /// ```
     pub fn new(
         config: CausalConfig,
         device: Device,

@@ -73,7 +73,7 @@ mod storage;
 pub mod transfer;
 mod window;
 
-pub use cache::{CausalKvCache, SharedKeyShift};
+pub use cache::{key_shift, CausalKvCache, SharedKeyShift};
 pub use inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
 pub use kvcache_api::SeqState;
 pub use layer_groups::LayerGroupCache;

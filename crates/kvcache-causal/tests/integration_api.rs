@@ -35,3 +35,37 @@ fn num_cells_through_the_trait() {
     cache.set_layer(7);
     assert_eq!(cells_of(&cache), local.num_cells());
 }
+
+#[test]
+fn a_closure_without_annotations_shifts_keys() {
+    use kvcache_api::{Batch, ForwardMode, PosRange};
+    use kvcache_causal::key_shift;
+    let config = CausalConfig::new(1, 16, 8);
+    let shift = key_shift(|_layer, keys, shifts| {
+        let deltas: Vec<f32> = shifts.iter().map(|&s| s as f32).collect();
+        candle_core::Tensor::from_vec(deltas, (shifts.len(), 1, 1), keys.device())
+            .and_then(|d| keys.broadcast_add(&d))
+            .map_err(kvcache_api::CacheError::backend)
+    });
+    let mut cache = CausalKvCache::new(config, Device::Cpu, Some(shift)).unwrap();
+    cache
+        .start_forward(&Batch::sequence(0, 0, 4).unwrap(), ForwardMode::Compute)
+        .unwrap();
+    cache.set_layer(0);
+    let kv = common::filled(
+        &[10.0, 11.0, 12.0, 13.0],
+        1,
+        2,
+        kvcache_api::DType::F32,
+        &Device::Cpu,
+    );
+    cache.put(&kv, &kv).unwrap();
+    cache.remove(0, PosRange::from(1..2)).unwrap();
+    // Positions 2 and 3 moved down by one: their keys went through the closure.
+    let moved: Vec<f32> = cache
+        .positions(0)
+        .iter()
+        .map(|&(_, cell)| cache.read_cell(0, cell).unwrap().keys[0])
+        .collect();
+    assert_eq!(moved, vec![10.0, 11.0, 12.0]);
+}
