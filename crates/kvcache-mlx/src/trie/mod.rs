@@ -169,5 +169,6 @@ mod session;
 mod stats;
 
 pub use cache::PrefixCache;
+pub use check::TrieViolation;
 pub use session::Session;
 pub use stats::Stats;
