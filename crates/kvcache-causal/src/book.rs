@@ -357,6 +357,49 @@ impl Book {
         );
     }
 
+    /// The mask columns row `row` of the pass's mask may see, as sorted,
+    /// disjoint, non-adjacent ranges (the row's planned intervals, without the
+    /// mask): empty for padding rows and in reserve passes.
+    pub(crate) fn visible_cells(&self, row: usize) -> Result<Vec<Range<usize>>> {
+        let pass = &self.pass;
+        let Some(mode) = pass.mode else {
+            return Err(CacheError::InvalidState(
+                "visible_cells needs a forward pass in progress".into(),
+            ));
+        };
+        let rows = self.mask_rows();
+        if row >= rows {
+            return Err(CacheError::InvalidArgument(format!(
+                "mask row {row} out of range: the pass's mask has {rows} rows"
+            )));
+        }
+        if mode == ForwardMode::Reserve || row >= pass.len() {
+            return Ok(Vec::new());
+        }
+        let query = Query {
+            seq: pass.sequences[row],
+            pos: pass.positions[row],
+            exempt: pass.exempt[row],
+        };
+        let mut spans = Vec::new();
+        mask::row_spans(
+            &self.cells,
+            &self.attention,
+            query,
+            pass.range.clone(),
+            &mut spans,
+        );
+        let mut out: Vec<Range<usize>> = Vec::with_capacity(spans.len());
+        for (start, len) in spans {
+            let (start, end) = (start as usize, (start + len) as usize);
+            match out.last_mut() {
+                Some(last) if last.end == start => last.end = end,
+                _ => out.push(start..end),
+            }
+        }
+        Ok(out)
+    }
+
     /// Validates `set_causal(except)`; returns whether the exemptions change.
     pub(crate) fn prepare_set_causal(&self, except: &[usize]) -> Result<bool> {
         if self.pass.mode.is_none() {

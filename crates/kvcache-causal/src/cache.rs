@@ -235,6 +235,40 @@ impl CausalKvCache {
         self.book.pass().mode().map(|_| self.book.pass().range())
     }
 
+    /// The cells row `row` of the pass's mask may attend to, read from the mask's
+    /// plan (no tensor is read or converted): sorted, disjoint, non-adjacent
+    /// ranges of **mask columns**, i.e. cell indices relative to the start of
+    /// [`pass_range`](Self::pass_range) (add `pass_range().start` for absolute
+    /// cells). Column `j` is visible exactly where the dense mask
+    /// `[batch_padded, cells]` holds `0` in row `row`, and the same column
+    /// indexes the first axis of [`KvView::keys`] (`[cells, kv_heads, head_dim]`).
+    ///
+    /// Rows follow the batch order of [`start_forward`](CausalCache::start_forward)
+    /// (and [`set_causal`](CausalCache::set_causal) exemptions); padding rows
+    /// (`batch.len() <= row < batch_padded`) and every row of a reserve pass are
+    /// fully masked: an empty list.
+    ///
+    /// Errors: [`CacheError::InvalidState`] with no pass in progress (before
+    /// `start_forward`, or after a metadata change ended the pass),
+    /// [`CacheError::InvalidArgument`] for `row >= batch_padded`.
+    ///
+    /// ```
+    /// use candle_core::Device;
+    /// use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode};
+    /// use kvcache_causal::CausalKvCache;
+    ///
+    /// let mut cache = CausalKvCache::new(CausalConfig::new(2, 64, 8), Device::Cpu, None)?;
+    /// assert!(cache.visible_cells(0).is_err()); // no pass yet
+    /// let batch = Batch::from_tokens([(0, 0), (0, 1), (1, 0)])?;
+    /// cache.start_forward(&batch, ForwardMode::Compute)?;
+    /// assert_eq!(cache.visible_cells(1)?, vec![0..2]); // sequence 0, positions 0 and 1
+    /// assert_eq!(cache.visible_cells(2)?, vec![2..3]); // sequence 1 alone
+    /// # Ok::<(), kvcache_api::CacheError>(())
+    /// ```
+    pub fn visible_cells(&self, row: usize) -> Result<Vec<Range<usize>>> {
+        self.book.visible_cells(row)
+    }
+
     /// The stored keys and values of `cell` in `layer`, as f32.
     pub fn read_cell(&self, layer: usize, cell: usize) -> Result<CellData> {
         let (keys, values) = self.storage.read_cell(layer, cell)?;

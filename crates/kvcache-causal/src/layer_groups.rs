@@ -111,6 +111,15 @@ impl LayerGroupCache {
         Ok(())
     }
 
+    /// The cells row `row` of the current layer's mask may attend to: the
+    /// current layer's group's [`CausalKvCache::visible_cells`] (mask columns of
+    /// that group's pass range), with its errors; an
+    /// [`InvalidArgument`](CacheError::InvalidArgument) error for a layer outside
+    /// every group.
+    pub fn visible_cells(&self, row: usize) -> Result<Vec<std::ops::Range<usize>>> {
+        self.groups[self.current()?].visible_cells(row)
+    }
+
     /// The state of every group.
     pub fn state(&self) -> Result<Vec<CacheState>> {
         self.groups.iter().map(CausalKvCache::state).collect()

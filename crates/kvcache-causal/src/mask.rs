@@ -110,23 +110,36 @@ pub(crate) fn plan(
     debug_assert!(queries.len() <= rows);
     plan.reset(rows * width);
     for (row, query) in queries.enumerate() {
-        spans.clear();
-        let (lo, hi) = attention.visible(query.pos, query.exempt);
-        for run in cells.index(query.seq).visible(lo, hi) {
-            debug_assert!(
-                range.start <= run.cell as usize && run.end_cell() as usize <= range.end,
-                "visible run {run:?} lies outside the pass range {range:?}"
-            );
-            spans.push((run.cell - range.start as u32, run.len));
-        }
-        if !spans.is_sorted_by_key(|&(start, _)| start) {
-            spans.sort_unstable_by_key(|&(start, _)| start);
-        }
+        row_spans(cells, attention, query, range.clone(), spans);
         let base = row * width;
         for &(start, len) in spans.iter() {
             let start = base + start as usize;
             plan.push(start, start + len as usize);
         }
+    }
+}
+
+/// The cells `query` may see as `(first, len)` spans of columns (cells relative
+/// to `range.start`), sorted by column, into `spans`: one row of a [`plan`].
+/// Spans of consecutive runs may touch; they never overlap.
+pub(crate) fn row_spans(
+    cells: &Cells,
+    attention: &Attention,
+    query: Query,
+    range: Range<usize>,
+    spans: &mut Vec<(u32, u32)>,
+) {
+    spans.clear();
+    let (lo, hi) = attention.visible(query.pos, query.exempt);
+    for run in cells.index(query.seq).visible(lo, hi) {
+        debug_assert!(
+            range.start <= run.cell as usize && run.end_cell() as usize <= range.end,
+            "visible run {run:?} lies outside the pass range {range:?}"
+        );
+        spans.push((run.cell - range.start as u32, run.len));
+    }
+    if !spans.is_sorted_by_key(|&(start, _)| start) {
+        spans.sort_unstable_by_key(|&(start, _)| start);
     }
 }
 
