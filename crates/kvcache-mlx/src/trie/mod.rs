@@ -34,16 +34,19 @@
 //!         Ok::<(), CacheError>(())
 //!     })?;
 //!
-//!     // Decode: record every sampled token; evaluate all but the last.
+//!     // Decode: record and evaluate each sampled token, then record the last
+//!     // one, which is never evaluated (closing with more left unevaluated is
+//!     // an error).
 //!     let max_tokens = 3;
-//!     for step in 0..max_tokens {
-//!         let token = 100 + step; // sampled from the logits of the last forward pass
-//!         session.record(token);
-//!         if step + 1 == max_tokens {
-//!             break;
-//!         }
-//!         feed_all(session.caches_mut(), &[token]);
+//!     let mut token = 100; // sampled from the logits of the prefill
+//!     for step in 1..max_tokens {
+//!         session.decode(token, |tokens, caches| {
+//!             feed_all(caches, tokens); // the model's forward pass
+//!             Ok::<(), CacheError>(())
+//!         })?;
+//!         token = 100 + step; // sampled from the logits decode returned
 //!     }
+//!     session.record(token);
 //!     // Closing (or dropping) the session stores what the caches hold.
 //!     session.close()?;
 //!     cache.check();

@@ -12,7 +12,8 @@ use super::cache::PrefixCache;
 /// [`snapshot`](Self::snapshot); [`prefill`](Self::prefill) and
 /// [`next_chunk`](Self::next_chunk) do that for it), then
 /// [`record`](Self::record)s every generated token and evaluates each one
-/// except the last. Closing the session (explicitly, or by dropping it) stores
+/// except the last ([`decode`](Self::decode) records and evaluates in one
+/// step); closing with more than the last one unevaluated is an error. Closing the session (explicitly, or by dropping it) stores
 /// what the caches hold in the trie, and writes the prompt's keys and values
 /// through to the store, if the trie has one.
 pub struct Session<'a, C: SnapshotCache> {
@@ -145,8 +146,9 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         }
     }
 
-    /// Records a generated token. Every recorded token but the last one is
-    /// expected to be evaluated before the session closes.
+    /// Records a generated token. Every recorded token but the last one must
+    /// be evaluated before the session closes, or [`close`](Self::close)
+    /// reports the gap; [`decode`](Self::decode) records and evaluates at once.
     ///
     /// The first one means the prompt has been evaluated: when the caches hold
     /// exactly the prompt, what the store lacks of it is written through now,
@@ -159,6 +161,43 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
             self.stored = true;
         }
         self.tokens.push(token);
+    }
+
+    /// Records the generated `token` and evaluates it in one step: `eval` runs
+    /// the model on `[token]` over the live caches (appending exactly one token
+    /// to every layer) and its output (the logits to sample the next token
+    /// from, say) is returned. The last token of a reply, which is never
+    /// evaluated, is [`record`](Self::record)ed instead.
+    ///
+    /// Errors ([`InvalidState`](CacheError::InvalidState)): the caches do not
+    /// stand together at the end of the prompt and the tokens recorded so far
+    /// (nothing is recorded then), or `eval` left them anywhere but one token
+    /// further (the token stays recorded; closing reports the gap). An error of
+    /// `eval` is returned as it is.
+    pub fn decode<R, E, F>(&mut self, token: u32, eval: F) -> std::result::Result<R, E>
+    where
+        E: From<CacheError>,
+        F: FnOnce(&[u32], &mut [C]) -> std::result::Result<R, E>,
+    {
+        let before = self.cache.uniform_offset()?;
+        if before != self.tokens.len() {
+            return Err(CacheError::InvalidState(format!(
+                "decode needs the caches at the end of the {} known tokens, they stand at {before}",
+                self.tokens.len()
+            ))
+            .into());
+        }
+        self.record(token);
+        let out = eval(&[token], &mut self.cache.caches)?;
+        let after = self.cache.uniform_offset()?;
+        if after != before + 1 {
+            return Err(CacheError::InvalidState(format!(
+                "decode evaluated to offset {after}, expected {}",
+                before + 1
+            ))
+            .into());
+        }
+        Ok(out)
     }
 
     /// Stores the live state at the current offset as a trie node with
@@ -206,7 +245,13 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
     /// The trie is left consistent in every case. When the layers disagree on
     /// the offset (a failed forward pass) or hold more tokens than were given,
     /// they are rewound (or freed) and an
-    /// [`InvalidState`](CacheError::InvalidState) error reports it.
+    /// [`InvalidState`](CacheError::InvalidState) error reports it. So does a
+    /// session that recorded tokens but left more than the last one
+    /// unevaluated (every recorded token but the last must be fed, see
+    /// [`decode`](Self::decode)): the path still ends where the caches do, and
+    /// the error names that offset and the tokens known. A session closed
+    /// before anything was recorded may stop anywhere in the prompt (an
+    /// abandoned request).
     pub fn close(mut self) -> Result<()> {
         self.finish()
     }
@@ -280,6 +325,15 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         }
         cache.touch_active();
         cache.enforce_budget();
+        let known = self.tokens.len();
+        if problem.is_none() && known > self.prompt_len && offset + 1 < known {
+            problem = Some(CacheError::InvalidState(format!(
+                "at close the caches hold {offset} tokens, but the prompt and the recorded tokens \
+                 are {known}: every recorded token but the last must be evaluated \
+                 (offsets {offset}..{} were not); the trie keeps the first {offset}",
+                known - 1
+            )));
+        }
         problem.map_or(Ok(()), Err)
     }
 }
