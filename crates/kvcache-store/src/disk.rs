@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,13 +27,14 @@ use std::time::{Instant, SystemTime};
 
 use kvcache_api::{HostKv, Namespace};
 
-use crate::entry_file::{encode_header, read_header, Header};
+use crate::entry_file::{encode_header, read_header, Describe, Header};
 use crate::error::{Result, StoreError};
 use crate::keys::BlockKey;
 use crate::lru::Lru;
+use crate::rows;
 use crate::stats::{bump, TierCounters};
 use crate::tails::TailsIndex;
-use crate::tier::{Block, OpenRows, RowReader, Tier, TierContext};
+use crate::tier::{Block, OpenRows, RowReader, RunBlock, Tier, TierContext};
 
 /// The file name suffix of entries.
 const SUFFIX: &str = ".safetensors";
@@ -245,12 +246,12 @@ impl DiskTier {
     /// Writes `blocks` as entries: each to a temporary file, all synced, all
     /// renamed, then one sync of the directory. A failure removes the temporary
     /// files not yet renamed; the blocks renamed before it are whole entries.
-    fn write_atomically(&self, blocks: &[(&Arc<Block>, Vec<u8>)]) -> Result<()> {
+    fn write_atomically(&self, blocks: &[Pending<'_>]) -> Result<()> {
         // (open file, temporary path, final path) of each block written so far.
         let mut staged: Vec<(File, PathBuf, PathBuf)> = Vec::with_capacity(blocks.len());
         let mut renamed = 0;
         let result = (|| {
-            for (block, header) in blocks {
+            for block in blocks {
                 let serial = self.temp_serial.fetch_add(1, Ordering::Relaxed);
                 let name = format!(
                     "{TEMP_PREFIX}{}-{}-{serial}",
@@ -259,9 +260,7 @@ impl DiskTier {
                 );
                 let temp = self.dir.join(name);
                 let mut file = File::create(&temp).map_err(|e| StoreError::io("create", &temp, e))?;
-                let written = file
-                    .write_all(header)
-                    .and_then(|()| file.write_all(block.kv.as_bytes()));
+                let written = write_all_parts(&mut file, &block.header, &block.data);
                 staged.push((file, temp.clone(), self.path_of(&block.key)));
                 written.map_err(|e| StoreError::io("write", temp, e))?;
             }
@@ -278,6 +277,24 @@ impl DiskTier {
             let _ = fs::remove_file(temp);
         }
         result
+    }
+
+    /// Writes the `pending` blocks in groups of [`SYNC_GROUP`] (a few files
+    /// open and syncing at a time, however long the run), each group indexed
+    /// and the budget enforced as soon as it is written.
+    fn write_pending(&self, pending: &[Pending<'_>]) -> Result<()> {
+        for group in pending.chunks(SYNC_GROUP) {
+            self.write_atomically(group)?;
+            let victims = {
+                let mut index = self.lock();
+                for block in group {
+                    index.insert(block.key, block.entry.clone(), block.size, &self.context);
+                }
+                self.evict_to_budget(&mut index)
+            };
+            self.remove_files(&victims);
+        }
+        Ok(())
     }
 
     /// Opens the file of `key` and checks its header (`None`: no such file).
@@ -346,6 +363,71 @@ impl DiskTier {
             self.discard_file(&self.path_of(key), why);
         }
     }
+}
+
+/// A block about to be written: its header and the slices of its data
+/// section, in order.
+struct Pending<'a> {
+    key: BlockKey,
+    entry: Entry,
+    header: Vec<u8>,
+    data: Vec<&'a [u8]>,
+    /// The file's bytes.
+    size: u64,
+}
+
+impl DiskTier {
+    /// The block described, ready to write with its data in `data` (slices in
+    /// order) of checksum `crc32`; `None` for a block larger than the whole
+    /// budget, which is not kept.
+    fn pending<'a>(
+        &self,
+        block: Describe<'_>,
+        data: Vec<&'a [u8]>,
+        crc32: u32,
+    ) -> Result<Option<Pending<'a>>> {
+        let header = encode_header(block, &self.context, crc32)?;
+        let size = (header.len() + block.data_len()) as u64;
+        if size > self.budget {
+            return Ok(None);
+        }
+        Ok(Some(Pending {
+            key: *block.key,
+            entry: Entry {
+                namespace: block.namespace.clone(),
+                parent: *block.parent,
+                tokens: block.tokens,
+            },
+            header,
+            data,
+            size,
+        }))
+    }
+}
+
+/// Writes `header` then every slice of `data` to `file`, in as few vectored
+/// writes as the system takes.
+fn write_all_parts(file: &mut File, header: &[u8], data: &[&[u8]]) -> std::io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = std::iter::once(header)
+        .chain(data.iter().copied())
+        .filter(|part| !part.is_empty())
+        .map(IoSlice::new)
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        match file.write_vectored(rest) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    "failed to write a whole entry",
+                ))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// An entry file, open and past its checked header.
@@ -503,35 +585,48 @@ impl Tier for DiskTier {
     }
 
     fn put_many(&self, blocks: &[Arc<Block>], _deadline: Instant) -> Result<()> {
-        let mut staged = Vec::with_capacity(blocks.len());
+        let mut pending = Vec::with_capacity(blocks.len());
         for block in blocks {
             let data = block.kv.as_bytes();
-            let header = encode_header(block, &self.context, crc32fast::hash(data))?;
-            // A block larger than the whole budget is not kept.
-            if (header.len() + data.len()) as u64 <= self.budget {
-                staged.push((block, header));
-            }
+            let describe = Describe::of(block);
+            pending.extend(self.pending(describe, vec![data], crc32fast::hash(data))?);
         }
-        // A few files open (and syncing) at a time, however long the run; each
-        // group indexed (and the budget enforced) as soon as it is written.
-        for group in staged.chunks(SYNC_GROUP) {
-            self.write_atomically(group)?;
-            let victims = {
-                let mut index = self.lock();
-                for (block, header) in group {
-                    let entry = Entry {
-                        namespace: block.namespace.clone(),
-                        parent: block.parent,
-                        tokens: block.kv.tokens(),
-                    };
-                    let size = (header.len() + block.kv.as_bytes().len()) as u64;
-                    index.insert(block.key, entry, size, &self.context);
-                }
-                self.evict_to_budget(&mut index)
+        self.write_pending(&pending)
+    }
+
+    fn writes_runs(&self) -> bool {
+        true
+    }
+
+    /// Writes each block's file straight from the run's rows (a vectored write
+    /// of the slices that hold them, checksummed in place): no copy of the
+    /// block in memory. A range outside the run is
+    /// [`StoreError::Corrupt`], and nothing is written.
+    fn put_run(&self, run: &HostKv, blocks: &[RunBlock], _deadline: Instant) -> Result<()> {
+        let mut pending = Vec::with_capacity(blocks.len());
+        for block in blocks {
+            let data = rows::slices(run, block.range.clone())
+                .filter(|slices| !slices.is_empty() && !block.range.is_empty())
+                .ok_or_else(|| {
+                    StoreError::Corrupt(format!(
+                        "a block of tokens {:?} outside the run {:?}",
+                        block.range,
+                        run.range()
+                    ))
+                })?;
+            let mut hasher = crc32fast::Hasher::new();
+            data.iter().for_each(|slice| hasher.update(slice));
+            let describe = Describe {
+                key: &block.key,
+                parent: &block.parent,
+                namespace: &block.namespace,
+                layout: run.layout(),
+                start: block.range.start,
+                tokens: block.range.len(),
             };
-            self.remove_files(&victims);
+            pending.extend(self.pending(describe, data, hasher.finalize())?);
         }
-        Ok(())
+        self.write_pending(&pending)
     }
 
     fn contains(&self, namespace: &Namespace, key: &BlockKey, _deadline: Instant) -> Result<bool> {

@@ -93,17 +93,46 @@ fn tensor_infos(layout: &KvLayout, tokens: usize) -> Vec<(String, TensorInfo)> {
     out
 }
 
-/// The bytes before the data section of `block`'s file: the header length
+/// What a file's header says of the block it holds (the data aside).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Describe<'a> {
+    pub(crate) key: &'a BlockKey,
+    pub(crate) parent: &'a BlockKey,
+    pub(crate) namespace: &'a Namespace,
+    pub(crate) layout: &'a KvLayout,
+    pub(crate) start: usize,
+    pub(crate) tokens: usize,
+}
+
+impl<'a> Describe<'a> {
+    /// The description of a whole block.
+    pub(crate) fn of(block: &'a Block) -> Self {
+        Describe {
+            key: &block.key,
+            parent: &block.parent,
+            namespace: &block.namespace,
+            layout: block.kv.layout(),
+            start: block.kv.start(),
+            tokens: block.kv.tokens(),
+        }
+    }
+
+    /// Bytes of the data section.
+    pub(crate) fn data_len(&self) -> usize {
+        self.tokens * self.layout.token_bytes()
+    }
+}
+
+/// The bytes before the data section of a block's file: the header length
 /// (u64 LE) and the JSON header, padded with spaces to a multiple of 8.
-pub(crate) fn encode_header(block: &Block, context: &TierContext, crc32: u32) -> Result<Vec<u8>> {
-    let kv = &block.kv;
+pub(crate) fn encode_header(block: Describe<'_>, context: &TierContext, crc32: u32) -> Result<Vec<u8>> {
     let metadata: HashMap<String, String> = [
         ("format", FORMAT.to_owned()),
         ("key", block.key.to_hex()),
         ("parent", block.parent.to_hex()),
-        ("start", kv.start().to_string()),
-        ("tokens", kv.tokens().to_string()),
-        ("layout", layout_text(kv.layout())),
+        ("start", block.start.to_string()),
+        ("tokens", block.tokens.to_string()),
+        ("layout", layout_text(block.layout)),
         ("fingerprint", context.fingerprint.to_hex()),
         ("namespace", block.namespace.as_str().to_owned()),
         ("crc32", format!("{crc32:08x}")),
@@ -111,7 +140,7 @@ pub(crate) fn encode_header(block: &Block, context: &TierContext, crc32: u32) ->
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
-    let metadata = Metadata::new(Some(metadata), tensor_infos(kv.layout(), kv.tokens()))
+    let metadata = Metadata::new(Some(metadata), tensor_infos(block.layout, block.tokens))
         .map_err(|e| StoreError::Corrupt(format!("cannot describe the block: {e}")))?;
     let mut json = serde_json::to_vec(&metadata)
         .map_err(|e| StoreError::Corrupt(format!("cannot encode a header: {e}")))?;

@@ -20,7 +20,7 @@ use crate::namespace::Scope;
 use crate::rows;
 use crate::states;
 use crate::stats::{add, bump, StoreCounters, StoreStats};
-use crate::tier::{Block, Tier, TierContext};
+use crate::tier::{Block, RunBlock, Tier, TierContext};
 use crate::writer::Writer;
 
 /// The most blocks a planned fetch reads at once (one open reader each);
@@ -128,6 +128,92 @@ struct States {
     states: Vec<(usize, HostState)>,
 }
 
+/// Blocks on their way to the tiers.
+enum Pending {
+    /// The blocks of a submitted run, as ranges of it. Tiers that write
+    /// straight from a run ([`Tier::writes_runs`]: the disk tier) get it as
+    /// it came; the blocks are cut into memory once, for the first tier that
+    /// wants them whole (the memory tier keeps them), and shared from then on.
+    Run {
+        /// The run, until it is cut (a run of one block moves into it).
+        kv: Option<HostKv>,
+        blocks: Vec<RunBlock>,
+        cut: Option<Vec<Arc<Block>>>,
+    },
+    /// Whole blocks (the parts of submitted states).
+    Whole(Vec<Arc<Block>>),
+}
+
+impl Pending {
+    /// The namespace and key of each block, in order.
+    fn keys(&self) -> Vec<(Namespace, BlockKey)> {
+        match self {
+            Pending::Run { blocks, .. } => blocks.iter().map(|b| (b.namespace.clone(), b.key)).collect(),
+            Pending::Whole(blocks) => blocks.iter().map(|b| (b.namespace.clone(), b.key)).collect(),
+        }
+    }
+
+    /// Stores blocks `wanted` (indices) in `tier`; the bytes of keys and
+    /// values stored.
+    fn put(
+        &mut self,
+        tier: &dyn Tier,
+        layout: &KvLayout,
+        wanted: &[usize],
+        deadline: Instant,
+    ) -> Result<u64> {
+        if let Pending::Run {
+            kv: Some(kv),
+            blocks,
+            cut: None,
+        } = self
+        {
+            if tier.writes_runs() {
+                let chosen: Vec<RunBlock> = wanted.iter().filter_map(|&i| blocks.get(i).cloned()).collect();
+                tier.put_run(kv, &chosen, deadline)?;
+                let tokens: usize = chosen.iter().map(|b| b.range.len()).sum();
+                return Ok((tokens * layout.token_bytes()) as u64);
+            }
+        }
+        let whole = self.whole()?;
+        let chosen: Vec<Arc<Block>> = wanted.iter().filter_map(|&i| whole.get(i).cloned()).collect();
+        tier.put_many(&chosen, deadline)?;
+        Ok(chosen.iter().map(|b| b.bytes()).sum())
+    }
+
+    /// The blocks in memory, cut from the run the first time.
+    fn whole(&mut self) -> Result<&[Arc<Block>]> {
+        match self {
+            Pending::Whole(blocks) => Ok(blocks),
+            Pending::Run { kv, blocks, cut } => {
+                if cut.is_none() {
+                    let lost = || StoreError::Corrupt("a run without its rows".into());
+                    let parts = match (blocks.as_slice(), kv.as_ref()) {
+                        // A run of one block is stored as it came, without a copy.
+                        ([only], Some(run)) if only.range == run.range() => vec![Arc::new(Block {
+                            key: only.key,
+                            parent: only.parent,
+                            namespace: only.namespace.clone(),
+                            kv: kv.take().ok_or_else(lost)?,
+                        })],
+                        (_, run) => {
+                            let run = run.ok_or_else(lost)?;
+                            blocks
+                                .iter()
+                                .map(|block| block.to_block(run).map(Arc::new))
+                                .collect::<Result<Vec<_>>>()?
+                        }
+                    };
+                    // Every tier from now on is served from the cut blocks.
+                    *kv = None;
+                    *cut = Some(parts);
+                }
+                Ok(cut.as_deref().unwrap_or(&[]))
+            }
+        }
+    }
+}
+
 /// Where one block was found.
 enum Lookup {
     Found(Arc<Block>, usize),
@@ -213,13 +299,18 @@ impl Core {
     fn write(&self, job: Job) {
         match job {
             Job::Run(run) => {
-                let blocks = self.cut(run);
-                let stored = self.write_blocks(&blocks);
+                let blocks = self.cut(&run);
+                let stored = self.write_blocks(Pending::Run {
+                    kv: Some(run.kv),
+                    blocks,
+                    cut: None,
+                });
                 add(&self.counters.blocks_written, stored);
             }
             Job::States(job) => {
                 let parts = self.state_parts(&job);
-                if !parts.is_empty() && self.write_blocks(&parts) == parts.len() as u64 {
+                let count = parts.len() as u64;
+                if count > 0 && self.write_blocks(Pending::Whole(parts)) == count {
                     bump(&self.counters.states_written);
                 }
             }
@@ -324,19 +415,14 @@ impl Core {
         }
     }
 
-    /// The blocks of a submitted run, keyed; the last may be a tail.
-    fn cut(&self, job: Run) -> Vec<Arc<Block>> {
-        let Run {
-            namespace,
-            tokens,
-            kv,
-        } = job;
-        let scope = Scope::new(&self.config.fingerprint, &namespace);
+    /// The blocks of a submitted run, keyed, as token ranges of it (nothing
+    /// copied); the last may be a tail.
+    fn cut(&self, job: &Run) -> Vec<RunBlock> {
+        let scope = Scope::new(&self.config.fingerprint, &job.namespace);
         let block_tokens = self.config.block_tokens;
-        let mut chain = KeyChain::new(scope, block_tokens, &tokens);
-        chain.skip_to(kv.start());
-        let whole = kv.range();
-        let mut kv = Some(kv);
+        let mut chain = KeyChain::new(scope, block_tokens, &job.tokens);
+        chain.skip_to(job.kv.start());
+        let whole = job.kv.range();
         let mut blocks = Vec::with_capacity(whole.len().div_ceil(block_tokens));
         let mut pos = whole.start;
         while pos < whole.end {
@@ -348,29 +434,12 @@ impl Core {
                 chain.tail_key(len)
             };
             let Some(key) = key else { break };
-            let range = pos..pos + len;
-            let block_kv = match kv.take() {
-                // A run of one block is stored as it came, without a copy.
-                Some(all) if all.range() == range => Ok(all),
-                Some(all) => {
-                    let part = rows::join(&self.config.layout, &[&all], range);
-                    kv = Some(all);
-                    part
-                }
-                None => break,
-            };
-            match block_kv {
-                Ok(block_kv) => blocks.push(Arc::new(Block {
-                    key,
-                    parent,
-                    namespace: namespace.clone(),
-                    kv: block_kv,
-                })),
-                Err(err) => {
-                    tracing::warn!(%err, "kvcache-store: cannot cut a block");
-                    break;
-                }
-            }
+            blocks.push(RunBlock {
+                key,
+                parent,
+                namespace: job.namespace.clone(),
+                range: pos..pos + len,
+            });
             pos += len;
         }
         blocks
@@ -378,33 +447,30 @@ impl Core {
 
     /// Writes to every tier the blocks it lacks, in one batch per tier;
     /// returns how many blocks at least one tier holds now.
-    fn write_blocks(&self, blocks: &[Arc<Block>]) -> u64 {
-        let mut stored = vec![false; blocks.len()];
+    fn write_blocks(&self, mut pending: Pending) -> u64 {
+        let keys: Vec<(Namespace, BlockKey)> = pending.keys();
+        let mut stored = vec![false; keys.len()];
         for tier in &self.tiers {
             let deadline = Instant::now() + self.config.write_timeout;
             let counters = tier.counters();
-            let mut missing = Vec::with_capacity(blocks.len());
-            let mut wanted = Vec::with_capacity(blocks.len());
-            for (i, block) in blocks.iter().enumerate() {
-                match tier.contains(&block.namespace, &block.key, deadline) {
+            let mut wanted = Vec::with_capacity(keys.len());
+            for (i, (namespace, key)) in keys.iter().enumerate() {
+                match tier.contains(namespace, key, deadline) {
                     Ok(true) => stored[i] = true,
-                    Ok(false) => {
-                        missing.push(Arc::clone(block));
-                        wanted.push(i);
-                    }
+                    Ok(false) => wanted.push(i),
                     Err(err) => {
                         bump(&counters.errors);
                         tracing::debug!(tier = tier.name(), %err, "kvcache-store: write skipped");
                     }
                 }
             }
-            if missing.is_empty() {
+            if wanted.is_empty() {
                 continue;
             }
-            match tier.put_many(&missing, deadline) {
-                Ok(()) => {
-                    add(&counters.puts, missing.len() as u64);
-                    add(&counters.bytes_written, missing.iter().map(|b| b.bytes()).sum());
+            match pending.put(tier.as_ref(), &self.config.layout, &wanted, deadline) {
+                Ok(bytes) => {
+                    add(&counters.puts, wanted.len() as u64);
+                    add(&counters.bytes_written, bytes);
                     wanted.into_iter().for_each(|i| stored[i] = true);
                 }
                 Err(err) => {
@@ -414,9 +480,9 @@ impl Core {
             }
         }
         let mut count = 0;
-        for (block, stored) in blocks.iter().zip(stored) {
+        for ((_, key), stored) in keys.iter().zip(stored) {
             if stored {
-                self.known.insert(block.key);
+                self.known.insert(*key);
                 count += 1;
             }
         }

@@ -51,6 +51,52 @@ impl Block {
     }
 }
 
+/// A block still inside a submitted run: its keys and the token offsets of the
+/// run it covers. [`Tier::put_run`] stores such blocks; tiers that write bytes
+/// out (the disk tier) take them straight from the run, without a block of
+/// their own in memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunBlock {
+    /// This block's key.
+    pub key: BlockKey,
+    /// The key of the block before it, [`BlockKey::ROOT`] for the first.
+    pub parent: BlockKey,
+    /// The namespace it belongs to.
+    pub namespace: Namespace,
+    /// The token offsets it covers, within the run; `start` is a multiple of
+    /// the block size.
+    pub range: Range<usize>,
+}
+
+impl RunBlock {
+    /// The block itself, its bytes copied out of `run` (shared when it is the
+    /// whole run). A range outside the run (or empty) is
+    /// [`StoreError::Corrupt`](crate::StoreError::Corrupt).
+    pub fn to_block(&self, run: &HostKv) -> Result<Block> {
+        let within = run.start() <= self.range.start
+            && self.range.start < self.range.end
+            && self.range.end <= run.end();
+        if !within {
+            return Err(crate::StoreError::Corrupt(format!(
+                "a block of tokens {:?} outside the run {:?}",
+                self.range,
+                run.range()
+            )));
+        }
+        let kv = if run.range() == self.range {
+            run.clone()
+        } else {
+            crate::rows::join(run.layout(), &[run], self.range.clone())?
+        };
+        Ok(Block {
+            key: self.key,
+            parent: self.parent,
+            namespace: self.namespace.clone(),
+            kv,
+        })
+    }
+}
+
 /// One level of the store. Implementations are internally synchronised: the
 /// store calls them from the writer thread and from every fetching thread.
 ///
@@ -76,6 +122,27 @@ pub trait Tier: Send + Sync {
     /// may leave some of them stored.
     fn put_many(&self, blocks: &[Arc<Block>], deadline: Instant) -> Result<()> {
         blocks.iter().try_for_each(|block| self.put(block, deadline))
+    }
+
+    /// Whether [`put_run`](Self::put_run) writes straight from the run (as the
+    /// disk tier does). The store then hands it the run as submitted; other
+    /// tiers get the blocks cut once, in memory, and shared
+    /// ([`put_many`](Self::put_many)).
+    fn writes_runs(&self) -> bool {
+        false
+    }
+
+    /// Stores the `blocks` of the submitted `run` (token ranges within it), as
+    /// [`put_many`](Self::put_many) stores whole blocks; the default cuts each
+    /// block out of the run (a copy) and calls it. A range outside the run is
+    /// [`StoreError::Corrupt`](crate::StoreError::Corrupt), and nothing is
+    /// stored.
+    fn put_run(&self, run: &HostKv, blocks: &[RunBlock], deadline: Instant) -> Result<()> {
+        let blocks = blocks
+            .iter()
+            .map(|block| block.to_block(run).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        self.put_many(&blocks, deadline)
     }
 
     /// Whether the block `key` of `namespace` is held (without reading it).
