@@ -8,6 +8,14 @@
 //! whose files are synced side by side); a crash leaves either no entry or a
 //! whole one, and temporary files left behind are removed at the next open.
 //!
+//! Writes copy nothing in memory: a block of a submitted run
+//! ([`Tier::put_run`]) goes to its file straight from the run's rows (per
+//! layer and head, the block's rows are one slice of the run; a vectored write
+//! takes them all, and the CRC32 is computed over the same slices). The room a
+//! group of files needs is made before it is written, and the files of the
+//! entries it displaces are removed on a thread of their own meanwhile (still
+//! before the put returns).
+//!
 //! A read checks the header against the store (model, layout, namespace, key),
 //! the file length and the CRC32 of the data; a file that fails is a miss, is
 //! removed, and is counted in [`TierCounters::corrupt`]. Reads come whole
@@ -282,9 +290,38 @@ impl DiskTier {
     /// Writes the `pending` blocks in groups of [`SYNC_GROUP`] (a few files
     /// open and syncing at a time, however long the run), each group indexed
     /// and the budget enforced as soon as it is written.
+    ///
+    /// The room a group needs is made before it is written (its sizes are
+    /// known): the least recently used entries it displaces are forgotten
+    /// first, and their files removed on a thread of their own while the group
+    /// is written and synced, all before this returns. (A group that then
+    /// fails to write has still displaced them.) Whatever is still over budget
+    /// once the group is indexed (entries it replaced, a group larger than
+    /// the budget) is evicted after it, as before.
     fn write_pending(&self, pending: &[Pending<'_>]) -> Result<()> {
         for group in pending.chunks(SYNC_GROUP) {
-            self.write_atomically(group)?;
+            let displaced = self.make_room(group);
+            let written = std::thread::scope(|scope| {
+                let remover = if displaced.is_empty() {
+                    None
+                } else {
+                    let remove = || self.remove_files(&displaced);
+                    match std::thread::Builder::new().spawn_scoped(scope, remove) {
+                        Ok(thread) => Some(thread),
+                        Err(_) => {
+                            self.remove_files(&displaced);
+                            None
+                        }
+                    }
+                };
+                let written = self.write_atomically(group);
+                if let Some(thread) = remover {
+                    // `remove_files` ignores failures; a panic there is not ours to raise.
+                    let _ = thread.join();
+                }
+                written
+            });
+            written?;
             let victims = {
                 let mut index = self.lock();
                 for block in group {
@@ -295,6 +332,28 @@ impl DiskTier {
             self.remove_files(&victims);
         }
         Ok(())
+    }
+
+    /// Forgets least recently used entries (none of `group`'s keys) until the
+    /// group's new entries fit the budget; returns the keys whose files must go.
+    fn make_room(&self, group: &[Pending<'_>]) -> Vec<BlockKey> {
+        let ours = |key: &BlockKey| group.iter().any(|block| block.key == *key);
+        let mut index = self.lock();
+        let incoming: u64 = group
+            .iter()
+            .filter(|block| !index.lru.contains(&block.key))
+            .map(|block| block.size)
+            .sum();
+        let mut displaced = Vec::new();
+        while index.lru.total().saturating_add(incoming) > self.budget {
+            let Some(key) = index.lru.keys().find(|key| !ours(key)).copied() else {
+                break;
+            };
+            index.forget(&key, &self.context);
+            bump(&self.counters.evictions);
+            displaced.push(key);
+        }
+        displaced
     }
 
     /// Opens the file of `key` and checks its header (`None`: no such file).
@@ -698,4 +757,73 @@ fn sync_all(staged: &[(File, PathBuf, PathBuf)]) -> Result<()> {
             })
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use kvcache_api::{DType, Fingerprint, KvLayout};
+
+    use super::*;
+
+    /// Blocks written straight from a run make the same files (header and
+    /// data) as the same blocks cut into memory first, and read back whole.
+    #[test]
+    fn a_run_written_in_place_makes_the_same_files_as_its_blocks() {
+        let layout = KvLayout::new(3, 2, 4, DType::F16);
+        let context = TierContext {
+            fingerprint: Fingerprint([3; 32]),
+            layout,
+            block_tokens: 4,
+        };
+        let tokens = 10;
+        let bytes: Vec<u8> = (0..tokens * layout.token_bytes())
+            .map(|i| (i * 13) as u8)
+            .collect();
+        let run = HostKv::from_bytes(layout, 8, tokens, bytes).unwrap();
+        let ns = Namespace::new("t").unwrap();
+        let key = |i: u8| BlockKey::from_hex(&format!("{i:02x}").repeat(32)).unwrap();
+        let blocks: Vec<RunBlock> = [8..12, 12..16, 16..18]
+            .into_iter()
+            .enumerate()
+            .map(|(i, range)| RunBlock {
+                key: key(i as u8 + 1),
+                parent: key(i as u8),
+                namespace: ns.clone(),
+                range,
+            })
+            .collect();
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let in_place = DiskTier::open(context, a.path(), 1 << 20).unwrap();
+        let cut = DiskTier::open(context, b.path(), 1 << 20).unwrap();
+        let later = Instant::now() + std::time::Duration::from_secs(60);
+        in_place.put_run(&run, &blocks, later).unwrap();
+        let whole: Vec<Arc<Block>> = blocks
+            .iter()
+            .map(|b| Arc::new(b.to_block(&run).unwrap()))
+            .collect();
+        cut.put_many(&whole, later).unwrap();
+        for block in &whole {
+            // The same header (as JSON: the metadata map's order varies) and
+            // the same data section.
+            let parts = |path: PathBuf| {
+                let file = fs::read(path).unwrap();
+                let n = 8 + u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+                let json: serde_json::Value = serde_json::from_slice(&file[8..n]).unwrap();
+                (json, file[n..].to_vec())
+            };
+            let ours = parts(in_place.path_of(&block.key));
+            assert_eq!(ours, parts(cut.path_of(&block.key)));
+            assert_eq!(ours.1, block.kv.as_bytes());
+            let back = in_place.get(&ns, &block.key, later).unwrap().unwrap();
+            assert_eq!(back.kv, block.kv);
+            assert_eq!(back.parent, block.parent);
+        }
+        assert_eq!(in_place.used_bytes().unwrap(), cut.used_bytes().unwrap());
+        // A range outside the run writes nothing.
+        let outside = RunBlock {
+            range: 16..20,
+            ..blocks[2].clone()
+        };
+        assert!(in_place.put_run(&run, &[outside], later).is_err());
+    }
 }

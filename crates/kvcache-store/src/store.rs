@@ -2,7 +2,9 @@
 //!
 //! Writes go through the background [`Writer`](crate::writer): a submitted run is
 //! cut into blocks (the last one may be a tail), keyed, and written to every
-//! tier. Fetches run on the caller's thread within its deadline: planned and
+//! tier. Blocks stay ranges of the run for tiers that write straight from it
+//! (the disk tier); they are copied into blocks of their own once, for the
+//! first tier that keeps them (memory, Redis), and shared from then on. Fetches run on the caller's thread within its deadline: planned and
 //! read straight into the answer where every tier knows what it holds, else
 //! block by block and tier by tier (fastest first); a block found in a slower
 //! tier is promoted into the in-memory tiers above it.
