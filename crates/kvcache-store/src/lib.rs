@@ -50,11 +50,16 @@
 //!
 //! **Writes** (the writer). `submit` validates, copies the tokens and queues
 //! the run for a background thread through a bounded queue (full: the run is
-//! dropped and counted; the caller never blocks). The writer cuts the run into
-//! blocks, keys them, and writes to every tier the blocks it lacks
-//! (write-through), as one batch per tier ([`Tier::put_many`]: the disk tier
-//! syncs a group of files side by side and its directory once). [`TieredStore::flush`] waits for the queue; dropping the
-//! store finishes it and joins the thread.
+//! dropped and counted; the caller never blocks). The writer keys the run's
+//! blocks ([`RunBlock`]: a key and a token range of the run, no copy) and
+//! writes to every tier the blocks it lacks (write-through), as one batch per
+//! tier ([`Tier::put_run`]). The disk tier writes each block's file straight
+//! from the run (vectored writes of its row slices, the CRC over the same
+//! slices), syncs a group of files side by side and its directory once, and
+//! removes the files its budget displaces on a thread of its own meanwhile;
+//! blocks are cut into memory once, only for tiers that keep them (memory,
+//! Redis). [`TieredStore::flush`] waits for the queue; dropping the store
+//! finishes it and joins the thread.
 //!
 //! **Tiers** ([`Tier`]), each with its own LRU and budget:
 //!
@@ -136,7 +141,7 @@ pub use namespace::Scope;
 pub use redis_tier::{RedisConfig, RedisTier};
 pub use stats::{StoreStats, TierCounters, TierStats};
 pub use store::{StoreConfig, TieredStore};
-pub use tier::{Block, OpenRows, RowReader, Tier, TierContext};
+pub use tier::{Block, OpenRows, RowReader, RunBlock, Tier, TierContext};
 
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]
