@@ -10,7 +10,7 @@ use kvcache_api::{
 };
 use kvcache_causal::CausalKvCache;
 
-use common::{add_shift, filled};
+use common::{add_shift, filled, rejected};
 
 /// A cache with two layers, sequence 0 at positions 0..4 and sequence 1 sharing its
 /// first two, mid-pass.
@@ -40,23 +40,6 @@ fn cache_with(shift: Option<Box<dyn KeyShift<Tensor>>>) -> CausalKvCache {
 
 fn kv(vals: &[f32]) -> Tensor {
     filled(vals, 2, 4, DType::F32, &common::device())
-}
-
-/// Runs `call`, which must fail with an error `is_expected` accepts, and checks that
-/// nothing changed.
-fn rejected(
-    cache: &mut CausalKvCache,
-    call: impl FnOnce(&mut CausalKvCache) -> Result<()>,
-    is_expected: impl Fn(&CacheError) -> bool,
-) {
-    let before = cache.state().unwrap();
-    let err = call(cache).expect_err("the call should be rejected");
-    assert!(is_expected(&err), "unexpected error: {err:?}");
-    cache.check();
-    assert!(
-        cache.state().unwrap() == before,
-        "rejected call ({err}) changed the cache"
-    );
 }
 
 #[test]

@@ -10,11 +10,11 @@ use std::collections::BTreeMap;
 use candle_core::Tensor;
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, DType, Fingerprint, ForwardMode, HostKv, KvLayout,
-    Placement, Pos, Result, SeqId, SlidingWindow, VLayout,
+    Placement, Pos, SeqId, SlidingWindow, VLayout,
 };
 use kvcache_causal::{CausalKvCache, SeqState};
 
-use common::{candle, host};
+use common::{candle, host, rejected};
 
 /// Layers, kv heads and head dimensions of the tests' model.
 #[derive(Debug, Clone, Copy)]
@@ -458,23 +458,6 @@ fn attention_over_imported_cells_equals_attention_from_scratch() {
             }
         }
     }
-}
-
-/// Runs `call`, which must fail with an error `is_expected` accepts, and checks
-/// that the cache state did not change.
-fn rejected(
-    cache: &mut CausalKvCache,
-    call: impl FnOnce(&mut CausalKvCache) -> Result<()>,
-    is_expected: impl Fn(&CacheError) -> bool,
-) {
-    let before = cache.state().unwrap();
-    let err = call(cache).expect_err("the call should be rejected");
-    assert!(is_expected(&err), "unexpected error: {err:?}");
-    cache.check();
-    assert!(
-        cache.state().unwrap() == before,
-        "rejected call ({err}) changed the cache"
-    );
 }
 
 fn mismatch(what: &'static str) -> impl Fn(&CacheError) -> bool {

@@ -142,3 +142,20 @@ pub fn contents(cache: &CausalKvCache, layer: usize) -> Vec<(SeqId, Pos, f32, f3
     }
     out
 }
+
+/// Runs `call`, which must fail with an error `is_expected` accepts, and checks that
+/// nothing changed.
+pub fn rejected(
+    cache: &mut CausalKvCache,
+    call: impl FnOnce(&mut CausalKvCache) -> Result<()>,
+    is_expected: impl Fn(&CacheError) -> bool,
+) {
+    let before = cache.state().unwrap();
+    let err = call(cache).expect_err("the call should be rejected");
+    assert!(is_expected(&err), "unexpected error: {err:?}");
+    cache.check();
+    assert!(
+        cache.state().unwrap() == before,
+        "rejected call ({err}) changed the cache"
+    );
+}
