@@ -39,6 +39,10 @@
 //! [`LayerGroupCache`] drives one cache per group of layers (sliding-window and
 //! global layers, as in Gemma 3) as a single cache.
 //!
+//! [`layer_cache`] is the other design on candle: per-layer caches of one live
+//! sequence, pageable to snapshots, that `kvcache_mlx::trie::PrefixCache` drives
+//! (an engine on candle uses the prefix trie through them).
+//!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode};
@@ -61,6 +65,7 @@ mod book;
 mod cache;
 mod cells;
 mod inspect;
+pub mod layer_cache;
 mod layer_groups;
 mod mask;
 mod mask_buffer;

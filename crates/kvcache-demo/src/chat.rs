@@ -17,7 +17,7 @@ use kvcache_api::{Namespace, PrefixStore, SnapshotCache};
 use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
 
 use crate::engine::argmax;
-use crate::layer_cache::CandleKv;
+use kvcache_causal::layer_cache::CandleKv;
 use crate::{DemoError, Llama, Result};
 
 /// One chat turn through a prefix trie, for any model: `forward` runs tokens

@@ -4,7 +4,6 @@
 //! - [`model`]: the Llama forward pass, full recompute and through a
 //!   [`kvcache_api::CausalCache`].
 //! - [`engine`]: greedy generation and continuous batching over a causal cache.
-//! - [`layer_cache`]: a candle [`kvcache_api::LayerCache`] for the prefix trie.
 //! - [`chat`]: multi-conversation chat with prefix-trie, single-entry or no reuse.
 //! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
 //! - [`trace`]: the E1 chat trace.
@@ -23,7 +22,6 @@ pub mod check;
 mod config;
 pub mod engine;
 mod error;
-pub mod layer_cache;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
 pub mod model;

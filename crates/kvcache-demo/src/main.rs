@@ -270,7 +270,7 @@ fn run() -> Result<()> {
         } else {
             let mut server = ChatServer::new(&model, Reuse::Trie, 1 << 30)?;
             chat_demo(
-                "candle layer caches (kvcache-demo's CandleKv)",
+                "candle layer caches (kvcache-causal's CandleKv)",
                 &tokenizer,
                 &args,
                 &mut |prompt, n, eos| server.generate(prompt, n, eos),

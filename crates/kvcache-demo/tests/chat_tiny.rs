@@ -5,7 +5,7 @@ use candle_core::{Device, IndexOp};
 use kvcache_api::{LayerCache, SnapshotCache};
 use kvcache_demo::chat::{ChatServer, Reuse};
 use kvcache_demo::check::max_abs_diff;
-use kvcache_demo::layer_cache::CandleKv;
+use kvcache_causal::layer_cache::CandleKv;
 use kvcache_demo::{Llama, LlamaConfig};
 
 fn model() -> Llama {

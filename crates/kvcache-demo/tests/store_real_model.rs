@@ -12,7 +12,7 @@ use std::time::Duration;
 use candle_core::{Device, IndexOp};
 use kvcache_api::{Fingerprint, Namespace};
 use kvcache_demo::chat::{trie_turn, TurnOutcome};
-use kvcache_demo::layer_cache::CandleKv;
+use kvcache_causal::layer_cache::CandleKv;
 use kvcache_demo::store::{self, StoreOptions};
 use kvcache_demo::trace::Trace;
 use kvcache_demo::{paths, Llama, ModelFile, WeightMode};
