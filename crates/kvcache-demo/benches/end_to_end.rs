@@ -13,12 +13,12 @@
 //! so their times to first token are taken under the same machine load.
 
 use candle_core::Device;
-use kvcache_demo::bench::{e1_chat_reuse_interleaved, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
-use kvcache_demo::chat::Reuse;
-use kvcache_demo::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
-use kvcache_demo::tokenizer::{chatml, Message, Role};
-use kvcache_demo::trace::Trace;
-use kvcache_demo::{paths, ModelFile, WeightMode};
+use kvcache_engine::bench::{e1_chat_reuse_interleaved, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
+use kvcache_engine::chat::Reuse;
+use kvcache_engine::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
+use kvcache_engine::tokenizer::{chatml, Message, Role};
+use kvcache_engine::trace::Trace;
+use kvcache_engine::{paths, ModelFile, WeightMode};
 
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name)

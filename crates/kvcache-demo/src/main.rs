@@ -10,15 +10,15 @@ use std::time::Instant;
 use candle_core::Device;
 use kvcache_api::{CausalConfig, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
-use kvcache_demo::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
-use kvcache_demo::chat::{ChatServer, Reuse, TurnOutcome};
-use kvcache_demo::engine::{Engine, EngineConfig, Event, Request, Stats};
-use kvcache_demo::replica::{self, Replica};
-use kvcache_demo::store::{self, StoreOptions};
-use kvcache_demo::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
-use kvcache_demo::tokenizer::{chatml, Message, Role};
-use kvcache_demo::trace::Trace;
-use kvcache_demo::{paths, ChatTokenizer, DemoError, Llama, LoadProgress, ModelFile, Result, WeightMode};
+use kvcache_engine::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
+use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, Stats};
+use kvcache_engine::replica::{self, Replica};
+use kvcache_engine::store::{self, StoreOptions};
+use kvcache_engine::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
+use kvcache_engine::tokenizer::{chatml, Message, Role};
+use kvcache_engine::trace::Trace;
+use kvcache_engine::{paths, ChatTokenizer, EngineError, Llama, LoadProgress, ModelFile, Result, WeightMode};
 use kvcache_mlx::trie::Stats as TrieStats;
 
 const HELP: &str = "\
@@ -57,11 +57,11 @@ USAGE: kvcache-demo [FLAGS]
   --store-dir DIR       keep the prefix store in DIR (the chat and --replica)
   --redis URL           share the prefix store through Redis (redis://H:P or redis+unix:///PATH)
   --replica             serve trace requests as commands on stdin (what E3/E4 and the store demo
-                        start; see kvcache_demo::replica)
+                        start; see kvcache_engine::replica)
   -h, --help            this text
 ";
 
-const DEFAULT_PROMPTS: &[&str] = kvcache_demo::bench::SAMPLE_QUESTIONS;
+const DEFAULT_PROMPTS: &[&str] = kvcache_engine::bench::SAMPLE_QUESTIONS;
 
 struct Args {
     model: Option<PathBuf>,
@@ -122,7 +122,7 @@ fn parse_args() -> Result<Option<Args>> {
         replica: false,
     };
     let mut it = std::env::args().skip(1);
-    let bad = |m: String| DemoError::InvalidArgument(m);
+    let bad = |m: String| EngineError::InvalidArgument(m);
     while let Some(flag) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| bad(format!("{name} needs a value")));
         let num = |s: String, name: &str| -> Result<usize> {
@@ -181,13 +181,13 @@ fn device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         "cuda" => Device::new_cuda(0).map_err(|e| {
-            DemoError::InvalidArgument(format!(
+            EngineError::InvalidArgument(format!(
                 "--device cuda: {e} (build with `--features cuda` and the CUDA toolkit)"
             ))
         }),
         "metal" => Device::new_metal(0)
-            .map_err(|e| DemoError::InvalidArgument(format!("--device metal: {e} (macOS only)"))),
-        other => Err(DemoError::InvalidArgument(format!(
+            .map_err(|e| EngineError::InvalidArgument(format!("--device metal: {e} (macOS only)"))),
+        other => Err(EngineError::InvalidArgument(format!(
             "--device: cpu, cuda or metal, got {other:?}"
         ))),
     }
@@ -227,13 +227,13 @@ fn run() -> Result<()> {
         "causal" => false,
         "mlx" => true,
         other => {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "--backend: causal or mlx, got {other:?}"
             )))
         }
     };
     if mlx && !mlx_chat::AVAILABLE {
-        return Err(DemoError::InvalidArgument(
+        return Err(EngineError::InvalidArgument(
             "--backend mlx: this build has no mlx-rs; run it through `cargo xtask demo -- --backend mlx` \
              (Linux) or build on macOS"
                 .into(),
@@ -241,7 +241,7 @@ fn run() -> Result<()> {
     }
     let dev = device(&args.device)?;
     let path = args.model.clone().or_else(paths::model_path).ok_or_else(|| {
-        DemoError::InvalidArgument(format!(
+        EngineError::InvalidArgument(format!(
             "no model: pass --model, set {}, or run `cargo xtask prepare`",
             paths::MODEL_ENV
         ))
@@ -609,14 +609,14 @@ fn print_trie_stats(s: &TrieStats) {
     );
 }
 
-/// `--backend mlx`: the prefix-trie chat on [`kvcache_demo::mlx`].
+/// `--backend mlx`: the prefix-trie chat on [`kvcache_engine::mlx`].
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 mod mlx_chat {
     use std::path::Path;
     use std::time::Instant;
 
-    use kvcache_demo::mlx::{MlxChatServer, MlxLlama};
-    use kvcache_demo::{ChatTokenizer, ModelFile, Result};
+    use kvcache_engine::mlx::{MlxChatServer, MlxLlama};
+    use kvcache_engine::{ChatTokenizer, ModelFile, Result};
 
     use super::{chat_demo, print_trie_stats, Args};
 
@@ -653,7 +653,7 @@ mod mlx_chat {
 mod mlx_chat {
     use std::path::Path;
 
-    use kvcache_demo::{ChatTokenizer, Result};
+    use kvcache_engine::{ChatTokenizer, Result};
 
     use super::Args;
 
@@ -667,7 +667,7 @@ mod mlx_chat {
 }
 
 /// `--replica`: one engine process over the store the flags name, answering
-/// commands on stdin (`kvcache_demo::replica`). Stdout carries only the answers.
+/// commands on stdin (`kvcache_engine::replica`). Stdout carries only the answers.
 fn replica_main(path: &Path, dev: &Device, args: &Args) -> Result<()> {
     let model = ModelFile::open(path)?.load(dev, args.weights, &mut |_| {})?;
     let trace = Trace::load(args.trace.clone().unwrap_or_else(paths::e1_trace_path))?;
@@ -730,7 +730,7 @@ fn replica_setup<'a>(exe: &'a Path, path: &Path, args: &Args) -> ReplicaSetup<'a
 
 /// `--bench-e3` / `--bench-e4`: replicas of this binary over a shared store.
 fn bench_store(path: &Path, args: &Args) -> Result<()> {
-    let exe = std::env::current_exe().map_err(|e| DemoError::io(Path::new("current executable"), e))?;
+    let exe = std::env::current_exe().map_err(|e| EngineError::io(Path::new("current executable"), e))?;
     let setup = replica_setup(&exe, path, args);
     let trace = Trace::load(args.trace.clone().unwrap_or_else(paths::e1_trace_path))?;
     let mut log = |line: &str| {
@@ -755,7 +755,7 @@ fn bench_store(path: &Path, args: &Args) -> Result<()> {
 /// The store demo: a conversation of the E1 trace answered by one process,
 /// which stops, and continued by a second process from the disk store.
 fn store_demo(path: &Path, args: &Args) -> Result<()> {
-    let exe = std::env::current_exe().map_err(|e| DemoError::io(Path::new("current executable"), e))?;
+    let exe = std::env::current_exe().map_err(|e| EngineError::io(Path::new("current executable"), e))?;
     let dir = args
         .store_dir
         .clone()
@@ -777,7 +777,7 @@ fn store_demo(path: &Path, args: &Args) -> Result<()> {
         .map(|r| r.idx)
         .take(3)
         .collect();
-    let show = |who: &str, t: &kvcache_demo::replica::TurnLine| {
+    let show = |who: &str, t: &kvcache_engine::replica::TurnLine| {
         let tiers: Vec<String> = t
             .tiers
             .iter()
@@ -812,7 +812,7 @@ fn store_demo(path: &Path, args: &Args) -> Result<()> {
 
 fn scratch_dir(label: &str) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("kvcache-{label}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| DemoError::io(&dir, e))?;
+    std::fs::create_dir_all(&dir).map_err(|e| EngineError::io(&dir, e))?;
     Ok(dir)
 }
 
@@ -836,7 +836,7 @@ fn bench_e1(model: &Llama, args: &Args) -> Result<()> {
             "single" => Reuse::SingleEntry,
             "none" => Reuse::None,
             other => {
-                return Err(DemoError::InvalidArgument(format!(
+                return Err(EngineError::InvalidArgument(format!(
                     "--e1-policies: trie, single or none, got {other:?}"
                 )))
             }

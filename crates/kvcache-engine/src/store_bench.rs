@@ -223,7 +223,7 @@ pub fn e4_replicas(
 ) -> Result<E4Report> {
     let requests = requests.min(trace.requests.len());
     let dir = std::env::temp_dir().join(format!("kvcache-e4-redis-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| crate::DemoError::io(&dir, e))?;
+    std::fs::create_dir_all(&dir).map_err(|e| crate::EngineError::io(&dir, e))?;
     let redis = RedisServer::start(&dir, redis_bytes as u64)?;
     let with_redis = vec!["--redis".to_owned(), redis.url()];
     let shared = run_pair(setup, &with_redis, requests, "shared", log);

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use kvcache_api::{Batch, CausalCache, ForwardMode, KeyShift, LayerCache, Pos, SeqId, VLayout};
 
 use crate::error::to_cache_err;
-use crate::{ChatTokenizer, DemoError, LlamaConfig, Result};
+use crate::{ChatTokenizer, EngineError, LlamaConfig, Result};
 
 /// How the weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -143,9 +143,9 @@ impl ModelFile {
     /// Reads the header (metadata and tensor directory) of the GGUF at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let mut file = File::open(&path).map_err(|e| DemoError::io(&path, e))?;
+        let mut file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
         let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| DemoError::Format(format!("{}: {e}", path.display())))?;
+            .map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))?;
         Ok(ModelFile { path, content })
     }
 
@@ -171,7 +171,7 @@ impl ModelFile {
         mode: WeightMode,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Llama> {
-        let mut file = File::open(&self.path).map_err(|e| DemoError::io(&self.path, e))?;
+        let mut file = File::open(&self.path).map_err(|e| EngineError::io(&self.path, e))?;
         Llama::from_gguf(&self.content, &mut file, device, mode, progress)
     }
 
@@ -228,7 +228,7 @@ impl Rope {
         let (n, heads, head_dim) = x.dims3()?;
         let half = head_dim / 2;
         if half != self.inv_freq.len() || cos.dim(0)? != n {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "rope: x {:?} with {} positions and head dim {}",
                 x.dims(),
                 cos.dim(0)?,
@@ -251,7 +251,7 @@ impl Rope {
 impl KeyShift<Tensor> for Rope {
     fn shift(&self, _layer: usize, keys: &Tensor, shifts: &[Pos]) -> kvcache_api::Result<Tensor> {
         self.apply(keys, shifts).map_err(|e| match e {
-            DemoError::Candle(c) => to_cache_err(c),
+            EngineError::Candle(c) => to_cache_err(c),
             other => kvcache_api::CacheError::InvalidArgument(other.to_string()),
         })
     }
@@ -294,7 +294,7 @@ impl Llama {
         let mut get = |name: &str| -> Result<QTensor> {
             let t = content
                 .tensor(reader, name, device)
-                .map_err(|e| DemoError::Format(format!("tensor {name}: {e}")))?;
+                .map_err(|e| EngineError::Format(format!("tensor {name}: {e}")))?;
             done += 1;
             progress(LoadProgress { done, total });
             Ok(t)
@@ -305,7 +305,7 @@ impl Llama {
             if t.dims() == dims {
                 Ok(())
             } else {
-                Err(DemoError::Format(format!(
+                Err(EngineError::Format(format!(
                     "{name} has shape {:?}, expected {dims:?}",
                     t.dims()
                 )))
@@ -318,7 +318,7 @@ impl Llama {
                 let full = format!("blk.{l}.{name}.weight");
                 let q = get(&full)?;
                 if q.shape().dims() != dims {
-                    return Err(DemoError::Format(format!(
+                    return Err(EngineError::Format(format!(
                         "{full} has shape {:?}, expected {dims:?}",
                         q.shape().dims()
                     )));
@@ -456,7 +456,7 @@ impl Llama {
     pub fn hidden_full(&self, tokens: &[u32], window: Option<usize>) -> Result<Tensor> {
         let n = tokens.len();
         if n == 0 {
-            return Err(DemoError::InvalidArgument("no tokens".into()));
+            return Err(EngineError::InvalidArgument("no tokens".into()));
         }
         let positions: Vec<Pos> = (0..n as Pos).collect();
         let mut mask = vec![0f32; n * n];
@@ -524,7 +524,7 @@ impl Llama {
     {
         let c = &self.config;
         if caches.len() != c.n_layers {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "{} layer caches for {} layers",
                 caches.len(),
                 c.n_layers
@@ -533,7 +533,7 @@ impl Llama {
         let n = tokens.len();
         let offset = caches[0].offset();
         if caches.iter().any(|l| l.offset() != offset) {
-            return Err(DemoError::InvalidArgument(
+            return Err(EngineError::InvalidArgument(
                 "layer caches hold different offsets".into(),
             ));
         }
@@ -575,7 +575,7 @@ impl Llama {
         let c = &self.config;
         let n = tokens.len();
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "token {t} outside the vocabulary of {}",
                 c.vocab_size
             )));

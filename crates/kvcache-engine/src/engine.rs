@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use kvcache_api::{CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState};
 
-use crate::{BatchToken, DemoError, Llama, Result};
+use crate::{BatchToken, EngineError, Llama, Result};
 
 /// Index of the largest value (the first one on ties); 0 for an empty slice.
 pub fn argmax(row: &[f32]) -> u32 {
@@ -45,7 +45,7 @@ where
     C: CausalCache<Tensor = Tensor> + ?Sized,
 {
     if prompt.is_empty() {
-        return Err(DemoError::InvalidArgument("empty prompt".into()));
+        return Err(EngineError::InvalidArgument("empty prompt".into()));
     }
     let batch: Vec<BatchToken> = prompt
         .iter()
@@ -302,12 +302,12 @@ where
     pub fn new(model: &'m Llama, cache: C, config: EngineConfig) -> Result<Self> {
         let slots = cache.config().max_sequences;
         if config.max_batch == 0 || config.prefill_chunk == 0 {
-            return Err(DemoError::InvalidArgument(
+            return Err(EngineError::InvalidArgument(
                 "max_batch and prefill_chunk must be positive".into(),
             ));
         }
         if config.max_batch > cache.config().max_batch {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "engine batch {} exceeds the cache's max batch {}",
                 config.max_batch,
                 cache.config().max_batch
@@ -340,14 +340,14 @@ where
     /// Queues a request; it joins when a slot is free.
     pub fn submit(&mut self, req: Request) -> Result<()> {
         if req.prompt.is_empty() || req.max_new_tokens == 0 {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "request {}: empty prompt or nothing to generate",
                 req.id
             )));
         }
         if let Some(ctx) = self.config.context {
             if req.prompt.len() + 1 > ctx || self.config.keep + 2 > ctx {
-                return Err(DemoError::InvalidArgument(format!(
+                return Err(EngineError::InvalidArgument(format!(
                     "request {}: prompt of {} tokens does not fit a context of {ctx}",
                     req.id,
                     req.prompt.len()

@@ -4,8 +4,8 @@
 use candle_core::{Device, IndexOp, Tensor};
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
-use kvcache_demo::engine::{argmax, greedy, Engine, EngineConfig, Event, Request};
-use kvcache_demo::{Llama, LlamaConfig};
+use kvcache_engine::engine::{argmax, greedy, Engine, EngineConfig, Event, Request};
+use kvcache_engine::{Llama, LlamaConfig};
 
 fn model() -> Llama {
     Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()
@@ -140,10 +140,10 @@ fn context_shift_equals_recomputing_the_shifted_tokens() {
 fn e2_modes_decode_the_same_tokens() {
     let model = model();
     let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
-    let cfg = kvcache_demo::bench::E2Config { tokens: 5, runs: 2 };
+    let cfg = kvcache_engine::bench::E2Config { tokens: 5, runs: 2 };
     let mut lines = Vec::new();
     let report =
-        kvcache_demo::bench::e2_batched_decode(&model, &prompts, &cfg, &mut |l| lines.push(l.to_string()))
+        kvcache_engine::bench::e2_batched_decode(&model, &prompts, &cfg, &mut |l| lines.push(l.to_string()))
             .unwrap();
     assert_eq!(report.sequences, 8);
     assert_eq!((report.together.len(), report.sequential.len()), (2, 2));
@@ -161,7 +161,10 @@ fn run_with_store(
     store: &std::sync::Arc<kvcache_store::TieredStore>,
     cache_model: kvcache_api::Fingerprint,
     requests: &[Request],
-) -> (Vec<kvcache_demo::engine::Finished>, kvcache_demo::engine::Stats) {
+) -> (
+    Vec<kvcache_engine::engine::Finished>,
+    kvcache_engine::engine::Stats,
+) {
     let mut cache = cache(model, CausalConfig::new(3, 64, 16));
     cache.set_fingerprint(cache_model);
     let mut engine = Engine::new(

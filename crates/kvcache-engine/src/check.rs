@@ -14,7 +14,7 @@
 use candle_core::{IndexOp, Tensor};
 use kvcache_api::{CacheError, CausalCache, CausalConfig, Pos, PosRange, SeqId};
 
-use crate::{BatchToken, DemoError, Llama, Result};
+use crate::{BatchToken, EngineError, Llama, Result};
 
 /// One operation of a schedule. Fractions pick positions relative to the
 /// sequence's length, so any schedule is valid for any state.
@@ -175,7 +175,7 @@ impl<'m> Checker<'m> {
                     }
                     Err(e) => return Err(e.into()),
                     Ok(()) if shared => {
-                        return Err(DemoError::InvalidArgument(format!(
+                        return Err(EngineError::InvalidArgument(format!(
                             "remove({seq}, {start}..{end}) shifted shared cells"
                         )))
                     }
@@ -285,7 +285,7 @@ fn pick(frac: f64, len: usize) -> usize {
 /// Largest absolute difference between two tensors of the same shape.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     if a.dims() != b.dims() {
-        return Err(DemoError::InvalidArgument(format!(
+        return Err(EngineError::InvalidArgument(format!(
             "shapes differ: {:?} vs {:?}",
             a.dims(),
             b.dims()

@@ -10,7 +10,7 @@ use std::fs::File;
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
 
-use crate::{DemoError, LlamaConfig, LoadProgress, ModelFile, Result};
+use crate::{EngineError, LlamaConfig, LoadProgress, ModelFile, Result};
 
 /// One weight: its shape (outermost first, `[out, in]` for matrices) and its
 /// values in row-major order.
@@ -62,9 +62,9 @@ impl HostWeights {
     pub fn load(file: &ModelFile, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
         let config = file.config()?;
         let path = file.path();
-        let mut reader = File::open(path).map_err(|e| DemoError::io(path, e))?;
+        let mut reader = File::open(path).map_err(|e| EngineError::io(path, e))?;
         let content = gguf_file::Content::read(&mut reader)
-            .map_err(|e| DemoError::Format(format!("{}: {e}", path.display())))?;
+            .map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))?;
         let total = content.tensor_infos.len();
         let mut tensors = HashMap::with_capacity(total);
         // The file's order, so reads go forward through it.
@@ -78,7 +78,7 @@ impl HostWeights {
             let t = content
                 .tensor(&mut reader, name, &Device::Cpu)
                 .and_then(|q| q.dequantize(&Device::Cpu))
-                .map_err(|e| DemoError::Format(format!("tensor {name}: {e}")))?;
+                .map_err(|e| EngineError::Format(format!("tensor {name}: {e}")))?;
             let shape = t.dims().to_vec();
             let data = t.flatten_all()?.to_vec1::<f32>()?;
             tensors.insert(name.clone(), HostTensor { shape, data });
@@ -156,9 +156,9 @@ impl HostWeights {
     pub(crate) fn expect(&self, name: &str, shape: &[usize]) -> Result<&HostTensor> {
         let t = self
             .get(name)
-            .ok_or_else(|| DemoError::Format(format!("missing tensor {name}")))?;
+            .ok_or_else(|| EngineError::Format(format!("missing tensor {name}")))?;
         if t.shape != shape {
-            return Err(DemoError::Format(format!(
+            return Err(EngineError::Format(format!(
                 "{name} has shape {:?}, expected {shape:?}",
                 t.shape
             )));

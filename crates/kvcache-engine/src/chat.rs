@@ -17,8 +17,8 @@ use kvcache_api::{Namespace, PrefixStore, SnapshotCache};
 use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
 
 use crate::engine::argmax;
+use crate::{EngineError, Llama, Result};
 use kvcache_causal::layer_cache::CandleKv;
-use crate::{DemoError, Llama, Result};
 
 /// One chat turn through a prefix trie, for any model: `forward` runs tokens
 /// through the session's layer caches and returns its hidden rows (at least the
@@ -39,7 +39,7 @@ where
     C: SnapshotCache,
 {
     if prompt.is_empty() || n_predict == 0 {
-        return Err(DemoError::InvalidArgument(
+        return Err(EngineError::InvalidArgument(
             "empty prompt or nothing to generate".into(),
         ));
     }
@@ -54,7 +54,7 @@ where
         last = Some(forward(tokens, caches)?);
         Ok(())
     })?;
-    let last = last.ok_or_else(|| DemoError::InvalidArgument("nothing evaluated".into()))?;
+    let last = last.ok_or_else(|| EngineError::InvalidArgument("nothing evaluated".into()))?;
     let mut token = pick(&last)?;
     drop(last);
     let time_to_first_token = t0.elapsed();
@@ -215,7 +215,7 @@ impl<'m> ChatServer<'m> {
     /// given).
     pub fn generate(&mut self, prompt: &[u32], n_predict: usize, eos: Option<u32>) -> Result<TurnOutcome> {
         if prompt.is_empty() || n_predict == 0 {
-            return Err(DemoError::InvalidArgument(
+            return Err(EngineError::InvalidArgument(
                 "empty prompt or nothing to generate".into(),
             ));
         }
@@ -246,7 +246,9 @@ impl<'m> ChatServer<'m> {
                     if matched == 0 {
                         c.free();
                     } else if !c.restore(None, matched)? {
-                        return Err(DemoError::InvalidArgument(format!("cannot rewind to {matched}")));
+                        return Err(EngineError::InvalidArgument(format!(
+                            "cannot rewind to {matched}"
+                        )));
                     }
                 }
                 let rest = &prompt[matched..];

@@ -13,10 +13,10 @@ mod mlx_support;
 use std::sync::OnceLock;
 
 use candle_core::Device;
-use kvcache_demo::mlx::model::to_host;
-use kvcache_demo::mlx::{HostWeights, MlxChatServer, MlxLlama};
-use kvcache_demo::tokenizer::{chatml, Message, Role};
-use kvcache_demo::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
+use kvcache_engine::mlx::model::to_host;
+use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
+use kvcache_engine::tokenizer::{chatml, Message, Role};
+use kvcache_engine::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 
 const TOL: f32 = 1e-3;

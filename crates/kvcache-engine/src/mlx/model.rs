@@ -23,11 +23,11 @@ use mlx_rs::{fast, Array};
 
 use super::mlx_err;
 use super::weights::{block_shapes, HostTensor, HostWeights};
-use crate::{DemoError, LlamaConfig, LoadProgress, ModelFile, Result};
+use crate::{EngineError, LlamaConfig, LoadProgress, ModelFile, Result};
 
 /// `n` as an mlx dimension.
 fn dim(n: usize) -> Result<i32> {
-    i32::try_from(n).map_err(|_| DemoError::InvalidArgument(format!("{n} exceeds mlx's i32 dimensions")))
+    i32::try_from(n).map_err(|_| EngineError::InvalidArgument(format!("{n} exceeds mlx's i32 dimensions")))
 }
 
 /// An mlx array holding `t`.
@@ -181,7 +181,7 @@ impl MlxLlama {
     {
         let c = &self.config;
         if caches.len() != c.n_layers {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "{} layer caches for {} layers",
                 caches.len(),
                 c.n_layers
@@ -189,7 +189,7 @@ impl MlxLlama {
         }
         let offset = caches[0].offset();
         if caches.iter().any(|l| l.offset() != offset) {
-            return Err(DemoError::InvalidArgument(
+            return Err(EngineError::InvalidArgument(
                 "layer caches hold different offsets".into(),
             ));
         }
@@ -230,10 +230,10 @@ impl MlxLlama {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
-            return Err(DemoError::InvalidArgument("no tokens".into()));
+            return Err(EngineError::InvalidArgument("no tokens".into()));
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(DemoError::InvalidArgument(format!(
+            return Err(EngineError::InvalidArgument(format!(
                 "token {t} outside the vocabulary of {}",
                 c.vocab_size
             )));
@@ -258,7 +258,7 @@ impl MlxLlama {
             let (keys, values) = attend(l, &k, &v)?;
             for (t, what) in [(&keys, "keys"), (&values, "values")] {
                 if t.shape() != [1, kv_heads, dim(total)?, hd] {
-                    return Err(DemoError::InvalidArgument(format!(
+                    return Err(EngineError::InvalidArgument(format!(
                         "layer {l} cache returned {what} of shape {:?}, expected [1, {kv_heads}, {total}, {hd}]",
                         t.shape()
                     )));
@@ -319,7 +319,7 @@ impl MlxLlama {
         let mut cos = Vec::with_capacity(n * half);
         let mut sin = Vec::with_capacity(n * half);
         for p in offset..offset + n {
-            let p = Pos::try_from(p).map_err(|_| DemoError::InvalidArgument(format!("position {p}")))?;
+            let p = Pos::try_from(p).map_err(|_| EngineError::InvalidArgument(format!("position {p}")))?;
             for &f in &self.inv_freq {
                 let angle = f64::from(p) * f;
                 cos.push(angle.cos() as f32);

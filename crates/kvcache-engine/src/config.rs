@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::Value;
 
-use crate::{DemoError, Result};
+use crate::{EngineError, Result};
 
 /// The shape of a Llama-architecture model (RoPE, grouped-query attention,
 /// RMSNorm, SwiGLU feed-forward, tied or separate output projection).
@@ -86,7 +86,7 @@ impl LlamaConfig {
         if ok {
             Ok(())
         } else {
-            Err(DemoError::Format(format!("inconsistent Llama config {self:?}")))
+            Err(EngineError::Format(format!("inconsistent Llama config {self:?}")))
         }
     }
 
@@ -98,23 +98,23 @@ impl LlamaConfig {
             .map(String::as_str)
             .unwrap_or("");
         if arch != "llama" {
-            return Err(DemoError::Format(format!("architecture {arch:?} is not llama")));
+            return Err(EngineError::Format(format!("architecture {arch:?} is not llama")));
         }
         let get = |key: &str| {
             md.get(key)
-                .ok_or_else(|| DemoError::Format(format!("missing metadata key {key}")))
+                .ok_or_else(|| EngineError::Format(format!("missing metadata key {key}")))
         };
         let usize_of = |key: &str| -> Result<usize> {
             let v = get(key)?;
             v.to_u64()
                 .or_else(|_| v.to_u32().map(u64::from))
                 .map(|x| x as usize)
-                .map_err(|e| DemoError::Format(format!("{key}: {e}")))
+                .map_err(|e| EngineError::Format(format!("{key}: {e}")))
         };
         let f32_of = |key: &str| -> Result<f32> {
             get(key)?
                 .to_f32()
-                .map_err(|e| DemoError::Format(format!("{key}: {e}")))
+                .map_err(|e| EngineError::Format(format!("{key}: {e}")))
         };
         let dim = usize_of("llama.embedding_length")?;
         let n_heads = usize_of("llama.attention.head_count")?;
@@ -124,7 +124,7 @@ impl LlamaConfig {
             Ok(v) => v,
             Err(_) => get("tokenizer.ggml.tokens")?
                 .to_vec()
-                .map_err(|e| DemoError::Format(e.to_string()))?
+                .map_err(|e| EngineError::Format(e.to_string()))?
                 .len(),
         };
         let config = LlamaConfig {

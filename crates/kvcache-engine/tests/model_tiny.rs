@@ -5,7 +5,7 @@ mod common;
 use candle_core::{Device, IndexOp};
 use common::{max_abs_diff, simple_cache::SimpleCache};
 use kvcache_api::CausalConfig;
-use kvcache_demo::{BatchToken, Llama, LlamaConfig};
+use kvcache_engine::{BatchToken, Llama, LlamaConfig};
 
 fn tiny() -> Llama {
     Llama::random(LlamaConfig::tiny(), 7, &Device::Cpu).unwrap()

@@ -1,5 +1,6 @@
-//! SmolLM2 (a Llama) served through the kvcache-rs caches, and proven equal to
-//! recomputing everything without a cache.
+//! A small inference engine on the kvcache-rs caches: what the demo, the
+//! benchmarks and a server are built on. Its model, SmolLM2 (a Llama), is proven
+//! equal to recomputing everything without a cache.
 //!
 //! - [`model`]: the Llama forward pass, full recompute and through a
 //!   [`kvcache_api::CausalCache`].
@@ -33,6 +34,6 @@ pub mod tokenizer;
 pub mod trace;
 
 pub use config::LlamaConfig;
-pub use error::{DemoError, Result};
+pub use error::{EngineError, Result};
 pub use model::{BatchToken, Llama, LoadProgress, ModelFile, Rope, WeightMode};
 pub use tokenizer::ChatTokenizer;

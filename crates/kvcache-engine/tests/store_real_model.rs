@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use candle_core::{Device, IndexOp};
 use kvcache_api::{Fingerprint, Namespace};
-use kvcache_demo::chat::{trie_turn, TurnOutcome};
 use kvcache_causal::layer_cache::CandleKv;
-use kvcache_demo::store::{self, StoreOptions};
-use kvcache_demo::trace::Trace;
-use kvcache_demo::{paths, Llama, ModelFile, WeightMode};
+use kvcache_engine::chat::{trie_turn, TurnOutcome};
+use kvcache_engine::store::{self, StoreOptions};
+use kvcache_engine::trace::Trace;
+use kvcache_engine::{paths, Llama, ModelFile, WeightMode};
 use kvcache_mlx::trie::PrefixCache;
 
 const TOL: f32 = 1e-3;
@@ -55,7 +55,7 @@ fn turn(
             },
             |h| {
                 logits = model.logits(h)?.squeeze(0)?.to_vec1::<f32>()?;
-                Ok(kvcache_demo::engine::argmax(&logits))
+                Ok(kvcache_engine::engine::argmax(&logits))
             },
         )
         .unwrap();

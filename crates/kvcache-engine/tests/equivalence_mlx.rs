@@ -11,10 +11,10 @@ mod mlx_support;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvcache_api::{LayerCache, SnapshotCache};
-use kvcache_demo::engine::argmax;
-use kvcache_demo::mlx::model::to_host;
-use kvcache_demo::mlx::{HostWeights, MlxChatServer, MlxLlama};
-use kvcache_demo::{DemoError, LlamaConfig, ModelFile, WeightMode};
+use kvcache_engine::engine::argmax;
+use kvcache_engine::mlx::model::to_host;
+use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
+use kvcache_engine::{EngineError, LlamaConfig, ModelFile, WeightMode};
 use kvcache_mlx::layers::KvCache;
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 use proptest::prelude::*;
@@ -185,7 +185,8 @@ fn bad_calls_leave_the_caches_alone() {
     let mut caches: Vec<KvCache> = (0..2).map(|_| KvCache::new()).collect();
     model.hidden_layers(&[1, 2, 3], &mut caches).unwrap();
     let before: Vec<usize> = caches.iter().map(|l| l.offset()).collect();
-    let invalid = |r: kvcache_demo::Result<mlx_rs::Array>| matches!(r, Err(DemoError::InvalidArgument(_)));
+    let invalid =
+        |r: kvcache_engine::Result<mlx_rs::Array>| matches!(r, Err(EngineError::InvalidArgument(_)));
     assert!(
         invalid(model.hidden_layers(&[64], &mut caches)),
         "token outside the vocabulary"
@@ -243,7 +244,7 @@ fn write_gguf(w: &HostWeights, path: &std::path::Path) {
 #[test]
 fn mlx_full_recompute_equals_candle_on_a_tiny_gguf() {
     let weights = HostWeights::random(LlamaConfig::tiny(), 5).unwrap();
-    let path = std::env::temp_dir().join(format!("kvcache-demo-tiny-{}.gguf", std::process::id()));
+    let path = std::env::temp_dir().join(format!("kvcache-engine-tiny-{}.gguf", std::process::id()));
     write_gguf(&weights, &path);
     let file = ModelFile::open(&path).unwrap();
     let candle = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {});

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::chat::{ChatServer, Reuse, TurnOutcome};
 use crate::trace::Trace;
-use crate::{DemoError, Llama, Result};
+use crate::{EngineError, Llama, Result};
 
 /// One answered request, as a replica reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -81,11 +81,11 @@ pub fn serve(
     input: impl BufRead,
     mut output: impl Write,
 ) -> Result<()> {
-    let io = |e: std::io::Error| DemoError::io(Path::new("<stdout>"), e);
+    let io = |e: std::io::Error| EngineError::io(Path::new("<stdout>"), e);
     writeln!(output, "ready").map_err(io)?;
     output.flush().map_err(io)?;
     for line in input.lines() {
-        let line = line.map_err(|e| DemoError::io(Path::new("<stdin>"), e))?;
+        let line = line.map_err(|e| EngineError::io(Path::new("<stdin>"), e))?;
         let words: Vec<&str> = line.split_whitespace().collect();
         let answer = match words.as_slice() {
             [] => continue,
@@ -96,9 +96,9 @@ pub fn serve(
             [command @ ("run" | "recompute"), index] => {
                 let i: usize = index
                     .parse()
-                    .map_err(|_| DemoError::InvalidArgument(format!("not a request index: {index:?}")))?;
+                    .map_err(|_| EngineError::InvalidArgument(format!("not a request index: {index:?}")))?;
                 let request = trace.requests.get(i).ok_or_else(|| {
-                    DemoError::InvalidArgument(format!("request {i} of {}", trace.requests.len()))
+                    EngineError::InvalidArgument(format!("request {i} of {}", trace.requests.len()))
                 })?;
                 let outcome = if *command == "run" {
                     server.generate(&request.token_ids, n_predict, None)?
@@ -106,10 +106,10 @@ pub fn serve(
                     ChatServer::new(model, Reuse::None, 0)?.generate(&request.token_ids, n_predict, None)?
                 };
                 serde_json::to_string(&TurnLine::new(request, &outcome))
-                    .map_err(|e| DemoError::Format(e.to_string()))?
+                    .map_err(|e| EngineError::Format(e.to_string()))?
             }
             _ => {
-                return Err(DemoError::InvalidArgument(format!(
+                return Err(EngineError::InvalidArgument(format!(
                     "unknown replica command {line:?}"
                 )))
             }
@@ -141,7 +141,7 @@ impl Replica {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| DemoError::io(exe, e))?;
+            .map_err(|e| EngineError::io(exe, e))?;
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
         let mut replica = Replica {
@@ -152,7 +152,7 @@ impl Replica {
         };
         let first = replica.read_line()?;
         if first != "ready" {
-            return Err(DemoError::Format(format!(
+            return Err(EngineError::Format(format!(
                 "{label}: expected `ready`, got {first:?}"
             )));
         }
@@ -177,7 +177,7 @@ impl Replica {
         if line.contains("flushed") {
             Ok(())
         } else {
-            Err(DemoError::Format(format!(
+            Err(EngineError::Format(format!(
                 "{}: flush answered {line:?}",
                 self.label
             )))
@@ -191,28 +191,32 @@ impl Replica {
         let status = self
             .child
             .wait()
-            .map_err(|e| DemoError::io(Path::new(&self.label), e))?;
+            .map_err(|e| EngineError::io(Path::new(&self.label), e))?;
         if status.success() {
             Ok(())
         } else {
-            Err(DemoError::Format(format!("{} exited with {status}", self.label)))
+            Err(EngineError::Format(format!(
+                "{} exited with {status}",
+                self.label
+            )))
         }
     }
 
     fn ask(&mut self, command: &str) -> Result<TurnLine> {
         self.send(command)?;
         let line = self.read_line()?;
-        serde_json::from_str(&line).map_err(|e| DemoError::Format(format!("{}: {e} in {line:?}", self.label)))
+        serde_json::from_str(&line)
+            .map_err(|e| EngineError::Format(format!("{}: {e} in {line:?}", self.label)))
     }
 
     fn send(&mut self, command: &str) -> Result<()> {
         let stdin = self
             .stdin
             .as_mut()
-            .ok_or_else(|| DemoError::InvalidArgument(format!("{} is stopping", self.label)))?;
+            .ok_or_else(|| EngineError::InvalidArgument(format!("{} is stopping", self.label)))?;
         writeln!(stdin, "{command}")
             .and_then(|()| stdin.flush())
-            .map_err(|e| DemoError::io(Path::new(&self.label), e))
+            .map_err(|e| EngineError::io(Path::new(&self.label), e))
     }
 
     fn read_line(&mut self) -> Result<String> {
@@ -220,9 +224,9 @@ impl Replica {
         let n = self
             .stdout
             .read_line(&mut line)
-            .map_err(|e| DemoError::io(Path::new(&self.label), e))?;
+            .map_err(|e| EngineError::io(Path::new(&self.label), e))?;
         if n == 0 {
-            return Err(DemoError::Format(format!("{} closed its output", self.label)));
+            return Err(EngineError::Format(format!("{} closed its output", self.label)));
         }
         Ok(line.trim_end().to_owned())
     }

@@ -9,19 +9,19 @@ use kvcache_api::{DType, Fingerprint, KvLayout};
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
 use sha2::{Digest, Sha256};
 
-use crate::{DemoError, Llama, Result, WeightMode};
+use crate::{EngineError, Llama, Result, WeightMode};
 
 /// The fingerprint of the model in `path` loaded with `weights`: SHA-256 of the
 /// GGUF file's bytes and of the weight mode (dequantized and quantized weights
 /// give different keys and values, so their prefixes must not mix).
 pub fn model_fingerprint(path: &Path, weights: WeightMode) -> Result<Fingerprint> {
-    let mut file = std::fs::File::open(path).map_err(|e| DemoError::io(path, e))?;
+    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
     let mut hasher = Sha256::new();
     hasher.update(b"kvcache-demo model\0");
     hasher.update(format!("{weights:?}\0").as_bytes());
     let mut buffer = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buffer).map_err(|e| DemoError::io(path, e))?;
+        let n = file.read(&mut buffer).map_err(|e| EngineError::io(path, e))?;
         if n == 0 {
             break;
         }

@@ -3,9 +3,9 @@
 #![allow(dead_code)]
 
 use kvcache_api::SnapshotCache;
-use kvcache_demo::engine::argmax;
-use kvcache_demo::mlx::model::to_host;
-use kvcache_demo::mlx::MlxLlama;
+use kvcache_engine::engine::argmax;
+use kvcache_engine::mlx::model::to_host;
+use kvcache_engine::mlx::MlxLlama;
 use kvcache_mlx::layers::KvCache;
 use kvcache_mlx::trie::{PrefixCache, Stats};
 
@@ -67,7 +67,7 @@ impl<'m> Driver<'m> {
         // (first position, logits of consecutive positions, row-major)
         let mut got: Vec<(usize, Vec<f32>)> = Vec::new();
         session
-            .prefill(|chunk, caches| -> kvcache_demo::Result<()> {
+            .prefill(|chunk, caches| -> kvcache_engine::Result<()> {
                 let at = caches[0].offset();
                 let h = model.hidden_layers(chunk, caches)?;
                 got.push((at, to_host(&model.logits(&h)?)?));

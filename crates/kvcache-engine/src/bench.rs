@@ -12,7 +12,7 @@ use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use crate::chat::{ChatServer, Reuse, TurnOutcome};
 use crate::engine::argmax;
 use crate::trace::Trace;
-use crate::{BatchToken, DemoError, Llama, Result};
+use crate::{BatchToken, EngineError, Llama, Result};
 
 /// Short user questions: the demo's default prompts and E2's eight sequences.
 pub const SAMPLE_QUESTIONS: &[&str] = &[
@@ -134,7 +134,7 @@ pub fn e2_batched_decode(
     log: &mut dyn FnMut(&str),
 ) -> Result<E2Report> {
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) || config.tokens == 0 || config.runs == 0 {
-        return Err(DemoError::InvalidArgument(
+        return Err(EngineError::InvalidArgument(
             "E2 needs prompts, tokens and runs".into(),
         ));
     }

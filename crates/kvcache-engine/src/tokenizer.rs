@@ -11,7 +11,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
-use crate::{DemoError, Result};
+use crate::{EngineError, Result};
 
 /// GGUF token type of control tokens (`<|im_start|>` and friends).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -35,8 +35,8 @@ impl std::fmt::Debug for ChatTokenizer {
     }
 }
 
-fn tok_err(e: impl std::fmt::Display) -> DemoError {
-    DemoError::Tokenizer(e.to_string())
+fn tok_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
 }
 
 impl ChatTokenizer {
@@ -44,11 +44,11 @@ impl ChatTokenizer {
     pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<Self> {
         let get = |key: &str| {
             md.get(key)
-                .ok_or_else(|| DemoError::Format(format!("missing metadata key {key}")))
+                .ok_or_else(|| EngineError::Format(format!("missing metadata key {key}")))
         };
         let model = get("tokenizer.ggml.model")?.to_string().map_err(tok_err)?;
         if model != "gpt2" {
-            return Err(DemoError::Format(format!(
+            return Err(EngineError::Format(format!(
                 "tokenizer model {model:?} is not GPT-2 byte-level BPE"
             )));
         }
@@ -100,7 +100,7 @@ impl ChatTokenizer {
             .map(|m| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| DemoError::Format(format!("merge {m:?} has no space")))
+                    .ok_or_else(|| EngineError::Format(format!("merge {m:?} has no space")))
             })
             .collect::<Result<Vec<_>>>()?;
         let bpe = BPE::builder()
@@ -206,7 +206,7 @@ pub const DEFAULT_SYSTEM_PROMPT: &str =
 /// when `add_generation_prompt`.
 ///
 /// ```
-/// use kvcache_demo::tokenizer::{chatml, Message, Role};
+/// use kvcache_engine::tokenizer::{chatml, Message, Role};
 ///
 /// let text = chatml(&[Message::new(Role::System, "Be brief."), Message::new(Role::User, "Hi")], true);
 /// assert_eq!(

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::{DemoError, Result};
+use crate::{EngineError, Result};
 
 /// One scripted turn of a conversation.
 #[derive(Debug, Clone, Deserialize)]
@@ -54,8 +54,8 @@ impl Trace {
     /// Reads a trace file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| DemoError::io(path, e))?;
-        serde_json::from_str(&text).map_err(|e| DemoError::Format(format!("{}: {e}", path.display())))
+        let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+        serde_json::from_str(&text).map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))
     }
 
     /// Sum of all prompt lengths.

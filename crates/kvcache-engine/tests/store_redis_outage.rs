@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use candle_core::Device;
 use kvcache_api::{DType, Fingerprint, KvLayout};
-use kvcache_demo::chat::{ChatServer, Reuse};
-use kvcache_demo::{Llama, LlamaConfig};
+use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::{Llama, LlamaConfig};
 use kvcache_store::redis_server::{self, RedisServer};
 use kvcache_store::{RedisConfig, RedisTier, StoreConfig, TieredStore};
 

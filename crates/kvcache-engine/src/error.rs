@@ -2,12 +2,12 @@
 
 use kvcache_api::CacheError;
 
-/// Result alias used throughout the demo crate.
-pub type Result<T, E = DemoError> = std::result::Result<T, E>;
+/// Result alias used throughout the engine crate.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 /// Everything loading, tokenizing or running the model can fail with.
 #[derive(Debug, thiserror::Error)]
-pub enum DemoError {
+pub enum EngineError {
     /// A tensor operation failed.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),
@@ -39,10 +39,10 @@ pub enum DemoError {
     InvalidArgument(String),
 }
 
-impl DemoError {
+impl EngineError {
     /// An I/O error on `path`.
     pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
-        DemoError::Io {
+        EngineError::Io {
             path: path.as_ref().display().to_string(),
             source,
         }

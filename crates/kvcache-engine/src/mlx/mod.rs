@@ -22,7 +22,7 @@ pub use chat::MlxChatServer;
 pub use model::MlxLlama;
 pub use weights::{HostTensor, HostWeights};
 
-/// Maps an mlx-rs error to [`crate::DemoError::Mlx`].
-pub(crate) fn mlx_err(e: impl std::fmt::Display) -> crate::DemoError {
-    crate::DemoError::Mlx(e.to_string())
+/// Maps an mlx-rs error to [`crate::EngineError::Mlx`].
+pub(crate) fn mlx_err(e: impl std::fmt::Display) -> crate::EngineError {
+    crate::EngineError::Mlx(e.to_string())
 }

@@ -7,8 +7,8 @@ use candle_core::{Device, Tensor};
 use common::simple_cache::SimpleCache;
 use kvcache_api::{CausalCache, CausalConfig, DType, KeyShift, Placement, SlidingWindow, VLayout};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
-use kvcache_demo::check::{Checker, Op};
-use kvcache_demo::{Llama, LlamaConfig};
+use kvcache_engine::check::{Checker, Op};
+use kvcache_engine::{Llama, LlamaConfig};
 use proptest::prelude::*;
 
 const SEQS: usize = 4;

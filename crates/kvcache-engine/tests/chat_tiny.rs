@@ -3,10 +3,10 @@
 
 use candle_core::{Device, IndexOp};
 use kvcache_api::{LayerCache, SnapshotCache};
-use kvcache_demo::chat::{ChatServer, Reuse};
-use kvcache_demo::check::max_abs_diff;
 use kvcache_causal::layer_cache::CandleKv;
-use kvcache_demo::{Llama, LlamaConfig};
+use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::check::max_abs_diff;
+use kvcache_engine::{Llama, LlamaConfig};
 
 fn model() -> Llama {
     Llama::random(LlamaConfig::tiny(), 3, &Device::Cpu).unwrap()
