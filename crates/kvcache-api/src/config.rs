@@ -34,6 +34,112 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// How a cache stores keys and values, apart from the dtype a model puts and
+/// gets them in ([`CausalConfig::dtype`]).
+///
+/// The float types store elements as they are named. [`KvStorage::Q8_0`] is
+/// ggml's `q8_0`: blocks of 32 consecutive values of one head's dimension, each
+/// stored as 32 signed 8-bit integers and one f16 scale (`x ≈ q * d` with
+/// `d = max|x| / 127`), 34 bytes per 32 values (8.5 bits a value); the head
+/// dimensions must be multiples of 32.
+///
+/// Parses from the names Ollama's `OLLAMA_KV_CACHE_TYPE` uses:
+///
+/// ```
+/// use kvcache_api::KvStorage;
+///
+/// let q: KvStorage = "q8_0".parse()?;
+/// assert_eq!(q, KvStorage::Q8_0);
+/// assert_eq!(q.to_string(), "q8_0");
+/// assert!("q4_1".parse::<KvStorage>().is_err());
+/// # Ok::<(), kvcache_api::CacheError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvStorage {
+    /// 32-bit float.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// ggml's `q8_0`: blocks of 32 int8 values with one f16 scale.
+    Q8_0,
+}
+
+impl KvStorage {
+    /// Every storage type, in the order of [`KvStorage::NAMES`].
+    pub const ALL: [KvStorage; 4] = [KvStorage::F32, KvStorage::F16, KvStorage::BF16, KvStorage::Q8_0];
+
+    /// The names [`str::parse`] accepts.
+    pub const NAMES: [&'static str; 4] = ["f32", "f16", "bf16", "q8_0"];
+
+    /// Values per quantization block along the head dimension (1 for float types).
+    pub fn block_len(self) -> usize {
+        match self {
+            KvStorage::Q8_0 => 32,
+            _ => 1,
+        }
+    }
+
+    /// Bytes one block of [`block_len`](Self::block_len) values takes.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            KvStorage::F32 => 4,
+            KvStorage::F16 | KvStorage::BF16 => 2,
+            KvStorage::Q8_0 => 32 + 2,
+        }
+    }
+
+    /// The float type of the same name, `None` for a quantized type.
+    pub fn float(self) -> Option<DType> {
+        match self {
+            KvStorage::F32 => Some(DType::F32),
+            KvStorage::F16 => Some(DType::F16),
+            KvStorage::BF16 => Some(DType::BF16),
+            KvStorage::Q8_0 => None,
+        }
+    }
+}
+
+impl From<DType> for KvStorage {
+    fn from(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => KvStorage::F32,
+            DType::F16 => KvStorage::F16,
+            DType::BF16 => KvStorage::BF16,
+        }
+    }
+}
+
+impl std::fmt::Display for KvStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = KvStorage::ALL
+            .iter()
+            .position(|t| t == self)
+            .expect("ALL lists every type");
+        f.write_str(KvStorage::NAMES[i])
+    }
+}
+
+impl std::str::FromStr for KvStorage {
+    type Err = CacheError;
+
+    /// `"f32"`, `"f16"`, `"bf16"` or `"q8_0"` (ASCII case ignored); anything else
+    /// is a [`CacheError::InvalidArgument`] listing them.
+    fn from_str(s: &str) -> Result<Self> {
+        KvStorage::NAMES
+            .iter()
+            .position(|name| name.eq_ignore_ascii_case(s))
+            .map(|i| KvStorage::ALL[i])
+            .ok_or_else(|| {
+                CacheError::InvalidArgument(format!(
+                    "unknown KV storage type {s:?}: expected one of {}",
+                    KvStorage::NAMES.join(", ")
+                ))
+            })
+    }
+}
+
 /// A sliding-window attention pattern.
 ///
 /// **Convention:** a window of `W` lets a query at position `p` see keys at
@@ -146,8 +252,12 @@ pub struct CausalConfig {
     pub window: Option<SlidingWindow>,
     /// Chunked attention: a query at `p` sees positions `p - p % c ..= p`.
     pub chunk_size: Option<usize>,
-    /// Storage type of keys and values.
+    /// Element type of the keys and values a model puts and gets; also their
+    /// storage type unless [`kv_storage`](Self::kv_storage) says otherwise.
     pub dtype: DType,
+    /// Storage type of keys and values when it differs from `dtype` (`None`:
+    /// stored as `dtype`). See [`CausalConfig::storage`].
+    pub kv_storage: Option<KvStorage>,
     /// Element type of the mask.
     pub mask_dtype: DType,
     /// Mask rows are padded to a multiple of this (fully masked rows).
@@ -175,6 +285,7 @@ impl CausalConfig {
             window: None,
             chunk_size: None,
             dtype: DType::F32,
+            kv_storage: None,
             mask_dtype: DType::F32,
             batch_padding: 1,
             cache_padding: 1,
@@ -196,10 +307,25 @@ impl CausalConfig {
         self
     }
 
-    /// Sets the key/value storage type.
+    /// Sets the key/value element type (`put`'s input, `get`'s output, and the
+    /// storage type unless [`with_kv_storage`](Self::with_kv_storage) sets one).
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;
         self
+    }
+
+    /// Stores keys and values as `storage` whatever dtype `put` and `get` use:
+    /// `put` converts (or quantizes) what it writes, `get` converts (or
+    /// dequantizes) the pass's cell range.
+    pub fn with_kv_storage(mut self, storage: KvStorage) -> Self {
+        self.kv_storage = Some(storage);
+        self
+    }
+
+    /// How keys and values are stored: [`kv_storage`](Self::kv_storage), or
+    /// `dtype` when it is not set.
+    pub fn storage(&self) -> KvStorage {
+        self.kv_storage.unwrap_or(self.dtype.into())
     }
 
     /// Sets the mask element type.
@@ -323,6 +449,27 @@ mod tests {
         assert_eq!(big.effective_memory(), None);
         assert_eq!(big.num_cells(), 200);
         assert_eq!(CausalConfig::new(3, 10, 4).with_padding(1, 8).num_cells(), 32);
+    }
+
+    #[test]
+    fn storage_defaults_to_the_dtype_and_parses_from_its_name() {
+        let config = CausalConfig::new(1, 16, 16).with_dtype(DType::BF16);
+        assert_eq!(config.storage(), KvStorage::BF16);
+        assert_eq!(config.with_kv_storage(KvStorage::Q8_0).storage(), KvStorage::Q8_0);
+        for t in KvStorage::ALL {
+            assert_eq!(t.to_string().parse::<KvStorage>(), Ok(t));
+            assert_eq!(t.to_string().to_uppercase().parse::<KvStorage>(), Ok(t));
+        }
+        let e = "q4_0".parse::<KvStorage>().unwrap_err();
+        assert!(
+            matches!(&e, CacheError::InvalidArgument(m) if m.contains("q8_0")),
+            "{e}"
+        );
+        assert_eq!(KvStorage::Q8_0.float(), None);
+        assert_eq!(
+            (KvStorage::Q8_0.block_len(), KvStorage::Q8_0.block_bytes()),
+            (32, 34)
+        );
     }
 
     #[test]

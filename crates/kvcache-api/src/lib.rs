@@ -38,7 +38,7 @@ mod snapshot;
 
 pub use batch::{Batch, Pos, SeqId};
 pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
-pub use config::{CausalConfig, DType, Placement, SlidingWindow, VLayout};
+pub use config::{CausalConfig, DType, KvStorage, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
 pub use host::{
     Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
