@@ -39,7 +39,8 @@ Commands:
 
 Downloads are cached in $KVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/kvcache-rs, else
 ~/.cache/kvcache-rs. Tests get the model's path in $KVCACHE_MODEL (set it yourself to
-use another file). Run from the repository root.
+use another file), and Gemma 3 270M's in $KVCACHE_GEMMA when it could be fetched
+(tests that need it skip otherwise). Run from the repository root.
 ";
 
 fn main() -> ExitCode {

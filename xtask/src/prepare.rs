@@ -43,5 +43,19 @@ pub fn prepare_model_only(layout: &Layout) -> Result<Cargo> {
 fn add_model(layout: &Layout, cargo: &mut Cargo) -> Result<()> {
     let path = model::ensure(&layout.cache)?;
     cargo.set_env(model::MODEL_ENV, path);
+    add_gemma(layout, cargo);
     Ok(())
+}
+
+/// Gemma 3 for the sliding-window tests and benchmarks. Not fatal: without it
+/// (no network on a fresh machine) those tests skip, saying why, and everything
+/// else runs.
+fn add_gemma(layout: &Layout, cargo: &mut Cargo) {
+    match model::gemma::ensure(&layout.cache) {
+        Ok(path) => cargo.set_env(model::GEMMA_ENV, path),
+        Err(err) => println!(
+            "prepare: gemma: not prepared ({err}); tests needing {} will skip",
+            model::GEMMA_ENV
+        ),
+    }
 }
