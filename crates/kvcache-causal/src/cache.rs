@@ -12,7 +12,7 @@ use kvcache_api::{
 use crate::book::{Book, RemovePlan};
 use crate::inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
 use crate::mask_buffer::MaskBuffer;
-use crate::storage::{same_storage, Storage};
+use crate::storage::Storage;
 
 /// A shift function as the cache keeps it: shared by deep clones, never mutated.
 pub type SharedKeyShift = Arc<dyn KeyShift<Tensor>>;
@@ -418,6 +418,14 @@ impl CausalKvCache {
         self.storage.bytes()
     }
 
+    /// Bytes of key/value storage one cell (one cached token) takes across every
+    /// stored layer, in the configured storage type
+    /// ([`CausalConfig::storage`](kvcache_api::CausalConfig::storage)); 0 before
+    /// the first `put`.
+    pub fn storage_bytes_per_cell(&self) -> usize {
+        self.storage.bytes_per_cell()
+    }
+
     /// Bytes kept between passes to write masks into: the largest mask of a
     /// non-reserve pass so far.
     pub fn mask_buffer_bytes(&self) -> usize {
@@ -486,7 +494,7 @@ impl CausalKvCache {
                     });
                 }
                 // A result aliasing the cache must not be read while it is overwritten.
-                let keys = if same_storage(&keys, &store.keys) {
+                let keys = if store.keys.aliases(&keys) {
                     keys.force_contiguous().map_err(CacheError::backend)?
                 } else {
                     keys

@@ -2,11 +2,12 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use kvcache_api::{CacheError, CausalConfig, ForwardMode, Pos, Result, SeqId};
 
 use crate::book::Pass;
 use crate::cells::Cells;
+use crate::storage::Plane;
 
 /// What the bookkeeping records for one used cell.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,7 +42,8 @@ pub struct PassState {
     pub mask: Vec<f32>,
 }
 
-/// One layer's stored tensors, copied to the host as f32.
+/// One layer's stored tensors, copied to the host as f32 (decoded when stored
+/// quantized).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerData {
     /// Shape of the key tensor, `[cells, kv_heads, head_dim]`.
@@ -55,9 +57,9 @@ pub struct LayerData {
 }
 
 impl LayerData {
-    pub(crate) fn read(keys: &Tensor, values: &Tensor) -> Result<Self> {
-        let flat = |t: &Tensor| {
-            t.to_dtype(DType::F32)
+    pub(crate) fn read(keys: &Plane, values: &Plane) -> Result<Self> {
+        let flat = |p: &Plane| {
+            p.decode(DType::F32)
                 .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
                 .map_err(CacheError::backend)
         };

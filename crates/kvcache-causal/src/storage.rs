@@ -1,18 +1,27 @@
-//! The stored keys and values: one pair of tensors per layer, created on the first
+//! The stored keys and values: one pair of planes per layer, created on the first
 //! `put` of that layer and written in place.
 //!
 //! Keys are `[cells, kv_heads, head_dim]`; values `[cells, kv_heads, head_dim_v]`,
-//! or `[kv_heads, head_dim_v, cells]` with [`VLayout::Permuted`]. A batch is written
-//! with one `slice_set` per run of consecutive cells; reads are `narrow` views.
+//! or `[kv_heads, head_dim_v, cells]` with [`VLayout::Permuted`]. Each is a
+//! [`Plane`]: one tensor of a float type, or `q8_0` integers and scales
+//! ([`KvStorage`], [`CausalConfig::storage`]). A batch is encoded once in the
+//! storage type and written with one `slice_set` per run of consecutive cells.
+//! Reads return the compute dtype ([`CausalConfig::dtype`]): `narrow` views when
+//! the storage type is the compute dtype, else the range asked for, decoded.
+//! Moving cells (compaction, copies) moves the stored parts, never decoding them.
 
 use std::ops::Range;
 
 use candle_core::{DType as CandleDType, Device, Storage as CandleStorage, Tensor};
-use kvcache_api::{CacheError, CausalConfig, DType, Result, VLayout};
+use kvcache_api::{CacheError, CausalConfig, DType, KvStorage, Result, VLayout};
 
 use crate::placement::Move;
 
 mod host;
+mod plane;
+mod q8_0;
+
+pub(crate) use plane::Plane;
 
 /// The candle element type for a kvcache dtype.
 pub(crate) fn candle_dtype(dtype: DType) -> CandleDType {
@@ -36,20 +45,23 @@ pub(crate) fn same_storage(a: &Tensor, b: &Tensor) -> bool {
 /// rejected, so a corrupt index cannot size the per-layer table.
 pub const MAX_LAYERS: usize = 1 << 16;
 
-/// The key and value tensors of one layer.
+/// The keys and values of one layer.
 #[derive(Debug)]
 pub(crate) struct LayerStore {
     /// `[cells, kv_heads, head_dim]`.
-    pub keys: Tensor,
+    pub keys: Plane,
     /// `[cells, kv_heads, head_dim_v]` or `[kv_heads, head_dim_v, cells]`.
-    pub values: Tensor,
+    pub values: Plane,
 }
 
 /// Per-layer key/value storage on one device.
 #[derive(Debug)]
 pub(crate) struct Storage {
     device: Device,
+    /// What `put` takes and `get` returns.
     dtype: CandleDType,
+    /// How keys and values are kept.
+    kind: KvStorage,
     layout: VLayout,
     cells: usize,
     layers: Vec<Option<LayerStore>>,
@@ -64,6 +76,7 @@ impl Storage {
         Storage {
             device,
             dtype: candle_dtype(config.dtype),
+            kind: config.storage(),
             layout: config.v_layout,
             cells: config.num_cells(),
             layers: Vec::new(),
@@ -91,6 +104,36 @@ impl Storage {
     /// Number of layer slots (layers with storage are below this).
     pub(crate) fn layer_slots(&self) -> usize {
         self.layers.len()
+    }
+
+    /// The axis of cells in the value plane.
+    fn value_cell_axis(&self) -> usize {
+        match self.layout {
+            VLayout::Normal => 0,
+            VLayout::Permuted => 2,
+        }
+    }
+
+    /// The head-dimension axis of the value plane (where `q8_0` blocks run).
+    fn value_block_axis(&self) -> usize {
+        match self.layout {
+            VLayout::Normal => 2,
+            VLayout::Permuted => 1,
+        }
+    }
+
+    /// Checks head dimensions against the storage type: `q8_0` needs multiples
+    /// of 32.
+    pub(crate) fn check_head_dims(&self, head_dim: usize, head_dim_v: usize) -> Result<()> {
+        let block = self.kind.block_len();
+        if head_dim.is_multiple_of(block) && head_dim_v.is_multiple_of(block) {
+            return Ok(());
+        }
+        Err(CacheError::InvalidArgument(format!(
+            "{} storage needs head dimensions that are multiples of {block}, got head_dim {head_dim} \
+             and head_dim_v {head_dim_v}",
+            self.kind
+        )))
     }
 
     fn dims_of(&self, layer: &LayerStore) -> HeadDims {
@@ -156,10 +199,11 @@ impl Storage {
                 values.dims()
             )));
         }
+        self.check_head_dims(head_dim, head_dim_v)?;
         Ok((kv_heads, head_dim, head_dim_v))
     }
 
-    /// Creates `layer`'s zeroed tensors if they do not exist yet.
+    /// Creates `layer`'s zeroed planes if they do not exist yet.
     pub(crate) fn ensure_layer(
         &mut self,
         layer: usize,
@@ -168,11 +212,12 @@ impl Storage {
         if self.layer(layer).is_some() {
             return Ok(());
         }
-        let keys = Tensor::zeros((self.cells, kv_heads, head_dim), self.dtype, &self.device);
-        let values = match self.layout {
-            VLayout::Normal => Tensor::zeros((self.cells, kv_heads, head_dim_v), self.dtype, &self.device),
-            VLayout::Permuted => Tensor::zeros((kv_heads, head_dim_v, self.cells), self.dtype, &self.device),
+        let keys = Plane::zeros(&[self.cells, kv_heads, head_dim], 2, self.kind, &self.device);
+        let value_shape = match self.layout {
+            VLayout::Normal => [self.cells, kv_heads, head_dim_v],
+            VLayout::Permuted => [kv_heads, head_dim_v, self.cells],
         };
+        let values = Plane::zeros(&value_shape, self.value_block_axis(), self.kind, &self.device);
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, || None);
         }
@@ -183,20 +228,14 @@ impl Storage {
         Ok(())
     }
 
-    /// Writes token `i` of checked `keys`/`values` into cell `cells[i]` of `layer`.
+    /// Writes token `i` of checked `keys`/`values` into cell `cells[i]` of `layer`,
+    /// encoding the batch in the storage type once.
     pub(crate) fn write(&self, layer: usize, keys: &Tensor, values: &Tensor, cells: &[u32]) -> Result<()> {
         let store = self.layer(layer).expect("ensure_layer before write");
-        // A tensor that aliases the destination (a view from `get`) is copied first.
-        let private = |t: &Tensor, dst: &Tensor| {
-            if same_storage(t, dst) {
-                t.force_contiguous()
-            } else {
-                Ok(t.clone())
-            }
-        };
         let run = || -> candle_core::Result<()> {
-            let keys = private(keys, &store.keys)?;
-            let values = private(values, &store.values)?;
+            // Encoding copies, so a view from `get` is read before it is overwritten.
+            let keys = Plane::encode(keys, 2, self.kind)?;
+            let values = Plane::encode(values, 2, self.kind)?;
             let mut i = 0;
             while i < cells.len() {
                 let first = cells[i] as usize;
@@ -204,16 +243,11 @@ impl Storage {
                 while i + len < cells.len() && cells[i + len] as usize == first + len {
                     len += 1;
                 }
-                let k = keys.narrow(0, i, len)?.contiguous()?;
-                store.keys.slice_set(&k, 0, first)?;
-                let v = values.narrow(0, i, len)?;
+                let rows = |p: &Plane| p.map(|t| t.narrow(0, i, len)?.contiguous());
+                store.keys.slice_set(&rows(&keys)?, 0, first)?;
                 match self.layout {
-                    VLayout::Normal => store.values.slice_set(&v.contiguous()?, 0, first)?,
-                    VLayout::Permuted => {
-                        store
-                            .values
-                            .slice_set(&v.permute((1, 2, 0))?.contiguous()?, 2, first)?
-                    }
+                    VLayout::Normal => store.values.slice_set(&rows(&values)?, 0, first)?,
+                    VLayout::Permuted => store.values.slice_set(&rows(&values)?.cells_last()?, 2, first)?,
                 }
                 i += len;
             }
@@ -236,14 +270,11 @@ impl Storage {
         let count = sources.len();
         let run = || -> candle_core::Result<()> {
             let index = Tensor::from_vec(sources, count, &self.device)?;
+            let dim = self.value_cell_axis();
             for (_, store) in self.layers() {
-                let keys = store.keys.index_select(&index, 0)?;
+                let keys = store.keys.map(|t| t.index_select(&index, 0))?;
                 store.keys.slice_set(&keys, 0, first.dst as usize)?;
-                let dim = match self.layout {
-                    VLayout::Normal => 0,
-                    VLayout::Permuted => 2,
-                };
-                let values = store.values.index_select(&index, dim)?;
+                let values = store.values.map(|t| t.index_select(&index, dim))?;
                 store.values.slice_set(&values, dim, first.dst as usize)?;
             }
             Ok(())
@@ -251,34 +282,43 @@ impl Storage {
         run().map_err(CacheError::backend)
     }
 
-    /// Keys of cells `range` of `layer`: a view `[range.len(), kv_heads, head_dim]`.
+    /// Keys of cells `range` of `layer` in the compute dtype, `[range.len(),
+    /// kv_heads, head_dim]`: a view when stored in that dtype, else decoded.
     pub(crate) fn key_view(&self, layer: &LayerStore, range: Range<usize>) -> Result<Tensor> {
-        layer
-            .keys
-            .narrow(0, range.start, range.len())
-            .map_err(CacheError::backend)
+        let run = || {
+            layer
+                .keys
+                .map(|t| t.narrow(0, range.start, range.len()))?
+                .decode(self.dtype)
+        };
+        run().map_err(CacheError::backend)
     }
 
-    /// Keys and values of cells `range` of `layer`, as views.
+    /// Keys and values of cells `range` of `layer` in the compute dtype: views
+    /// when stored in that dtype, else only those cells, decoded.
     pub(crate) fn views(&self, layer: &LayerStore, range: Range<usize>) -> Result<(Tensor, Tensor)> {
         let keys = self.key_view(layer, range.clone())?;
-        let dim = match self.layout {
-            VLayout::Normal => 0,
-            VLayout::Permuted => 2,
+        let dim = self.value_cell_axis();
+        let run = || {
+            layer
+                .values
+                .map(|t| t.narrow(dim, range.start, range.len()))?
+                .decode(self.dtype)
         };
-        let values = layer
-            .values
-            .narrow(dim, range.start, range.len())
-            .map_err(CacheError::backend)?;
+        let values = run().map_err(CacheError::backend)?;
         Ok((keys, values))
     }
 
     /// Overwrites the keys of cells `first..` of `layer` with `keys`
-    /// `[n, kv_heads, head_dim]`.
+    /// `[n, kv_heads, head_dim]` (encoded in the storage type).
     pub(crate) fn write_keys(&self, layer: usize, first: usize, keys: &Tensor) -> Result<()> {
         let store = self.layer(layer).expect("shifted layers have storage");
-        let keys = keys.contiguous().map_err(CacheError::backend)?;
-        store.keys.slice_set(&keys, 0, first).map_err(CacheError::backend)
+        let run = || {
+            store
+                .keys
+                .slice_set(&Plane::encode(keys, 2, self.kind)?, 0, first)
+        };
+        run().map_err(CacheError::backend)
     }
 
     /// Keys and values of one cell as f32, each `[kv_heads * head_dim]` in
@@ -293,16 +333,17 @@ impl Storage {
                 self.cells
             )));
         }
-        let flat = |t: candle_core::Result<Tensor>| -> Result<Vec<f32>> {
-            t.and_then(|t| t.to_dtype(CandleDType::F32)?.flatten_all()?.to_vec1::<f32>())
-                .map_err(CacheError::backend)
+        let flat = |plane: &Plane, dim: usize| -> Result<Vec<f32>> {
+            let run = || {
+                let cell = plane.map(|t| t.narrow(dim, cell, 1))?;
+                cell.decode(CandleDType::F32)?.flatten_all()?.to_vec1::<f32>()
+            };
+            run().map_err(CacheError::backend)
         };
-        let keys = flat(store.keys.narrow(0, cell, 1))?;
-        let values = match self.layout {
-            VLayout::Normal => flat(store.values.narrow(0, cell, 1))?,
-            VLayout::Permuted => flat(store.values.narrow(2, cell, 1))?,
-        };
-        Ok((keys, values))
+        Ok((
+            flat(&store.keys, 0)?,
+            flat(&store.values, self.value_cell_axis())?,
+        ))
     }
 
     /// A deep copy (new tensors, same device).
@@ -314,8 +355,8 @@ impl Storage {
                 l.as_ref()
                     .map(|l| {
                         Ok(LayerStore {
-                            keys: l.keys.copy()?,
-                            values: l.values.copy()?,
+                            keys: l.keys.map(Tensor::copy)?,
+                            values: l.values.map(Tensor::copy)?,
                         })
                     })
                     .transpose()
@@ -325,6 +366,7 @@ impl Storage {
         Ok(Storage {
             device: self.device.clone(),
             dtype: self.dtype,
+            kind: self.kind,
             layout: self.layout,
             cells: self.cells,
             layers,
@@ -334,8 +376,10 @@ impl Storage {
     /// Makes this storage a deep copy of `source` (on the same device), writing into
     /// this storage's tensors where a layer's shapes match and copying otherwise.
     pub(crate) fn copy_from(&mut self, source: &Storage) -> Result<()> {
-        let same_kind =
-            self.dtype == source.dtype && self.layout == source.layout && self.cells == source.cells;
+        let same_kind = self.dtype == source.dtype
+            && self.kind == source.kind
+            && self.layout == source.layout
+            && self.cells == source.cells;
         self.layers.resize_with(source.layers.len(), || None);
         for (mine, theirs) in self.layers.iter_mut().zip(&source.layers) {
             *mine = match (mine.take(), theirs) {
@@ -354,12 +398,13 @@ impl Storage {
                     Some(kept)
                 }
                 (_, Some(theirs)) => Some(LayerStore {
-                    keys: theirs.keys.copy().map_err(CacheError::backend)?,
-                    values: theirs.values.copy().map_err(CacheError::backend)?,
+                    keys: theirs.keys.map(Tensor::copy).map_err(CacheError::backend)?,
+                    values: theirs.values.map(Tensor::copy).map_err(CacheError::backend)?,
                 }),
             };
         }
         self.dtype = source.dtype;
+        self.kind = source.kind;
         self.layout = source.layout;
         self.cells = source.cells;
         Ok(())
@@ -368,7 +413,12 @@ impl Storage {
     /// Bytes of key/value storage allocated.
     pub(crate) fn bytes(&self) -> usize {
         self.layers()
-            .map(|(_, l)| (l.keys.elem_count() + l.values.elem_count()) * self.dtype.size_in_bytes())
+            .map(|(_, l)| l.keys.bytes() + l.values.bytes())
             .sum()
+    }
+
+    /// Bytes one cell takes in every stored layer (keys and values).
+    pub(crate) fn bytes_per_cell(&self) -> usize {
+        self.bytes().checked_div(self.cells).unwrap_or(0)
     }
 }

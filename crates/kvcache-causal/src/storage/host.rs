@@ -2,10 +2,16 @@
 //! [`HostKv`]: per layer, keys `[kv_heads, tokens, head_dim]` then values
 //! `[kv_heads, tokens, head_dim_v]`, little-endian bytes of the dtype.
 //!
+//! The host form is always in the cache's compute dtype ([`CausalConfig::dtype`](kvcache_api::CausalConfig::dtype)),
+//! whatever the storage type: a quantized (or otherwise converted) cache exports
+//! its values decoded, and an import encodes them as a forward pass's `put` would.
+//! So states move between caches of any storage types, and the prefix store keeps
+//! float rows.
+//!
 //! Reads gather a sequence's cells with one `narrow` (one run of cells) or one
-//! `index_select` (several) per tensor, transpose to head-major and copy the bytes
-//! out once; writes upload each layer's rows once and store them with the run-wise
-//! writes of a forward pass.
+//! `index_select` (several) per stored tensor, decode only those cells, transpose
+//! to head-major and copy the bytes out once; writes upload each layer's rows once
+//! and store them with the run-wise writes of a forward pass.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -13,7 +19,7 @@ use std::ops::Range;
 use candle_core::{DType as CandleDType, Storage as CandleStorage, Tensor, WithDType};
 use kvcache_api::{CacheError, DType, HostKv, KvLayout, Result, VLayout};
 
-use super::{HeadDims, Storage, MAX_LAYERS};
+use super::{HeadDims, Plane, Storage, MAX_LAYERS};
 
 /// Keys `[rows, kv_heads, head_dim]` and values `[rows, kv_heads, head_dim_v]` of
 /// one layer, uploaded to the cache's device (views, shaped like `put`'s input).
@@ -90,7 +96,7 @@ impl Storage {
                 layout.layers, layout.kv_heads, layout.head_dim, layout.head_dim_v
             )));
         }
-        Ok(())
+        self.check_head_dims(layout.head_dim, layout.head_dim_v)
     }
 
     /// Copies cells `runs` (cell ranges, in the order of the rows of `out`) of
@@ -107,9 +113,13 @@ impl Storage {
                     Some(Tensor::from_vec(cells, n, &self.device)?)
                 }
             };
-            let gather = |t: &Tensor, dim: usize| match &index {
-                Some(index) => t.index_select(index, dim),
-                None => t.narrow(dim, runs[0].start, n),
+            // The cells of `runs`, decoded to the compute dtype.
+            let gather = |plane: &Plane, dim: usize| {
+                let cells = match &index {
+                    Some(index) => plane.map(|t| t.index_select(index, dim))?,
+                    None => plane.map(|t| t.narrow(dim, runs[0].start, n))?,
+                };
+                cells.decode(self.dtype)
             };
             for layer in 0..self.layers.len() {
                 let store = self.layer(layer).expect("export_layout checked every layer");
