@@ -41,7 +41,8 @@ pub(crate) fn quantize(x: &Tensor, axis: usize) -> Result<(Tensor, Tensor)> {
         .contiguous()?
         .reshape(blocked(&shape, axis))?;
     let amax = blocks.abs()?.max_keepdim(axis + 1)?;
-    let d = (amax / 127.0)?;
+    // Divided, not multiplied by 1/127, to round exactly as ggml does.
+    let d = amax.broadcast_div(&Tensor::new(127f32, x.device())?)?;
     let nonzero = d.gt(0f64)?;
     let id = nonzero.where_cond(&d.recip()?, &d.zeros_like()?)?;
     let quants = blocks
