@@ -33,6 +33,7 @@ mod causal;
 mod config;
 mod error;
 pub mod host;
+pub mod paging;
 mod shared;
 mod snapshot;
 

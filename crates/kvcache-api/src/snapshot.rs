@@ -49,7 +49,17 @@ pub trait SnapshotCache: Send {
     fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool>;
 
     /// Joins consecutive snapshots `[a, b)` and `[b, c)` into `[a, c)`, taking
-    /// ownership of both. `None` if either was `None`.
+    /// ownership of both.
+    ///
+    /// A cache whose snapshots hold token rows (a KV cache) concatenates them,
+    /// and gives `None` if either was `None`. A cache whose snapshots hold its
+    /// whole state at their end (a rotating window, a recurrent state) keeps
+    /// the child, whose state supersedes the parent's: `[a, c)` with a parent,
+    /// the child's own range without one, `None` without a child (as Ollama's
+    /// rotating cache does). Either way the result ends where the child did.
+    /// Foreign or non-consecutive snapshots are an
+    /// [`InvalidArgument`](crate::CacheError::InvalidArgument) error. The
+    /// bookkeeping of both kinds is written once in [`paging`](crate::paging).
     fn merge(
         &mut self,
         parent: Option<BoxedSnapshot>,

@@ -4,44 +4,81 @@
 //!
 //! Storage per layer: keys and values `[kv_heads, capacity, head_dim]` with the
 //! first `offset` rows along dimension 1 live; capacity doubles as needed.
-//! A snapshot owns a compact copy of its range.
+//! A snapshot owns a compact copy of its range ([`KvRows`]); snapshot,
+//! restore, merge and split are [`kvcache_api::paging`]'s, written once for
+//! every row cache.
 
-use std::any::Any;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use kvcache_api::{
-    BoxedSnapshot, CacheError, KvLayout, LayerCache, LayerRows, LayerRowsMut, Result, Snapshot, SnapshotCache,
-};
+use kvcache_api::paging::{RowCache, Rows, RowsSnapshot};
+use kvcache_api::{CacheError, KvLayout, LayerCache, LayerRows, LayerRowsMut, Result};
 
 fn be(e: candle_core::Error) -> CacheError {
     CacheError::backend(e)
 }
 
-/// Paged-out keys and values of one layer for tokens `[from, to)`:
-/// `[kv_heads, to - from, head_dim]` each.
+/// Paged-out keys and values of one layer for tokens `[from, to)`: its [`KvRows`].
+pub type KvSnapshot = RowsSnapshot<KvRows>;
+
+/// Keys and values of `n` consecutive tokens, `[kv_heads, n, head_dim]` each,
+/// in compact storage of their own.
 #[derive(Debug)]
-pub struct KvSnapshot {
-    range: Range<usize>,
+pub struct KvRows {
     keys: Tensor,
     values: Tensor,
 }
 
-impl Snapshot for KvSnapshot {
-    fn range(&self) -> Range<usize> {
-        self.range.clone()
+impl KvRows {
+    /// Keys, `[kv_heads, n, head_dim]`.
+    pub fn keys(&self) -> &Tensor {
+        &self.keys
+    }
+
+    /// Values, `[kv_heads, n, head_dim]`.
+    pub fn values(&self) -> &Tensor {
+        &self.values
+    }
+
+    /// Compact copies of rows `[from, from + n)` of `keys` and `values`.
+    fn copy_of(keys: &Tensor, values: &Tensor, from: usize, n: usize) -> Result<Self> {
+        // `copy` makes compact, owned storage: the rows keep only their range.
+        let part = |t: &Tensor| t.narrow(1, from, n).and_then(|t| t.copy()).map_err(be);
+        Ok(KvRows {
+            keys: part(keys)?,
+            values: part(values)?,
+        })
+    }
+}
+
+impl Rows for KvRows {
+    fn tokens(&self) -> usize {
+        self.keys.dims()[1]
     }
 
     fn size_bytes(&self) -> usize {
         (self.keys.elem_count() + self.values.elem_count()) * self.keys.dtype().size_in_bytes()
     }
 
-    fn as_any(&self) -> &dyn Any {
-        self
+    fn concat(parent: &Self, child: &Self) -> Result<Self> {
+        let (p, c) = (parent.keys.dims(), child.keys.dims());
+        if (p[0], p[2]) != (c[0], c[2]) {
+            return Err(CacheError::InvalidArgument(format!(
+                "cannot merge rows of shape {p:?} and {c:?}"
+            )));
+        }
+        Ok(KvRows {
+            keys: Tensor::cat(&[&parent.keys, &child.keys], 1).map_err(be)?,
+            values: Tensor::cat(&[&parent.values, &child.values], 1).map_err(be)?,
+        })
     }
 
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
+    fn split(&self, at: usize) -> Result<(Self, Self)> {
+        let rest = self.tokens() - at;
+        Ok((
+            KvRows::copy_of(&self.keys, &self.values, 0, at)?,
+            KvRows::copy_of(&self.keys, &self.values, at, rest)?,
+        ))
     }
 }
 
@@ -112,133 +149,75 @@ impl CandleKv {
         mine.expect(layout)
     }
 
-    /// Appends `[kv_heads, n, head_dim]` keys and values.
-    fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<()> {
+    /// Writes `[kv_heads, n, head_dim]` keys and values at offset `at`
+    /// (`at <= offset`); the offset becomes `at + n`.
+    fn write(&mut self, at: usize, keys: &Tensor, values: &Tensor) -> Result<()> {
         let n = keys.dim(1).map_err(be)?;
-        self.reserve(self.offset + n)?;
+        self.offset = self.offset.min(at);
+        self.reserve(at + n)?;
         let (k, v) = (
             self.keys.as_ref().expect("reserved"),
             self.values.as_ref().expect("reserved"),
         );
-        k.slice_set(&keys.contiguous().map_err(be)?, 1, self.offset)
+        k.slice_set(&keys.contiguous().map_err(be)?, 1, at).map_err(be)?;
+        v.slice_set(&values.contiguous().map_err(be)?, 1, at)
             .map_err(be)?;
-        v.slice_set(&values.contiguous().map_err(be)?, 1, self.offset)
-            .map_err(be)?;
-        self.offset += n;
+        self.offset = at + n;
         Ok(())
+    }
+
+    /// Appends `[kv_heads, n, head_dim]` keys and values.
+    fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<()> {
+        self.write(self.offset, keys, values)
     }
 }
 
-fn own(s: BoxedSnapshot) -> Result<Box<KvSnapshot>> {
-    s.into_any()
-        .downcast::<KvSnapshot>()
-        .map_err(|_| CacheError::InvalidArgument("not a candle layer-cache snapshot".into()))
-}
+impl RowCache for CandleKv {
+    type Rows = KvRows;
 
-impl SnapshotCache for CandleKv {
-    fn offset(&self) -> usize {
+    fn live_offset(&self) -> usize {
         self.offset
     }
 
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
-        if from >= self.offset {
-            return Ok(None);
-        }
+    fn truncate(&mut self, to: usize) {
+        self.offset = to;
+    }
+
+    fn copy_rows(&self, rows: Range<usize>) -> Result<KvRows> {
         let (k, v) = self.live().map_err(be)?;
-        let n = self.offset - from;
-        // `copy` makes compact, owned storage: the snapshot keeps only its range.
-        let keys = k.narrow(1, from, n).and_then(|t| t.copy()).map_err(be)?;
-        let values = v.narrow(1, from, n).and_then(|t| t.copy()).map_err(be)?;
-        Ok(Some(Box::new(KvSnapshot {
-            range: from..self.offset,
-            keys,
-            values,
-        })))
+        KvRows::copy_of(&k, &v, rows.start, rows.len())
     }
 
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target > self.offset {
-                return Ok(false);
+    fn write_rows(&mut self, at: usize, rows: &KvRows, take: usize) -> Result<()> {
+        for (what, t) in [("keys", &rows.keys), ("values", &rows.values)] {
+            match t.dims() {
+                &[h, _, d] if h == self.kv_heads && d == self.head_dim && t.dtype() == DType::F32 => {}
+                dims => {
+                    return Err(CacheError::ShapeMismatch {
+                        what,
+                        expected: vec![self.kv_heads, 0, self.head_dim],
+                        got: dims.to_vec(),
+                    })
+                }
             }
-            self.offset = target;
-            return Ok(true);
-        };
-        let snap = snapshot
-            .as_any()
-            .downcast_ref::<KvSnapshot>()
-            .ok_or_else(|| CacheError::InvalidArgument("not a candle layer-cache snapshot".into()))?;
-        let range = snap.range();
-        if target > range.end || self.offset < range.start || target < range.start {
-            return Ok(false);
         }
-        self.offset = range.start;
-        let take = target - range.start;
-        if take > 0 {
-            let k = snap.keys.narrow(1, 0, take).map_err(be)?;
-            let v = snap.values.narrow(1, 0, take).map_err(be)?;
-            self.append(&k, &v)?;
+        if take == 0 {
+            self.offset = at;
+            return Ok(());
         }
-        Ok(true)
+        let k = rows.keys.narrow(1, 0, take).map_err(be)?;
+        let v = rows.values.narrow(1, 0, take).map_err(be)?;
+        self.write(at, &k, &v)
     }
 
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        let (Some(parent), Some(child)) = (parent, child) else {
-            return Ok(None);
-        };
-        let (p, c) = (own(parent)?, own(child)?);
-        if p.range.end != c.range.start {
-            return Err(CacheError::InvalidArgument(format!(
-                "snapshots {:?} and {:?} are not consecutive",
-                p.range, c.range
-            )));
-        }
-        Ok(Some(Box::new(KvSnapshot {
-            range: p.range.start..c.range.end,
-            keys: Tensor::cat(&[&p.keys, &c.keys], 1).map_err(be)?,
-            values: Tensor::cat(&[&p.values, &c.values], 1).map_err(be)?,
-        })))
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        let s = own(snapshot)?;
-        if at <= s.range.start {
-            return Ok((None, Some(s)));
-        }
-        if at >= s.range.end {
-            return Ok((Some(s), None));
-        }
-        let k = at - s.range.start;
-        let rest = s.range.end - at;
-        let part =
-            |t: &Tensor, from: usize, n: usize| t.narrow(1, from, n).and_then(|t| t.copy()).map_err(be);
-        let parent = KvSnapshot {
-            range: s.range.start..at,
-            keys: part(&s.keys, 0, k)?,
-            values: part(&s.values, 0, k)?,
-        };
-        let child = KvSnapshot {
-            range: at..s.range.end,
-            keys: part(&s.keys, k, rest)?,
-            values: part(&s.values, k, rest)?,
-        };
-        Ok((Some(Box::new(parent)), Some(Box::new(child))))
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.keys = None;
         self.values = None;
         self.offset = 0;
     }
+}
 
+kvcache_api::row_snapshot_cache!(CandleKv {
     /// Host rows are `[kv_heads, rows, head_dim]` f32, like the live buffers.
     fn read_rows(&self, rows: Range<usize>, mut out: LayerRowsMut<'_>) -> Result<bool> {
         self.expect_layout(&out.layout)?;
@@ -300,7 +279,7 @@ impl SnapshotCache for CandleKv {
         self.append(&k, &v)?;
         Ok(true)
     }
-}
+});
 
 impl LayerCache for CandleKv {
     type Array = Tensor;
@@ -332,7 +311,7 @@ impl LayerCache for CandleKv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvcache_api::{DType as KvDType, HostKv};
+    use kvcache_api::{DType as KvDType, HostKv, SnapshotCache};
 
     fn filled(tokens: usize) -> CandleKv {
         let mut cache = CandleKv::new(2, 4, &Device::Cpu);

@@ -108,7 +108,7 @@ fn restores_only_at_the_exact_end_of_a_snapshot() {
     // The cache continues from the restored state.
     cache.advance(1, state(3.0)).unwrap();
     assert_eq!(cache.offset(), 5);
-    assert_eq!(tag_of(recurrent(&*at4).state()), 1.0);
+    assert_eq!(tag_of(recurrent(&*at4).arrays()), 1.0);
 }
 
 #[test]
@@ -120,16 +120,16 @@ fn snapshots_are_compact_copies() {
     cache.advance(3, vec![view, state(1.0)[0].clone()]).unwrap();
     let snap = cache.snapshot(0).unwrap().unwrap();
     let s = recurrent(&*snap);
-    assert_eq!(s.state()[0].shape(), &[2, 5]);
+    assert_eq!(s.arrays()[0].shape(), &[2, 5]);
     assert_eq!(snap.size_bytes(), (10 + 24) * 4);
     let big_range = data_range(&big);
-    for copy in s.state() {
+    for copy in s.arrays() {
         assert!(!overlaps(&big_range, &data_range(copy)));
     }
     let expected: Vec<f32> = [10, 11, 12, 13, 14, 210, 211, 212, 213, 214]
         .map(|i| i as f32)
         .to_vec();
-    assert_eq!(f32s(&s.state()[0]), expected);
+    assert_eq!(f32s(&s.arrays()[0]), expected);
 }
 
 #[test]
@@ -143,7 +143,7 @@ fn merge_keeps_the_child_and_split_is_refused() {
 
     let merged = cache.merge(Some(parent), Some(child)).unwrap().unwrap();
     assert_eq!(merged.range(), 0..6);
-    assert_eq!(tag_of(recurrent(&*merged).state()), 2.0);
+    assert_eq!(tag_of(recurrent(&*merged).arrays()), 2.0);
     let err = error_of(cache.merge(Some(merged), Some(stray)));
     assert!(matches!(err, CacheError::InvalidArgument(_)), "{err}");
 
@@ -153,6 +153,10 @@ fn merge_keeps_the_child_and_split_is_refused() {
     assert_eq!(child.unwrap().range(), 1..6);
     let lone = cache.snapshot(0).unwrap();
     assert!(cache.merge(lone, None).unwrap().is_none());
+    let lone = cache.snapshot(2).unwrap();
+    let kept = cache.merge(None, lone).unwrap().unwrap();
+    assert_eq!(kept.range(), 2..6);
+    assert_eq!(tag_of(recurrent(&*kept).arrays()), 2.0);
 }
 
 #[test]

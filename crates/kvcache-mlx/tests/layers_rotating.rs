@@ -293,8 +293,11 @@ fn merge_keeps_the_child_and_split_is_refused() {
     let (parent, child) = cache.split(snap, 3).unwrap();
     assert!(parent.is_none());
     assert_eq!(child.unwrap().range(), 1..6);
-    let lone = cache.snapshot(0).unwrap();
-    assert!(cache.merge(None, lone).unwrap().is_none());
+    // Without a parent the child is kept as it is; without a child nothing is.
+    let lone = cache.snapshot(4).unwrap();
+    assert_eq!(cache.merge(None, lone).unwrap().unwrap().range(), 4..6);
+    let lone = cache.snapshot(4).unwrap();
+    assert!(cache.merge(lone, None).unwrap().is_none());
 }
 
 #[test]

@@ -3,17 +3,16 @@
 use std::fmt;
 use std::ops::Range;
 
-use kvcache_api::{
-    BoxedSnapshot, CacheError, DType, KvLayout as HostLayout, LayerCache, LayerRows, LayerRowsMut, Result,
-    Snapshot, SnapshotCache,
-};
+use kvcache_api::paging::RowCache;
+#[cfg(doc)]
+use kvcache_api::SnapshotCache;
+use kvcache_api::{CacheError, DType, KvLayout as HostLayout, LayerCache, LayerRows, LayerRowsMut, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::arrays::{
-    backend, compact_seq_concats, compact_seq_slices, dim, eval, grow_write, seq_len, seq_slice, KvLayout,
-    Origin,
+    backend, compact_seq_slices, dim, eval, grow_write, seq_len, seq_slice, KvLayout, Origin,
 };
-use super::snapshot::{check_consecutive, downcast_box, downcast_ref, KvSnapshot};
+use super::snapshot::KvRows;
 use super::DEFAULT_STEP;
 
 /// Keys and values of every position of one layer, for full attention.
@@ -209,116 +208,48 @@ impl fmt::Debug for KvCache {
     }
 }
 
-impl SnapshotCache for KvCache {
-    fn offset(&self) -> usize {
+impl RowCache for KvCache {
+    type Rows = KvRows;
+
+    fn live_offset(&self) -> usize {
         self.offset
     }
 
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
+    fn truncate(&mut self, to: usize) {
+        self.offset = to;
+    }
+
+    fn copy_rows(&self, rows: Range<usize>) -> Result<KvRows> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Ok(None);
+            unreachable!("a cache holding rows has buffers");
         };
-        if from >= self.offset {
-            return Ok(None);
-        }
-        let [keys, values] = compact_seq_slices([(k, from, self.offset), (v, from, self.offset)])?;
-        Ok(Some(Box::new(KvSnapshot {
-            keys,
-            values,
-            range: from..self.offset,
-        })))
+        let [keys, values] = compact_seq_slices([(k, rows.start, rows.end), (v, rows.start, rows.end)])?;
+        Ok(KvRows { keys, values })
     }
 
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target > self.offset {
-                return Ok(false);
-            }
-            self.offset = target;
-            return Ok(true);
-        };
-        let snap = downcast_ref::<KvSnapshot>(snapshot)?;
-        let (from, to) = (snap.range.start, snap.range.end);
-        if target > to || self.offset < from {
-            return Ok(false);
+    /// Replays a snapshot's rows in place (layout checked first).
+    fn write_rows(&mut self, at: usize, rows: &KvRows, take: usize) -> Result<()> {
+        let (layout, tokens) = KvLayout::of(&rows.keys, &rows.values)?;
+        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        if take == 0 {
+            // Everything up to `at` is already live.
+            self.offset = at;
+            return Ok(());
         }
-        let (layout, _) = KvLayout::of(&snap.keys, &snap.values)?;
-        KvLayout::check_opt(self.layout.as_ref(), &layout, to - from)?;
-        if target <= from {
-            // Everything up to `target` is already live.
-            self.offset = target;
-            return Ok(true);
-        }
-        self.write(from, &snap.keys, &snap.values, target - from, Origin::Owned)?;
+        self.write(at, &rows.keys, &rows.values, take, Origin::Owned)?;
         self.layout = Some(layout);
-        Ok(true)
+        Ok(())
     }
 
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        let (Some(parent), Some(child)) = (parent, child) else {
-            return Ok(None);
-        };
-        let parent = downcast_box::<KvSnapshot>(parent)?;
-        let child = downcast_box::<KvSnapshot>(child)?;
-        check_consecutive(&parent.range, &child.range)?;
-        let (p, _) = KvLayout::of(&parent.keys, &parent.values)?;
-        let (c, tokens) = KvLayout::of(&child.keys, &child.values)?;
-        p.check(&c, tokens)
-            .map_err(|e| CacheError::InvalidArgument(format!("cannot merge: {e}")))?;
-        let [keys, values] =
-            compact_seq_concats([&[&parent.keys, &child.keys], &[&parent.values, &child.values]])?;
-        Ok(Some(Box::new(KvSnapshot {
-            keys,
-            values,
-            range: parent.range.start..child.range.end,
-        })))
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        let snap = downcast_box::<KvSnapshot>(snapshot)?;
-        let (from, to) = (snap.range.start, snap.range.end);
-        if at <= from {
-            return Ok((None, Some(snap)));
-        }
-        if at >= to {
-            return Ok((Some(snap), None));
-        }
-        let mid = at - from;
-        let len = to - from;
-        let [pk, pv, ck, cv] = compact_seq_slices([
-            (&snap.keys, 0, mid),
-            (&snap.values, 0, mid),
-            (&snap.keys, mid, len),
-            (&snap.values, mid, len),
-        ])?;
-        let parent = KvSnapshot {
-            keys: pk,
-            values: pv,
-            range: from..at,
-        };
-        let child = KvSnapshot {
-            keys: ck,
-            values: cv,
-            range: at..to,
-        };
-        Ok((Some(Box::new(parent)), Some(Box::new(child))))
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.keys = None;
         self.values = None;
         self.layout = None;
         self.offset = 0;
     }
+}
 
+kvcache_api::row_snapshot_cache!(KvCache {
     /// Copies live rows `rows` into `out` (`[H, rows.len(), D]` keys and values).
     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
         if rows.start > rows.end || rows.end > self.offset {
@@ -379,7 +310,7 @@ impl SnapshotCache for KvCache {
         eval(self.keys.iter().chain(self.values.iter()))?;
         Ok(true)
     }
-}
+});
 
 impl LayerCache for KvCache {
     type Array = Array;

@@ -51,7 +51,7 @@ mod snapshot;
 pub use kv::KvCache;
 pub use recurrent::RecurrentCache;
 pub use rotating::RotatingKvCache;
-pub use snapshot::{KvSnapshot, RecurrentSnapshot, RotatingSnapshot};
+pub use snapshot::{KvRows, KvSnapshot, RecurrentSnapshot, RecurrentState, Ring, RotatingSnapshot};
 
 /// Growth step of [`KvCache`] and [`RotatingKvCache`] buffers, in positions.
 pub const DEFAULT_STEP: usize = 256;

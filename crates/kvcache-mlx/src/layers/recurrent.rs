@@ -2,13 +2,14 @@
 
 use std::fmt;
 
-use kvcache_api::{BoxedSnapshot, CacheError, HostState, Result, Snapshot, SnapshotCache};
+use kvcache_api::paging::{Rewind, StateCache};
+#[cfg(doc)]
+use kvcache_api::SnapshotCache;
+use kvcache_api::{CacheError, HostState, Result};
 use mlx_rs::Array;
 
 use super::arrays::{compact_copy, shape_of};
-use super::snapshot::{
-    array_from_host, array_to_host, downcast_ref, merge_keep_child, refuse_split, RecurrentSnapshot,
-};
+use super::snapshot::{array_from_host, array_to_host, RecurrentSnapshot, RecurrentState};
 
 /// The state of a recurrent layer (a convolution window, an SSM state, ...)
 /// after `offset` tokens: one or more arrays `[B, ...]` that the model replaces
@@ -23,7 +24,8 @@ use super::snapshot::{
 ///   `target` is exactly the snapshot's end; the live cache does not matter.
 /// - [`snapshot(from)`](SnapshotCache::snapshot) covers `[from, offset)` but
 ///   holds the state at `offset` only (compact, evaluated copies).
-/// - [`merge`](SnapshotCache::merge) keeps the child with the joined range;
+/// - [`merge`](SnapshotCache::merge) keeps the child (also when the parent has
+///   no snapshot);
 ///   [`split`](SnapshotCache::split) is refused with `(None, Some(snapshot))`.
 ///
 /// # Why it is not a [`LayerCache`](kvcache_api::LayerCache)
@@ -129,64 +131,45 @@ impl fmt::Debug for RecurrentCache {
     }
 }
 
-impl SnapshotCache for RecurrentCache {
-    fn offset(&self) -> usize {
+impl StateCache for RecurrentCache {
+    type State = RecurrentState;
+
+    fn live_offset(&self) -> usize {
         self.offset
     }
 
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
-        if from >= self.offset || self.state.is_empty() {
+    fn rewind(&self) -> Rewind {
+        Rewind::Never
+    }
+
+    fn truncate(&mut self, _to: usize) {
+        unreachable!("a recurrent state is never rewound");
+    }
+
+    fn capture(&self) -> Result<Option<RecurrentState>> {
+        if self.state.is_empty() {
             return Ok(None);
         }
         let state = self.state.iter().map(compact_copy).collect::<Result<Vec<_>>>()?;
-        Ok(Some(Box::new(RecurrentSnapshot {
-            state,
-            range: from..self.offset,
-        })))
+        Ok(Some(RecurrentState(state)))
     }
 
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target == 0 {
-                // Offset 0 is the layer's initial state: nothing to keep.
-                self.free();
-                return Ok(true);
-            }
-            return Ok(target == self.offset);
-        };
-        let snap = downcast_ref::<RecurrentSnapshot>(snapshot)?;
-        if target != snap.range.end {
-            return Ok(false);
-        }
-        self.check_compatible(&snap.state)?;
+    fn load(&mut self, snap: &RecurrentSnapshot, target: usize) -> Result<()> {
+        self.check_compatible(snap.arrays())?;
         // Arrays are values: sharing the snapshot's copies is safe, and the layer
         // replaces them at its next step.
-        self.state = snap.state.clone();
+        self.state = snap.arrays().to_vec();
         self.offset = target;
-        Ok(true)
+        Ok(())
     }
 
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        merge_keep_child::<RecurrentSnapshot>(parent, child)
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        _at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        refuse_split::<RecurrentSnapshot>(snapshot)
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.state.clear();
         self.offset = 0;
     }
+}
 
+kvcache_api::state_snapshot_cache!(RecurrentCache {
     /// The state arrays at the current offset, in order; `None` when the cache
     /// holds no state.
     fn read_state(&self) -> Result<Option<HostState>> {
@@ -221,4 +204,4 @@ impl SnapshotCache for RecurrentCache {
         self.offset = state.offset;
         Ok(true)
     }
-}
+});

@@ -2,15 +2,16 @@
 
 use std::fmt;
 
-use kvcache_api::{BoxedSnapshot, CacheError, HostState, LayerCache, Result, Snapshot, SnapshotCache};
+use kvcache_api::paging::{Rewind, StateCache};
+#[cfg(doc)]
+use kvcache_api::SnapshotCache;
+use kvcache_api::{CacheError, HostState, LayerCache, Result};
 use mlx_rs::Array;
 
 use super::arrays::{
     compact_seq_slices, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
 };
-use super::snapshot::{
-    array_from_host, array_to_host, downcast_ref, merge_keep_child, refuse_split, RotatingSnapshot,
-};
+use super::snapshot::{array_from_host, array_to_host, Ring, RotatingSnapshot};
 use super::DEFAULT_STEP;
 
 /// Keys and values of the last `W` positions of one layer, for sliding-window
@@ -46,8 +47,8 @@ use super::DEFAULT_STEP;
 ///   does not depend on the live cache. It restores at its end `b`, or at any
 ///   `target <= b` when `b <= W` (the window then still holds every position).
 /// - [`merge`](SnapshotCache::merge) keeps the child (its window supersedes the
-///   parent's) with the joined range; [`split`](SnapshotCache::split) is refused
-///   with `(None, Some(snapshot))`.
+///   parent's, so the child is kept also when the parent has no snapshot);
+///   [`split`](SnapshotCache::split) is refused with `(None, Some(snapshot))`.
 ///
 /// # On the host
 /// The window cannot be cut into token rows from offset 0, so a store keeps it
@@ -213,49 +214,41 @@ impl fmt::Debug for RotatingKvCache {
     }
 }
 
-impl SnapshotCache for RotatingKvCache {
-    fn offset(&self) -> usize {
+impl StateCache for RotatingKvCache {
+    type State = Ring;
+
+    fn live_offset(&self) -> usize {
         self.offset
     }
 
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
+    fn rewind(&self) -> Rewind {
+        Rewind::Window(self.window)
+    }
+
+    fn truncate(&mut self, to: usize) {
+        self.offset = to;
+    }
+
+    fn capture(&self) -> Result<Option<Ring>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(None);
         };
-        if from >= self.offset {
-            return Ok(None);
-        }
         let n = self.offset.min(self.window);
         let [keys, values] = compact_seq_slices([(k, 0, n), (v, 0, n)])?;
-        Ok(Some(Box::new(RotatingSnapshot {
+        Ok(Some(Ring {
             keys,
             values,
-            range: from..self.offset,
             window: self.window,
-        })))
+            write_index: self.offset % self.window,
+        }))
     }
 
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target == self.offset {
-                return Ok(true);
-            }
-            if target > self.offset || (self.has_wrapped() && target > 0) {
-                return Ok(false);
-            }
-            self.offset = target;
-            return Ok(true);
-        };
-        let snap = downcast_ref::<RotatingSnapshot>(snapshot)?;
+    fn load(&mut self, snap: &RotatingSnapshot, target: usize) -> Result<()> {
         if snap.window != self.window {
             return Err(CacheError::InvalidArgument(format!(
                 "snapshot of a window of {} positions given to a cache with a window of {}",
                 snap.window, self.window
             )));
-        }
-        let end = snap.range.end;
-        if target > end || (target < end && end > self.window) {
-            return Ok(false);
         }
         let (layout, tokens) = KvLayout::of(&snap.keys, &snap.values)?;
         KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
@@ -265,32 +258,18 @@ impl SnapshotCache for RotatingKvCache {
         self.values = Some(snap.values.clone());
         self.layout = Some(layout);
         self.offset = target;
-        Ok(true)
+        Ok(())
     }
 
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        merge_keep_child::<RotatingSnapshot>(parent, child)
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        _at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        refuse_split::<RotatingSnapshot>(snapshot)
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.keys = None;
         self.values = None;
         self.layout = None;
         self.offset = 0;
     }
+}
 
+kvcache_api::state_snapshot_cache!(RotatingKvCache {
     /// The ring's `n = min(offset, W)` slots: keys `[B, H, n, Dk]`, values
     /// `[B, H, n, Dv]`; `None` when the cache is empty.
     fn read_state(&self) -> Result<Option<HostState>> {
@@ -343,7 +322,7 @@ impl SnapshotCache for RotatingKvCache {
         self.offset = state.offset;
         Ok(true)
     }
-}
+});
 
 impl LayerCache for RotatingKvCache {
     type Array = Array;

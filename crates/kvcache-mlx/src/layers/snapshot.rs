@@ -1,16 +1,15 @@
-//! The snapshot types of the layer caches, their byte accounting, the checks
-//! that turn a foreign snapshot into an error, and the host copies of whole
-//! states ([`HostArray`] to and from an mlx array, through safe mlx-rs calls
-//! only).
+//! What the layer caches keep in their snapshots (the [`Rows`] and [`State`]s
+//! of [`kvcache_api::paging`], whose bookkeeping is written once there), their
+//! byte accounting, and the host copies of whole states ([`HostArray`] to and
+//! from an mlx array, through safe mlx-rs calls only).
 
-use std::any::Any;
 use std::fmt;
-use std::ops::Range;
 
-use kvcache_api::{BoxedSnapshot, CacheError, DType, HostArray, Result, Snapshot};
+use kvcache_api::paging::{Rows, RowsSnapshot, State, StateSnapshot};
+use kvcache_api::{CacheError, DType, HostArray, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::arrays::{backend, dim};
+use super::arrays::{backend, compact_seq_concats, compact_seq_slices, dim, seq_len, KvLayout};
 
 /// Bytes that `arrays` keep alive. Every snapshot array is a compact copy, so
 /// this is exactly the sum of their `nbytes`.
@@ -18,46 +17,91 @@ fn retained_bytes<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> usize {
     arrays.into_iter().map(Array::nbytes).sum()
 }
 
-/// Paged-out positions `[from, to)` of a [`KvCache`](super::KvCache).
-///
-/// `keys` is `[B, H, to - from, Dk]` and `values` `[B, H, to - from, Dv]`, each in
-/// an evaluated buffer of its own, so [`size_bytes`](Snapshot::size_bytes) is
-/// `(to - from) * B * H * (Dk * key_elem + Dv * value_elem)` whatever the size
-/// of the buffer it was copied from.
-pub struct KvSnapshot {
-    pub(crate) keys: Array,
-    pub(crate) values: Array,
-    pub(crate) range: Range<usize>,
+/// Shapes of `arrays`, for `Debug`.
+fn shapes<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Vec<Vec<i32>> {
+    arrays.into_iter().map(|a| a.shape().to_vec()).collect()
 }
 
-impl KvSnapshot {
-    /// Keys of positions `[from, to)`: `[B, H, to - from, Dk]`.
+/// Paged-out positions `[from, to)` of a [`KvCache`](super::KvCache): its
+/// [`KvRows`].
+pub type KvSnapshot = RowsSnapshot<KvRows>;
+
+/// Keys `[B, H, n, Dk]` and values `[B, H, n, Dv]` of `n` consecutive
+/// positions, each in an evaluated buffer of its own, so
+/// [`size_bytes`](Rows::size_bytes) is `n * B * H * (Dk * key_elem + Dv * value_elem)`
+/// whatever the size of the buffer they were copied from.
+pub struct KvRows {
+    pub(crate) keys: Array,
+    pub(crate) values: Array,
+}
+
+impl KvRows {
+    /// Keys of the positions held: `[B, H, n, Dk]`.
     pub fn keys(&self) -> &Array {
         &self.keys
     }
 
-    /// Values of positions `[from, to)`: `[B, H, to - from, Dv]`.
+    /// Values of the positions held: `[B, H, n, Dv]`.
     pub fn values(&self) -> &Array {
         &self.values
     }
 }
 
-/// The state of a [`RotatingKvCache`](super::RotatingKvCache) at offset `to`:
-/// its whole window, whatever `from` was asked for.
-///
-/// `keys` is `[B, H, n, Dk]` and `values` `[B, H, n, Dv]` with
-/// `n = min(to, window)`, in ring order: position `p` sits at index `p % window`.
-/// The write index (the ring slot the next position goes to) is `to % window`.
-/// The range `[from, to)` records where the snapshot sits in the token stream;
-/// restoring needs nothing before it, since the window is complete.
-pub struct RotatingSnapshot {
-    pub(crate) keys: Array,
-    pub(crate) values: Array,
-    pub(crate) range: Range<usize>,
-    pub(crate) window: usize,
+impl Rows for KvRows {
+    fn tokens(&self) -> usize {
+        seq_len(&self.keys)
+    }
+
+    fn size_bytes(&self) -> usize {
+        retained_bytes([&self.keys, &self.values])
+    }
+
+    fn concat(parent: &Self, child: &Self) -> Result<Self> {
+        let (p, _) = KvLayout::of(&parent.keys, &parent.values)?;
+        let (c, tokens) = KvLayout::of(&child.keys, &child.values)?;
+        p.check(&c, tokens)
+            .map_err(|e| CacheError::InvalidArgument(format!("cannot merge: {e}")))?;
+        let [keys, values] =
+            compact_seq_concats([&[&parent.keys, &child.keys], &[&parent.values, &child.values]])?;
+        Ok(KvRows { keys, values })
+    }
+
+    fn split(&self, at: usize) -> Result<(Self, Self)> {
+        let len = self.tokens();
+        let [pk, pv, ck, cv] = compact_seq_slices([
+            (&self.keys, 0, at),
+            (&self.values, 0, at),
+            (&self.keys, at, len),
+            (&self.values, at, len),
+        ])?;
+        Ok((KvRows { keys: pk, values: pv }, KvRows { keys: ck, values: cv }))
+    }
 }
 
-impl RotatingSnapshot {
+impl fmt::Debug for KvRows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvRows")
+            .field("shapes", &shapes([&self.keys, &self.values]))
+            .finish()
+    }
+}
+
+/// The state of a [`RotatingKvCache`](super::RotatingKvCache) at offset `to`
+/// (its whole window, whatever `from` was asked for): its [`Ring`].
+pub type RotatingSnapshot = StateSnapshot<Ring>;
+
+/// A rotating cache's window: keys `[B, H, n, Dk]` and values `[B, H, n, Dv]`
+/// with `n = min(to, window)`, in ring order: position `p` sits at index
+/// `p % window`. Restoring needs nothing before it, since the window is
+/// complete.
+pub struct Ring {
+    pub(crate) keys: Array,
+    pub(crate) values: Array,
+    pub(crate) window: usize,
+    pub(crate) write_index: usize,
+}
+
+impl Ring {
     /// Ring of keys, `[B, H, min(to, window), Dk]`; position `p` at index `p % window`.
     pub fn keys(&self) -> &Array {
         &self.keys
@@ -75,144 +119,51 @@ impl RotatingSnapshot {
 
     /// The ring slot the position after the snapshot is written to: `to % window`.
     pub fn write_index(&self) -> usize {
-        self.range.end % self.window
+        self.write_index
+    }
+}
+
+impl State for Ring {
+    fn size_bytes(&self) -> usize {
+        retained_bytes([&self.keys, &self.values])
+    }
+}
+
+impl fmt::Debug for Ring {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ring")
+            .field("window", &self.window)
+            .field("write_index", &self.write_index)
+            .field("shapes", &shapes([&self.keys, &self.values]))
+            .finish()
     }
 }
 
 /// The state of a [`RecurrentCache`](super::RecurrentCache) after position
-/// `to - 1`: one evaluated compact copy of each state array, shaped as the
-/// cache's state (`[B, ...]`). It can be restored only at exactly `to`.
-pub struct RecurrentSnapshot {
-    pub(crate) state: Vec<Array>,
-    pub(crate) range: Range<usize>,
-}
+/// `to - 1`, restorable only at exactly `to`: its [`RecurrentState`].
+pub type RecurrentSnapshot = StateSnapshot<RecurrentState>;
 
-impl RecurrentSnapshot {
-    /// The state arrays at offset `to`.
-    pub fn state(&self) -> &[Array] {
-        &self.state
+/// One evaluated compact copy of each state array of a recurrent cache,
+/// shaped as the cache's state (`[B, ...]`).
+pub struct RecurrentState(pub(crate) Vec<Array>);
+
+impl RecurrentState {
+    /// The state arrays.
+    pub fn arrays(&self) -> &[Array] {
+        &self.0
     }
 }
 
-macro_rules! impl_snapshot {
-    ($ty:ty, |$s:ident| $arrays:expr) => {
-        impl Snapshot for $ty {
-            fn range(&self) -> Range<usize> {
-                self.range.clone()
-            }
-
-            fn size_bytes(&self) -> usize {
-                let $s = self;
-                retained_bytes($arrays)
-            }
-
-            fn as_any(&self) -> &dyn Any {
-                self
-            }
-
-            fn into_any(self: Box<Self>) -> Box<dyn Any> {
-                self
-            }
-        }
-
-        impl fmt::Debug for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                let $s = self;
-                f.debug_struct(stringify!($ty))
-                    .field("range", &self.range)
-                    .field(
-                        "shapes",
-                        &$arrays
-                            .map(|a: &Array| a.shape().to_vec())
-                            .collect::<Vec<_>>(),
-                    )
-                    .field("size_bytes", &self.size_bytes())
-                    .finish()
-            }
-        }
-    };
-}
-
-impl_snapshot!(KvSnapshot, |s| [&s.keys, &s.values].into_iter());
-impl_snapshot!(RotatingSnapshot, |s| [&s.keys, &s.values].into_iter());
-impl_snapshot!(RecurrentSnapshot, |s| s.state.iter());
-
-fn foreign<T: 'static>(range: Range<usize>) -> CacheError {
-    CacheError::InvalidArgument(format!(
-        "snapshot of {range:?} was not made by this kind of cache (expected {})",
-        std::any::type_name::<T>()
-    ))
-}
-
-/// The concrete snapshot behind `snapshot`, or `InvalidArgument` for another type.
-pub(crate) fn downcast_ref<T: Snapshot>(snapshot: &dyn Snapshot) -> Result<&T> {
-    snapshot
-        .as_any()
-        .downcast_ref::<T>()
-        .ok_or_else(|| foreign::<T>(snapshot.range()))
-}
-
-/// Takes back ownership of the concrete snapshot, or `InvalidArgument` for
-/// another type (the snapshot is dropped).
-pub(crate) fn downcast_box<T: Snapshot>(snapshot: BoxedSnapshot) -> Result<Box<T>> {
-    let range = snapshot.range();
-    snapshot
-        .into_any()
-        .downcast::<T>()
-        .map_err(|_| foreign::<T>(range))
-}
-
-/// Checks that `[a, b)` and `[b, c)` are consecutive.
-pub(crate) fn check_consecutive(parent: &Range<usize>, child: &Range<usize>) -> Result<()> {
-    if parent.end != child.start {
-        return Err(CacheError::InvalidArgument(format!(
-            "cannot merge snapshots {parent:?} and {child:?}: they are not consecutive"
-        )));
-    }
-    Ok(())
-}
-
-/// A snapshot that holds a cache's whole state at its end (a ring window, a
-/// recurrent state) rather than the tokens of its range: merging keeps the
-/// child, and splitting is refused.
-pub(crate) trait WholeStateSnapshot: Snapshot {
-    /// The range, for merging to widen.
-    fn range_mut(&mut self) -> &mut Range<usize>;
-}
-
-impl WholeStateSnapshot for RotatingSnapshot {
-    fn range_mut(&mut self) -> &mut Range<usize> {
-        &mut self.range
+impl State for RecurrentState {
+    fn size_bytes(&self) -> usize {
+        retained_bytes(&self.0)
     }
 }
 
-impl WholeStateSnapshot for RecurrentSnapshot {
-    fn range_mut(&mut self) -> &mut Range<usize> {
-        &mut self.range
+impl fmt::Debug for RecurrentState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RecurrentState").field(&shapes(&self.0)).finish()
     }
-}
-
-/// `SnapshotCache::merge` for whole-state snapshots: the child, covering both ranges.
-pub(crate) fn merge_keep_child<S: WholeStateSnapshot>(
-    parent: Option<BoxedSnapshot>,
-    child: Option<BoxedSnapshot>,
-) -> Result<Option<BoxedSnapshot>> {
-    let (Some(parent), Some(child)) = (parent, child) else {
-        return Ok(None);
-    };
-    let parent = downcast_box::<S>(parent)?;
-    let mut child = downcast_box::<S>(child)?;
-    check_consecutive(&parent.range(), &child.range())?;
-    *child.range_mut() = parent.range().start..child.range().end;
-    Ok(Some(child))
-}
-
-/// `SnapshotCache::split` for whole-state snapshots: refused, `(None, Some(snapshot))`.
-pub(crate) fn refuse_split<S: WholeStateSnapshot>(
-    snapshot: BoxedSnapshot,
-) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-    let snap = downcast_box::<S>(snapshot)?;
-    Ok((None, Some(snap)))
 }
 
 /// A host copy of `a` (any shape; f32, f16 or bf16): its shape, dtype and

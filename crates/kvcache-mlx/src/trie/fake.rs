@@ -25,16 +25,16 @@
 //! layer. [`MemStore`] is an in-memory [`PrefixStore`] (rows and whole states)
 //! to put behind a trie.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use kvcache_api::paging::{Rewind, RowCache, Rows, RowsSnapshot, State, StateCache, StateSnapshot};
 use kvcache_api::{
-    BoxedSnapshot, CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows,
-    LayerRowsMut, Namespace, PrefixStore, Result, Snapshot, SnapshotCache,
+    CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
+    PrefixStore, Result, Snapshot, SnapshotCache,
 };
 
 /// Bytes a [`FakeRecurrent`] snapshot reports: a recurrent state has a fixed size.
@@ -147,10 +147,6 @@ pub fn feed_all<C: FakeLayer>(caches: &mut [C], tokens: &[u32]) {
     }
 }
 
-fn foreign() -> CacheError {
-    CacheError::InvalidArgument("snapshot made by another kind of cache".into())
-}
-
 /// Little-endian bytes of `words`, as a host array `[words.len()]` of
 /// `f32`-sized elements.
 fn words_array(words: &[u32]) -> HostArray {
@@ -194,6 +190,24 @@ fn state_words(state: &HostState, len: Option<usize>) -> Result<Vec<u32>> {
         .collect())
 }
 
+/// One snapshot payload counted in [`Counters`]: created with it, dropped
+/// with it.
+#[derive(Debug)]
+struct Tally(Counters);
+
+impl Tally {
+    fn new(counters: &Counters) -> Self {
+        counters.created_one();
+        Tally(counters.clone())
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        self.0.dropped_one();
+    }
+}
+
 /// A rewindable fake KV cache: its state is the list of tokens it holds.
 #[derive(Debug)]
 pub struct FakeKv {
@@ -201,48 +215,48 @@ pub struct FakeKv {
     counters: Counters,
 }
 
-/// A [`FakeKv`] snapshot: the tokens of `[from, from + tokens.len())`.
+/// A [`FakeKv`] snapshot: the [`FakeRows`] of its range.
+pub type FakeKvSnapshot = RowsSnapshot<FakeRows>;
+
+/// The rows of a [`FakeKv`] snapshot: the tokens of its range.
 #[derive(Debug)]
-pub struct FakeKvSnapshot {
-    from: usize,
+pub struct FakeRows {
     tokens: Vec<u32>,
-    counters: Counters,
+    tally: Tally,
 }
 
-impl FakeKvSnapshot {
-    fn new(from: usize, tokens: Vec<u32>, counters: &Counters) -> Box<Self> {
-        counters.created_one();
-        Box::new(FakeKvSnapshot {
-            from,
+impl FakeRows {
+    fn new(tokens: Vec<u32>, counters: &Counters) -> Self {
+        FakeRows {
             tokens,
-            counters: counters.clone(),
-        })
+            tally: Tally::new(counters),
+        }
     }
 
-    /// The tokens this snapshot holds.
+    /// The tokens held.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
 }
 
-impl Drop for FakeKvSnapshot {
-    fn drop(&mut self) {
-        self.counters.dropped_one();
-    }
-}
-
-impl Snapshot for FakeKvSnapshot {
-    fn range(&self) -> Range<usize> {
-        self.from..self.from + self.tokens.len()
+impl Rows for FakeRows {
+    fn tokens(&self) -> usize {
+        self.tokens.len()
     }
     fn size_bytes(&self) -> usize {
         self.tokens.len() * std::mem::size_of::<u32>()
     }
-    fn as_any(&self) -> &dyn Any {
-        self
+    fn concat(parent: &Self, child: &Self) -> Result<Self> {
+        let tokens = [&parent.tokens[..], &child.tokens[..]].concat();
+        Ok(FakeRows::new(tokens, &parent.tally.0))
     }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
+    fn split(&self, at: usize) -> Result<(Self, Self)> {
+        let (upper, lower) = self.tokens.split_at(at);
+        let counters = &self.tally.0;
+        Ok((
+            FakeRows::new(upper.to_vec(), counters),
+            FakeRows::new(lower.to_vec(), counters),
+        ))
     }
 }
 
@@ -271,13 +285,6 @@ impl FakeKv {
     fn check_layout(layout: &KvLayout) -> Result<()> {
         Self::layout(layout.layers).expect(layout)
     }
-
-    fn own(snapshot: BoxedSnapshot) -> Result<Box<FakeKvSnapshot>> {
-        snapshot
-            .into_any()
-            .downcast::<FakeKvSnapshot>()
-            .map_err(|_| foreign())
-    }
 }
 
 impl FakeLayer for FakeKv {
@@ -290,92 +297,31 @@ impl FakeLayer for FakeKv {
     }
 }
 
-impl SnapshotCache for FakeKv {
-    fn offset(&self) -> usize {
+impl RowCache for FakeKv {
+    type Rows = FakeRows;
+
+    fn live_offset(&self) -> usize {
         self.tokens.len()
     }
-
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
-        if from >= self.tokens.len() {
-            return Ok(None);
-        }
-        Ok(Some(FakeKvSnapshot::new(
-            from,
-            self.tokens[from..].to_vec(),
-            &self.counters,
-        )))
+    fn truncate(&mut self, to: usize) {
+        self.tokens.truncate(to);
     }
-
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target > self.tokens.len() {
-                return Ok(false);
-            }
-            self.tokens.truncate(target);
-            return Ok(true);
-        };
-        let snap = snapshot
-            .as_any()
-            .downcast_ref::<FakeKvSnapshot>()
-            .ok_or_else(foreign)?;
-        let range = snap.range();
-        if target > range.end || self.tokens.len() < range.start {
-            return Ok(false);
-        }
+    fn copy_rows(&self, rows: Range<usize>) -> Result<FakeRows> {
+        Ok(FakeRows::new(self.tokens[rows].to_vec(), &self.counters))
+    }
+    fn write_rows(&mut self, at: usize, rows: &FakeRows, take: usize) -> Result<()> {
         self.counters.check_restore()?;
-        self.tokens.truncate(range.start);
-        let take = target.saturating_sub(range.start);
-        self.tokens.extend_from_slice(&snap.tokens[..take]);
-        self.tokens.truncate(target);
+        self.tokens.truncate(at);
+        self.tokens.extend_from_slice(&rows.tokens[..take]);
         self.counters.0.restored.fetch_add(take, Ordering::Relaxed);
-        Ok(true)
+        Ok(())
     }
-
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        let (Some(parent), Some(child)) = (parent, child) else {
-            return Ok(None);
-        };
-        let (parent, child) = (Self::own(parent)?, Self::own(child)?);
-        if parent.range().end != child.range().start {
-            return Err(CacheError::InvalidArgument(format!(
-                "snapshots {:?} and {:?} are not consecutive",
-                parent.range(),
-                child.range()
-            )));
-        }
-        let mut tokens = Vec::with_capacity(parent.tokens.len() + child.tokens.len());
-        tokens.extend_from_slice(&parent.tokens);
-        tokens.extend_from_slice(&child.tokens);
-        Ok(Some(FakeKvSnapshot::new(parent.from, tokens, &self.counters)))
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        let snap = Self::own(snapshot)?;
-        let range = snap.range();
-        if at <= range.start {
-            return Ok((None, Some(snap)));
-        }
-        if at >= range.end {
-            return Ok((Some(snap), None));
-        }
-        let k = at - range.start;
-        let parent = FakeKvSnapshot::new(range.start, snap.tokens[..k].to_vec(), &self.counters);
-        let child = FakeKvSnapshot::new(at, snap.tokens[k..].to_vec(), &self.counters);
-        Ok((Some(parent), Some(child)))
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.tokens = Vec::new();
     }
+}
 
+kvcache_api::row_snapshot_cache!(FakeKv {
     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
         Self::check_layout(&out.layout)?;
         if rows.start > rows.end || rows.end > self.tokens.len() {
@@ -426,7 +372,7 @@ impl SnapshotCache for FakeKv {
         self.tokens.extend_from_slice(&tokens);
         Ok(true)
     }
-}
+});
 
 /// An in-memory [`PrefixStore`] for tests and prototypes: blocks of
 /// `block_tokens` tokens (the last one of a submission may be shorter), each
@@ -651,45 +597,26 @@ pub struct FakeRecurrent {
     counters: Counters,
 }
 
-/// A [`FakeRecurrent`] snapshot: the whole state at the end of its range.
+/// A [`FakeRecurrent`] snapshot: the [`FakeHash`] at the end of its range.
+pub type FakeRecurrentSnapshot = StateSnapshot<FakeHash>;
+
+/// The whole state of a [`FakeRecurrent`]: its running hash.
 #[derive(Debug)]
-pub struct FakeRecurrentSnapshot {
-    from: usize,
-    to: usize,
+pub struct FakeHash {
     hash: u64,
-    counters: Counters,
+    _tally: Tally,
 }
 
-impl FakeRecurrentSnapshot {
-    fn new(from: usize, to: usize, hash: u64, counters: &Counters) -> Box<Self> {
-        counters.created_one();
-        Box::new(FakeRecurrentSnapshot {
-            from,
-            to,
-            hash,
-            counters: counters.clone(),
-        })
+impl FakeHash {
+    /// The running hash (compare with [`recurrent_hash`]).
+    pub fn hash(&self) -> u64 {
+        self.hash
     }
 }
 
-impl Drop for FakeRecurrentSnapshot {
-    fn drop(&mut self) {
-        self.counters.dropped_one();
-    }
-}
-
-impl Snapshot for FakeRecurrentSnapshot {
-    fn range(&self) -> Range<usize> {
-        self.from..self.to
-    }
+impl State for FakeHash {
     fn size_bytes(&self) -> usize {
         RECURRENT_STATE_BYTES
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
     }
 }
 
@@ -720,86 +647,39 @@ impl FakeLayer for FakeRecurrent {
     }
 }
 
-impl SnapshotCache for FakeRecurrent {
-    fn offset(&self) -> usize {
+impl StateCache for FakeRecurrent {
+    type State = FakeHash;
+
+    fn live_offset(&self) -> usize {
         self.offset
     }
-
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
-        if from >= self.offset {
-            return Ok(None);
-        }
-        Ok(Some(FakeRecurrentSnapshot::new(
-            from,
-            self.offset,
-            self.hash,
-            &self.counters,
-        )))
+    fn rewind(&self) -> Rewind {
+        Rewind::Never
     }
-
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target == 0 {
-                self.free();
-                return Ok(true);
-            }
-            return Ok(target == self.offset);
-        };
-        let snap = snapshot
-            .as_any()
-            .downcast_ref::<FakeRecurrentSnapshot>()
-            .ok_or_else(foreign)?;
-        if target != snap.to {
-            return Ok(false);
-        }
+    fn truncate(&mut self, _to: usize) {
+        unreachable!("a recurrent state is never rewound");
+    }
+    fn capture(&self) -> Result<Option<FakeHash>> {
+        Ok(Some(FakeHash {
+            hash: self.hash,
+            _tally: Tally::new(&self.counters),
+        }))
+    }
+    fn load(&mut self, snap: &FakeRecurrentSnapshot, target: usize) -> Result<()> {
         self.counters.check_restore()?;
-        self.offset = snap.to;
+        self.offset = target;
         self.hash = snap.hash;
-        self.counters
-            .0
-            .restored
-            .fetch_add(snap.to - snap.from, Ordering::Relaxed);
-        Ok(true)
+        let tokens = snap.range().len();
+        self.counters.0.restored.fetch_add(tokens, Ordering::Relaxed);
+        Ok(())
     }
-
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        let (Some(parent), Some(child)) = (parent, child) else {
-            return Ok(None);
-        };
-        let parent = parent
-            .into_any()
-            .downcast::<FakeRecurrentSnapshot>()
-            .map_err(|_| foreign())?;
-        let child = child
-            .into_any()
-            .downcast::<FakeRecurrentSnapshot>()
-            .map_err(|_| foreign())?;
-        // The child's state supersedes the parent's; only its range grows.
-        Ok(Some(FakeRecurrentSnapshot::new(
-            parent.from,
-            child.to,
-            child.hash,
-            &self.counters,
-        )))
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        _at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        Ok((None, Some(snapshot)))
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.offset = 0;
         self.hash = FNV_OFFSET;
     }
+}
 
+kvcache_api::state_snapshot_cache!(FakeRecurrent {
     /// The hash as one `[2]` array (low word first); `None` at offset 0.
     fn read_state(&self) -> Result<Option<HostState>> {
         if self.offset == 0 {
@@ -817,7 +697,7 @@ impl SnapshotCache for FakeRecurrent {
         self.offset = state.offset;
         Ok(true)
     }
-}
+});
 
 /// A fake sliding-window cache: the last `window` tokens and the offset.
 #[derive(Debug)]
@@ -829,45 +709,26 @@ pub struct FakeWindow {
     counters: Counters,
 }
 
-/// A [`FakeWindow`] snapshot: the whole window at the end of its range.
+/// A [`FakeWindow`] snapshot: the [`FakeHeld`] window at the end of its range.
+pub type FakeWindowSnapshot = StateSnapshot<FakeHeld>;
+
+/// The whole state of a [`FakeWindow`]: the tokens in its window.
 #[derive(Debug)]
-pub struct FakeWindowSnapshot {
-    from: usize,
-    to: usize,
+pub struct FakeHeld {
     held: Vec<u32>,
-    counters: Counters,
+    _tally: Tally,
 }
 
-impl FakeWindowSnapshot {
-    fn new(from: usize, to: usize, held: Vec<u32>, counters: &Counters) -> Box<Self> {
-        counters.created_one();
-        Box::new(FakeWindowSnapshot {
-            from,
-            to,
-            held,
-            counters: counters.clone(),
-        })
+impl FakeHeld {
+    /// The tokens in the window, oldest first.
+    pub fn held(&self) -> &[u32] {
+        &self.held
     }
 }
 
-impl Drop for FakeWindowSnapshot {
-    fn drop(&mut self) {
-        self.counters.dropped_one();
-    }
-}
-
-impl Snapshot for FakeWindowSnapshot {
-    fn range(&self) -> Range<usize> {
-        self.from..self.to
-    }
+impl State for FakeHeld {
     fn size_bytes(&self) -> usize {
         self.held.len() * std::mem::size_of::<u32>()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
     }
 }
 
@@ -901,77 +762,41 @@ impl FakeLayer for FakeWindow {
     }
 }
 
-impl SnapshotCache for FakeWindow {
-    fn offset(&self) -> usize {
+impl StateCache for FakeWindow {
+    type State = FakeHeld;
+
+    fn live_offset(&self) -> usize {
         self.offset
     }
-
-    fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
-        if from >= self.offset {
-            return Ok(None);
-        }
-        Ok(Some(FakeWindowSnapshot::new(
-            from,
-            self.offset,
-            self.held.clone(),
-            &self.counters,
-        )))
+    fn rewind(&self) -> Rewind {
+        Rewind::Window(self.window)
     }
-
-    fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
-        let Some(snapshot) = snapshot else {
-            if target >= self.offset {
-                return Ok(target == self.offset);
-            }
-            // Once tokens have left the window, rewinding would leave it short.
-            if self.offset > self.window {
-                return Ok(false);
-            }
-            self.held.truncate(target);
-            self.offset = target;
-            return Ok(true);
-        };
-        let snap = snapshot
-            .as_any()
-            .downcast_ref::<FakeWindowSnapshot>()
-            .ok_or_else(foreign)?;
-        if target > snap.to || (target < snap.to && snap.to > self.window) {
-            return Ok(false);
-        }
+    fn truncate(&mut self, to: usize) {
+        self.held.truncate(to);
+        self.offset = to;
+    }
+    fn capture(&self) -> Result<Option<FakeHeld>> {
+        Ok(Some(FakeHeld {
+            held: self.held.clone(),
+            _tally: Tally::new(&self.counters),
+        }))
+    }
+    fn load(&mut self, snap: &FakeWindowSnapshot, target: usize) -> Result<()> {
         self.counters.check_restore()?;
         self.held.clone_from(&snap.held);
         self.held.truncate(target);
         self.offset = target;
-        self.counters
-            .0
-            .restored
-            .fetch_add(target.min(self.window), Ordering::Relaxed);
-        Ok(true)
+        let tokens = target.min(self.window);
+        self.counters.0.restored.fetch_add(tokens, Ordering::Relaxed);
+        Ok(())
     }
-
-    fn merge(
-        &mut self,
-        parent: Option<BoxedSnapshot>,
-        child: Option<BoxedSnapshot>,
-    ) -> Result<Option<BoxedSnapshot>> {
-        // The child's window supersedes the parent's.
-        drop(parent);
-        Ok(child)
-    }
-
-    fn split(
-        &mut self,
-        snapshot: BoxedSnapshot,
-        _at: usize,
-    ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
-        Ok((None, Some(snapshot)))
-    }
-
-    fn free(&mut self) {
+    fn clear(&mut self) {
         self.offset = 0;
         self.held = Vec::new();
     }
+}
 
+kvcache_api::state_snapshot_cache!(FakeWindow {
     /// The window's tokens as one `[min(offset, W)]` array; `None` at offset 0.
     fn read_state(&self) -> Result<Option<HostState>> {
         if self.offset == 0 {
@@ -989,7 +814,7 @@ impl SnapshotCache for FakeWindow {
         self.offset = state.offset;
         Ok(true)
     }
-}
+});
 
 #[cfg(test)]
 mod tests {
@@ -1039,8 +864,19 @@ mod tests {
         assert!(w.holds(&[1]));
         assert!(w.restore(Some(&*late), 5).unwrap());
         assert!(w.holds(&[1, 2, 3, 4, 5]));
-        let merged = w.merge(Some(early), Some(late)).unwrap().unwrap();
-        assert_eq!(merged.range(), 4..5);
+        // Merging keeps the child's window, over both ranges; the parent
+        // must end where the child starts.
+        assert!(w.merge(Some(early), Some(late)).is_err());
+        let mut w = FakeWindow::new(&counters, 3);
+        w.feed(&[1, 2]);
+        let parent = w.snapshot(0).unwrap();
+        w.feed(&[3, 4, 5]);
+        let child = w.snapshot(2).unwrap();
+        let merged = w.merge(parent, child).unwrap().unwrap();
+        assert_eq!(merged.range(), 0..5);
+        assert!(w.restore(None, 0).unwrap());
+        assert!(w.restore(Some(&*merged), 5).unwrap());
+        assert!(w.holds(&[1, 2, 3, 4, 5]));
         drop(merged);
         assert_eq!(counters.alive(), 0);
     }
