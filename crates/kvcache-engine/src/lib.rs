@@ -22,6 +22,7 @@ pub mod chat;
 pub mod check;
 mod config;
 pub mod engine;
+pub mod kv_accuracy;
 mod error;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
