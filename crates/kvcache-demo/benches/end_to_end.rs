@@ -13,10 +13,12 @@
 //! so their times to first token are taken under the same machine load.
 
 use candle_core::Device;
-use kvcache_engine::bench::{e1_chat_reuse_interleaved, e2_batched_decode, E2Config, SAMPLE_QUESTIONS};
+use kvcache_engine::bench::{
+    e1_chat_reuse_interleaved, e2_batched_decode, E1Verdict, E2Config, SAMPLE_QUESTIONS,
+};
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::store_bench::{e3_restart, e4_replicas, ReplicaSetup};
-use kvcache_engine::tokenizer::{chatml, Message, Role};
+use kvcache_engine::replica::ReplicaSetup;
+use kvcache_engine::store_bench::{e3_restart, e4_replicas};
 use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, ModelFile, WeightMode};
 
@@ -49,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if wanted("e2") {
         let prompts = SAMPLE_QUESTIONS
             .iter()
-            .map(|q| tokenizer.encode(&chatml(&[Message::new(Role::User, *q)], true)))
+            .map(|q| tokenizer.encode_user(q))
             .collect::<Result<Vec<_>, _>>()?;
         let cfg = E2Config {
             tokens: knob("KVCACHE_E2_TOKENS", 32),
@@ -102,14 +104,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for r in &reports {
             println!("E1 {r}");
         }
-        let trie = reports.iter().find(|r| r.reuse == Reuse::Trie);
-        let none = reports.iter().find(|r| r.reuse == Reuse::None);
-        if let (Some(t), Some(n)) = (trie, none) {
-            println!(
-                "E1 trie vs no reuse: TTFT on turns >= 2 {:.1}x faster (target >= 5x); trie evaluated {:.3}x the minimum (target <= 1.01x)",
-                n.median_ttft_later_turns().as_secs_f64() / t.median_ttft_later_turns().as_secs_f64().max(1e-9),
-                t.evaluated() as f64 / t.min_prefill().max(1) as f64
-            );
+        if let Some(verdict) = E1Verdict::from_reports(&reports) {
+            println!("E1 {verdict}");
         }
     }
     if wanted("e3") || wanted("e4") {
@@ -128,17 +124,7 @@ fn store_benches(
     let requests = knob("KVCACHE_E1_REQUESTS", 80);
     let predict = knob("KVCACHE_E1_PREDICT", 32);
     let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvcache-demo"));
-    let setup = ReplicaSetup {
-        exe: &exe,
-        args: vec![
-            "--model".into(),
-            model.display().to_string(),
-            "--trace".into(),
-            trace_path.display().to_string(),
-            "--e1-predict".into(),
-            predict.to_string(),
-        ],
-    };
+    let setup = ReplicaSetup::new(&exe, model, &trace_path, predict);
     let verbose = std::env::var("KVCACHE_E1_VERBOSE").is_ok_and(|v| v == "1");
     let mut log = |line: &str| {
         if verbose {

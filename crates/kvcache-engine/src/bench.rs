@@ -7,14 +7,14 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::{CausalConfig, Pos};
-use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 
 use crate::chat::{ChatServer, Reuse, TurnOutcome};
 use crate::engine::argmax;
 use crate::trace::Trace;
+use crate::workloads::causal_cache;
 use crate::{BatchToken, EngineError, Llama, Result};
 
-/// Short user questions: the demo's default prompts and E2's eight sequences.
+/// Short user questions: the demo's default questions and E2's eight sequences.
 pub const SAMPLE_QUESTIONS: &[&str] = &[
     "What is the capital of France?",
     "Give me three tips for staying focused while studying.",
@@ -204,10 +204,8 @@ fn decode_group(
 ) -> Result<(Duration, Vec<Vec<u32>>)> {
     let n = prompts.len();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let c = model.config();
-    let shift = RopeShift::new(RopeLayout::Normal, c.head_dim, c.rope_base as f32)?;
     let config = CausalConfig::new(n, longest + tokens + 1, longest.max(n));
-    let mut cache = CausalKvCache::new(config, model.device().clone(), Some(Box::new(shift)))?;
+    let mut cache = causal_cache(model, config)?;
     let mut out: Vec<Vec<u32>> = Vec::with_capacity(n);
     for (seq, p) in prompts.iter().enumerate() {
         let batch: Vec<BatchToken> = p
@@ -309,6 +307,40 @@ impl fmt::Display for E1Report {
             self.min_prefill(),
             self.median_ttft_later_turns().as_secs_f64() * 1e3,
             self.elapsed.as_secs_f64()
+        )
+    }
+}
+
+/// E1's verdict: the prefix trie against no reuse over the same requests.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct E1Verdict {
+    /// No reuse's median time to first token on turns >= 2 over the trie's
+    /// (target >= 5).
+    pub ttft_speedup: f64,
+    /// Prompt tokens the trie evaluated over the trace's minimum (target <= 1.01).
+    pub trie_over_minimum: f64,
+}
+
+impl E1Verdict {
+    /// The verdict from `reports`, when they hold a trie run and a no-reuse run.
+    pub fn from_reports(reports: &[E1Report]) -> Option<Self> {
+        let trie = reports.iter().find(|r| r.reuse == Reuse::Trie)?;
+        let none = reports.iter().find(|r| r.reuse == Reuse::None)?;
+        Some(E1Verdict {
+            ttft_speedup: none.median_ttft_later_turns().as_secs_f64()
+                / trie.median_ttft_later_turns().as_secs_f64().max(1e-9),
+            trie_over_minimum: trie.evaluated() as f64 / trie.min_prefill().max(1) as f64,
+        })
+    }
+}
+
+impl fmt::Display for E1Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "trie vs no reuse: median TTFT on turns >= 2 {:.1}x faster (target >= 5x); \
+             trie evaluated {:.3}x the minimum (target <= 1.01x)",
+            self.ttft_speedup, self.trie_over_minimum
         )
     }
 }

@@ -51,3 +51,11 @@ pub fn model_path_for_tests() -> Option<PathBuf> {
 pub fn e1_trace_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/e1_trace.json")
 }
+
+/// A new directory `kvcache-LABEL-PID` under the system's temporary directory,
+/// for a run's scratch files (a benchmark's store); the caller removes it.
+pub fn scratch_dir(label: &str) -> crate::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("kvcache-{label}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| crate::EngineError::io(&dir, e))?;
+    Ok(dir)
+}

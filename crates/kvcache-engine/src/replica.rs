@@ -1,11 +1,13 @@
 //! Engine processes that share a prefix store: the store benchmarks E3 (a
-//! restart over a disk store) and E4 (two replicas over one Redis), and the
-//! demo's conversation continued by a second process.
+//! restart over a disk store) and E4 (two replicas over one Redis), and a
+//! conversation continued by a second process ([`hand_off`]).
 //!
-//! A *replica* is this crate's binary started with `--replica`: it loads the
-//! model, opens a chat server over the prefix trie and the store its flags
-//! name, prints `ready`, then answers one command per line on stdin with one
-//! JSON line on stdout:
+//! A *replica* is a binary on this crate started with `--replica` (kvcache-demo
+//! is one; its flags `--model`, `--trace`, `--e1-predict`, `--device`,
+//! `--weights`, `--store-dir` and `--redis` fill a [`ReplicaOptions`]) that
+//! calls [`run_process`]: it loads the model, opens a chat server over the
+//! prefix trie and the store the options name, prints `ready`, then answers
+//! one command per line on stdin with one JSON line on stdout:
 //!
 //! | command | answer |
 //! |---|---|
@@ -14,17 +16,76 @@
 //! | `flush` | `{"flushed":true}` once the store has written everything queued |
 //!
 //! End of input flushes the store and exits. [`Replica`] is the other end: it
-//! spawns one, sends commands and reads the answers.
+//! spawns one, sends commands and reads the answers; [`ReplicaSetup`] holds
+//! the binary and the flags every replica of a run gets.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Duration;
 
+use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::chat::{ChatServer, Reuse, TurnOutcome};
+use crate::store::{self, StoreOptions};
 use crate::trace::Trace;
-use crate::{EngineError, Llama, Result};
+use crate::{EngineError, Llama, ModelFile, Result, WeightMode};
+
+/// Paged-out snapshots a replica's trie keeps in memory (the benchmarks' budget).
+pub const TRIE_BUDGET: usize = 4 << 30;
+
+/// How long a replica's trie waits for the store before it evaluates instead.
+pub const STORE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// What a replica process serves.
+#[derive(Debug, Clone)]
+pub struct ReplicaOptions {
+    /// The GGUF model file.
+    pub model: PathBuf,
+    /// Where the candle model runs.
+    pub device: Device,
+    /// How the weights are loaded (part of the store's model fingerprint).
+    pub weights: WeightMode,
+    /// The trace whose requests `run I` and `recompute I` name.
+    pub trace: PathBuf,
+    /// Tokens generated per request.
+    pub n_predict: usize,
+    /// The store's tiers beside host memory; with none, the trie alone (no store).
+    pub store: StoreOptions,
+}
+
+/// A replica process's life: loads the model and the trace, opens the store
+/// `options` name (none: a trie of its own), then [`serve`]s `input` to `output`.
+pub fn run_process(options: &ReplicaOptions, input: impl BufRead, output: impl Write) -> Result<()> {
+    let model = ModelFile::open(&options.model)?.load(&options.device, options.weights, &mut |_| {})?;
+    let trace = Trace::load(&options.trace)?;
+    if options.store.dir.is_none() && options.store.redis.is_none() {
+        let mut server = ChatServer::new(&model, Reuse::Trie, TRIE_BUDGET)?;
+        return serve(
+            &model,
+            &trace,
+            &mut server,
+            &|| {},
+            options.n_predict,
+            input,
+            output,
+        );
+    }
+    let fingerprint = store::model_fingerprint(&options.model, options.weights)?;
+    let store = store::open(fingerprint, store::kv_layout(&model), &options.store)?;
+    let mut server = ChatServer::with_store(&model, TRIE_BUDGET, store.clone(), STORE_DEADLINE)?;
+    let flush = || store.flush();
+    serve(
+        &model,
+        &trace,
+        &mut server,
+        &flush,
+        options.n_predict,
+        input,
+        output,
+    )
+}
 
 /// One answered request, as a replica reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -119,6 +180,87 @@ pub fn serve(
     }
     flush();
     Ok(())
+}
+
+/// How to start replicas: the binary and the flags every replica gets (model,
+/// trace, tokens to generate, device).
+#[derive(Debug, Clone)]
+pub struct ReplicaSetup<'a> {
+    /// The binary that serves `--replica`.
+    pub exe: &'a Path,
+    /// Flags for every replica.
+    pub args: Vec<String>,
+}
+
+impl<'a> ReplicaSetup<'a> {
+    /// Replicas of `exe` answering the requests of the trace in `trace` with
+    /// the model in `model`, `n_predict` tokens each.
+    pub fn new(exe: &'a Path, model: &Path, trace: &Path, n_predict: usize) -> Self {
+        ReplicaSetup {
+            exe,
+            args: vec![
+                "--model".into(),
+                model.display().to_string(),
+                "--trace".into(),
+                trace.display().to_string(),
+                "--e1-predict".into(),
+                n_predict.to_string(),
+            ],
+        }
+    }
+
+    /// Adds `flag value` to every replica's flags.
+    pub fn with(mut self, flag: &str, value: impl Into<String>) -> Self {
+        self.args.extend([flag.to_owned(), value.into()]);
+        self
+    }
+
+    /// Starts one replica with the setup's flags and `extra`, named `label` in errors.
+    pub fn spawn(&self, extra: &[String], label: &str) -> Result<Replica> {
+        let args: Vec<String> = self.args.iter().chain(extra).cloned().collect();
+        Replica::spawn(self.exe, &args, label)
+    }
+}
+
+/// One conversation of `trace` continued across a restart: a replica over the
+/// disk store in `dir` answers conversation `conv`'s first `turns - 1` turns and
+/// stops (flushing its store); a second replica over the same directory, its
+/// trie empty, answers turn `turns`, restoring the conversation from the store.
+/// `on_turn(process, line)` sees each answer, `process` being 1 or 2.
+///
+/// `turns` below 2, or a conversation with fewer turns, is an
+/// [`EngineError::InvalidArgument`] before any process starts.
+pub fn hand_off(
+    setup: &ReplicaSetup<'_>,
+    trace: &Trace,
+    conv: usize,
+    turns: usize,
+    dir: &Path,
+    on_turn: &mut dyn FnMut(usize, &TurnLine),
+) -> Result<()> {
+    let requests: Vec<usize> = trace
+        .requests
+        .iter()
+        .filter(|r| r.conv == conv)
+        .map(|r| r.idx)
+        .take(turns)
+        .collect();
+    if turns < 2 || requests.len() < turns {
+        return Err(EngineError::InvalidArgument(format!(
+            "a hand-off needs two turns or more of conversation {conv}: {turns} asked, {} in the trace",
+            requests.len()
+        )));
+    }
+    let store = ["--store-dir".to_owned(), dir.display().to_string()];
+    let (last, before) = requests.split_last().expect("two requests or more");
+    let mut first = setup.spawn(&store, "first process")?;
+    for &i in before {
+        on_turn(1, &first.run(i)?);
+    }
+    first.stop()?;
+    let mut second = setup.spawn(&store, "second process")?;
+    on_turn(2, &second.run(*last)?);
+    second.stop()
 }
 
 /// A replica process, spawned and driven over its stdin and stdout.

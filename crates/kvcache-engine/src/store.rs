@@ -1,5 +1,6 @@
-//! The demo's prefix store: which model it belongs to, the shape of its keys and
-//! values, and opening the tiers the command line names.
+//! The engine's prefix store: which model it belongs to, the shape of its keys
+//! and values, and opening the tiers a caller names (host memory always, then a
+//! directory and Redis).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,7 @@ use crate::{EngineError, Llama, Result, WeightMode};
 pub fn model_fingerprint(path: &Path, weights: WeightMode) -> Result<Fingerprint> {
     let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
     let mut hasher = Sha256::new();
+    // The domain tag keys every stored block: changing it orphans stored data.
     hasher.update(b"kvcache-demo model\0");
     hasher.update(format!("{weights:?}\0").as_bytes());
     let mut buffer = vec![0u8; 1 << 20];
@@ -46,10 +48,10 @@ pub struct StoreOptions {
     pub redis: Option<String>,
 }
 
-/// Host memory the demo's store keeps blocks in.
+/// Host memory the store keeps blocks in.
 pub const MEMORY_BYTES: u64 = 1 << 30;
 
-/// Disk the demo's store may fill.
+/// Disk the store's directory tier may fill.
 pub const DISK_BYTES: u64 = 8 << 30;
 
 /// A store for `layout` of the model `fingerprint`: host memory, then the tiers

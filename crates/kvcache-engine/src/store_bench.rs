@@ -14,26 +14,10 @@ use std::path::Path;
 
 use kvcache_store::redis_server::RedisServer;
 
-use crate::replica::{Replica, TurnLine};
+pub use crate::replica::ReplicaSetup;
+use crate::replica::TurnLine;
 use crate::trace::Trace;
 use crate::Result;
-
-/// How to start replicas: the binary and the flags every replica gets (model,
-/// trace, tokens to generate).
-#[derive(Debug, Clone)]
-pub struct ReplicaSetup<'a> {
-    /// The demo binary.
-    pub exe: &'a Path,
-    /// Flags for every replica.
-    pub args: Vec<String>,
-}
-
-impl ReplicaSetup<'_> {
-    fn spawn(&self, extra: &[String], label: &str) -> Result<Replica> {
-        let args: Vec<String> = self.args.iter().chain(extra).cloned().collect();
-        Replica::spawn(self.exe, &args, label)
-    }
-}
 
 /// E3's result.
 #[derive(Debug, Clone)]

@@ -134,6 +134,12 @@ impl ChatTokenizer {
             .to_vec())
     }
 
+    /// Token ids of a chat of one user message, ending with the assistant's
+    /// turn opened: what a model is prompted with to answer `user`.
+    pub fn encode_user(&self, user: &str) -> Result<Vec<u32>> {
+        self.encode(&chatml(&[Message::new(Role::User, user)], true))
+    }
+
     /// The text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, false).map_err(tok_err)

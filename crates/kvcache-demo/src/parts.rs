@@ -1,0 +1,158 @@
+//! The demo's parts, each a heading, an engine workload and its printout.
+
+use std::path::Path;
+
+use kvcache_api::CausalCache;
+use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::conversation::{self, ConversationPlan, Generate};
+use kvcache_engine::replica::{self, ReplicaSetup};
+use kvcache_engine::trace::Trace;
+use kvcache_engine::workloads::{self, PassMix};
+use kvcache_engine::{paths, ChatTokenizer, EngineError, Llama, Result};
+
+use crate::cli::Cli;
+use crate::report;
+
+/// The prefix-trie chat on candle: conversations in interleaved turns through
+/// one live sequence of kvcache-causal's `CandleKv` layer caches.
+pub fn chat(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
+    let mut server = ChatServer::new(model, Reuse::Trie, 1 << 30)?;
+    conversations(
+        "candle layer caches (kvcache-causal's CandleKv)",
+        tokenizer,
+        cli,
+        &mut |prompt, n, eos| server.generate(prompt, n, eos),
+    )?;
+    report::trie_stats(&server.trie_stats().expect("a trie server"));
+    Ok(())
+}
+
+/// The chat's conversations through `generate`, whose caches `caches` names.
+pub fn conversations(
+    caches: &str,
+    tokenizer: &ChatTokenizer,
+    cli: &Cli,
+    generate: &mut Generate<'_>,
+) -> Result<()> {
+    let questions = cli.questions();
+    let plan = ConversationPlan {
+        conversations: cli.demo.conversations.min(questions.len()),
+        turns: cli.demo.turns,
+        max_new: cli.demo.max_new,
+    };
+    println!(
+        "\n== prefix trie: {} conversations x {} turns, interleaved, one live sequence of {caches} ==",
+        plan.conversations, plan.turns
+    );
+    conversation::interleaved(
+        tokenizer,
+        &questions,
+        plan,
+        generate,
+        &mut report::conversation_turn,
+    )?;
+    Ok(())
+}
+
+/// The store: conversation 0 of the E1 trace answered by one process, which
+/// stops, and continued by a second process from the disk store.
+pub fn store(setup: &ReplicaSetup<'_>, cli: &Cli) -> Result<()> {
+    let dir = match &cli.store.store_dir {
+        Some(dir) => dir.clone(),
+        None => paths::scratch_dir("store-demo")?,
+    };
+    println!(
+        "\n== prefix store: a conversation continued by another process from the disk store in {} ==",
+        dir.display()
+    );
+    let trace = Trace::load(cli.trace_path())?;
+    let result = replica::hand_off(setup, &trace, 0, 3, &dir, &mut |process, line| {
+        if process == 2 {
+            println!("  process 1 stopped; process 2 starts with an empty trie over the same directory");
+        }
+        report::replica_turn(&format!("process {process}"), line);
+    });
+    if cli.store.store_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+/// Continuous batching of the conversations through a few sequences.
+pub fn batching(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
+    let questions = cli.questions();
+    let d = &cli.demo;
+    println!(
+        "\n== continuous batching: {} conversations through {} sequences of one causal cache ==",
+        d.conversations,
+        d.slots.min(d.conversations)
+    );
+    let mut engine =
+        workloads::continuous_batching(model, tokenizer, &questions, d.conversations, d.slots, d.max_new)?;
+    let mut print = report::events(tokenizer, &questions);
+    let mut mix = PassMix::default();
+    let stats = engine.run(&mut |ev| {
+        mix.observe(ev);
+        print(ev)
+    })?;
+    println!(
+        "  {} decode-only passes of {:.2} sequences on average; {} passes mixed decode steps \
+         with a joining prompt",
+        mix.decode_passes,
+        mix.mean_decode_batch(),
+        mix.mixed
+    );
+    report::summary("continuous batching", &stats);
+    Ok(())
+}
+
+/// Two sequences attending through a sliding window.
+pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
+    let questions = cli.questions();
+    let window = cli.demo.window;
+    let mut engine = workloads::sliding_window(model, tokenizer, &questions, 2, window, cli.demo.max_new)?;
+    let config = engine.cache().config().clone();
+    println!(
+        "\n== sliding window: {} sequences attending to their last {window} positions ==",
+        config.max_sequences
+    );
+    println!(
+        "  cache of {} cells for {} sequences (each keeps its last {} positions)",
+        config.num_cells(),
+        config.max_sequences,
+        config.effective_memory().unwrap_or(config.capacity)
+    );
+    let stats = engine.run(&mut report::events(tokenizer, &questions))?;
+    println!(
+        "  (SmolLM2 was trained with full attention, so a short window changes what it writes; \
+         the cache holds {} cells whatever the length of the replies)",
+        engine.cache().num_cells()
+    );
+    report::summary("sliding window", &stats);
+    Ok(())
+}
+
+/// One sequence generating past its context.
+pub fn shift(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
+    let questions = cli.questions();
+    let ctx = cli.demo.context;
+    let Some(mut engine) = workloads::context_shift(model, tokenizer, &questions[0], ctx)? else {
+        println!(
+            "\n== context shift: skipped (prompt of {} tokens does not fit --context {ctx}) ==",
+            tokenizer.encode_user(&questions[0])?.len()
+        );
+        return Ok(());
+    };
+    println!(
+        "\n== context shift: one sequence with a context of {ctx} positions generating {} tokens ==",
+        ctx + ctx / 2
+    );
+    let stats = engine.run(&mut report::events(tokenizer, &questions))?;
+    report::summary("context shift", &stats);
+    Ok(())
+}
+
+/// This program's path, for replicas of it.
+pub fn current_exe() -> Result<std::path::PathBuf> {
+    std::env::current_exe().map_err(|e| EngineError::io(Path::new("current executable"), e))
+}

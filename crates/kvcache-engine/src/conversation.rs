@@ -1,0 +1,109 @@
+//! Several multi-turn conversations answered in interleaved turns through one
+//! chat server: the workload that shows prefix reuse across conversations.
+//!
+//! Every conversation opens with [`SYSTEM_PROMPT`] and its own first question;
+//! later turns ask the [`FOLLOW_UPS`] in order. Turn `t` of every conversation
+//! is answered before turn `t + 1` of any, so a trie-backed server switches
+//! conversations on every request and must page them in and out.
+//!
+//! The server is any `generate(prompt, n_predict, eos)` function
+//! ([`Generate`]): [`ChatServer::generate`](crate::chat::ChatServer::generate)
+//! on candle, or the mlx chat server.
+
+use crate::chat::TurnOutcome;
+use crate::tokenizer::{chatml, Message, Role};
+use crate::{ChatTokenizer, EngineError, Result};
+
+/// The system message every conversation starts with.
+pub const SYSTEM_PROMPT: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. \
+You answer questions clearly and briefly, in plain English. If you are not sure about something, \
+you say so instead of guessing.";
+
+/// The user's messages after the first question, asked in this order (and
+/// again from the start past the last).
+pub const FOLLOW_UPS: &[&str] = &[
+    "Tell me a little more.",
+    "Sum that up in one short sentence.",
+    "Thank you!",
+];
+
+/// A chat server's `generate(prompt, n_predict, eos)`: greedy tokens for
+/// `prompt`, at most `n_predict`, stopping after `eos` if given.
+pub type Generate<'a> = dyn FnMut(&[u32], usize, Option<u32>) -> Result<TurnOutcome> + 'a;
+
+/// How many conversations, turns and tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConversationPlan {
+    /// Conversations, each opened by one of the questions (at most as many
+    /// as there are questions).
+    pub conversations: usize,
+    /// Turns per conversation, the first included.
+    pub turns: usize,
+    /// Tokens generated per reply, at most (a reply ends early at end of turn).
+    pub max_new: usize,
+}
+
+/// One answered turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConversationTurn {
+    /// Which conversation, from 0.
+    pub conversation: usize,
+    /// Which turn of it, from 1.
+    pub turn: usize,
+    /// The user's message.
+    pub user: String,
+    /// The assistant's reply, decoded, without the end-of-turn token and trimmed.
+    pub reply: String,
+    /// What the server did for it.
+    pub outcome: TurnOutcome,
+}
+
+/// Answers `plan.turns` turns of `plan.conversations` conversations opened by
+/// `questions` (conversation `c` by `questions[c]`), interleaved turn by turn,
+/// through `generate`; each reply joins its conversation's history, which the
+/// next turn's prompt repeats in full. `on_turn` sees every turn as it is
+/// answered. Returns the number of conversations run.
+///
+/// No questions, or zero conversations, turns or tokens, is an
+/// [`EngineError::InvalidArgument`] before anything is generated.
+pub fn interleaved(
+    tokenizer: &ChatTokenizer,
+    questions: &[String],
+    plan: ConversationPlan,
+    generate: &mut Generate<'_>,
+    on_turn: &mut dyn FnMut(&ConversationTurn),
+) -> Result<usize> {
+    if questions.is_empty() || plan.conversations == 0 || plan.turns == 0 || plan.max_new == 0 {
+        return Err(EngineError::InvalidArgument(format!(
+            "conversations need questions and at least one conversation, turn and token \
+             ({} questions, {plan:?})",
+            questions.len()
+        )));
+    }
+    let conversations = plan.conversations.min(questions.len());
+    let mut history = vec![vec![Message::new(Role::System, SYSTEM_PROMPT)]; conversations];
+    let eos = tokenizer.eos_token_id();
+    for turn in 1..=plan.turns {
+        for (conversation, messages) in history.iter_mut().enumerate() {
+            let user = if turn == 1 {
+                questions[conversation].clone()
+            } else {
+                FOLLOW_UPS[(turn - 2) % FOLLOW_UPS.len()].to_owned()
+            };
+            messages.push(Message::new(Role::User, user.clone()));
+            let prompt = tokenizer.encode(&chatml(messages, true))?;
+            let outcome = generate(&prompt, plan.max_new, Some(eos))?;
+            let reply_tokens: Vec<u32> = outcome.generated.iter().copied().filter(|&t| t != eos).collect();
+            let reply = tokenizer.decode(&reply_tokens)?.trim().to_owned();
+            messages.push(Message::new(Role::Assistant, reply.clone()));
+            on_turn(&ConversationTurn {
+                conversation,
+                turn,
+                user,
+                reply,
+                outcome,
+            });
+        }
+    }
+    Ok(conversations)
+}
