@@ -1,0 +1,528 @@
+//! Gemma's SentencePiece-style tokenizer, rebuilt from the GGUF header (the
+//! scheme of llama.cpp's `llama` tokenizer model):
+//!
+//! 1. Control tokens (`<bos>`, `<start_of_turn>`, ... when special tokens are
+//!    parsed) and user-defined tokens (newline runs, space runs, HTML tags:
+//!    always) are cut out of the text first, longest match at the leftmost
+//!    position.
+//! 2. In each remaining fragment spaces become `▁`; starting from single
+//!    characters, the adjacent pair whose concatenation is a normal token with
+//!    the highest stored score is merged (leftmost on ties), until no pair is a
+//!    token.
+//! 3. A character that is no token becomes its UTF-8 bytes, `<0xNN>` each.
+//!
+//! Decoding reverses it: `▁` back to a space, byte tokens back to bytes.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+
+use candle_core::quantized::gguf_file::Value;
+
+use crate::{EngineError, Result};
+
+/// The space marker of SentencePiece pieces.
+const SPACE: char = '▁';
+
+/// What a vocabulary entry is (GGUF `tokenizer.ggml.token_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenKind {
+    /// A piece merges are made of.
+    Normal,
+    /// The unknown token.
+    Unknown,
+    /// A control token (`<bos>`, `<start_of_turn>`): matched in text only when
+    /// special tokens are parsed.
+    Control,
+    /// A user-defined token (newline and space runs, tags): always matched whole.
+    UserDefined,
+    /// An unused slot.
+    Unused,
+    /// A byte-fallback token `<0xNN>`.
+    Byte,
+}
+
+impl TokenKind {
+    fn from_gguf(code: i32) -> Result<Self> {
+        Ok(match code {
+            1 => TokenKind::Normal,
+            2 => TokenKind::Unknown,
+            3 => TokenKind::Control,
+            4 => TokenKind::UserDefined,
+            5 => TokenKind::Unused,
+            6 => TokenKind::Byte,
+            other => return Err(EngineError::Format(format!("unknown token type {other}"))),
+        })
+    }
+}
+
+/// The tokenizer and Gemma's turn format.
+#[derive(Debug, Clone)]
+pub struct GemmaTokenizer {
+    pieces: Vec<String>,
+    scores: Vec<f32>,
+    kinds: Vec<TokenKind>,
+    /// Normal pieces by text (what merges may produce).
+    normal: HashMap<String, u32>,
+    /// Byte `b` as token `bytes[b]`.
+    bytes: [u32; 256],
+    /// Tokens matched whole, by text: user-defined ones (`.1 == false`) and
+    /// control ones (`.1 == true`).
+    whole: HashMap<String, (u32, bool)>,
+    /// Distinct byte lengths of `whole`'s texts, longest first.
+    whole_lengths: Vec<usize>,
+    bos: u32,
+    eos: u32,
+    start_of_turn: u32,
+    end_of_turn: u32,
+}
+
+impl GemmaTokenizer {
+    /// Builds the tokenizer from a GGUF header (`tokenizer.ggml.*`).
+    pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<Self> {
+        let get = |key: &str| {
+            md.get(key)
+                .ok_or_else(|| EngineError::Format(format!("no {key} in the GGUF header")))
+        };
+        let bad = |key: &str, e: candle_core::Error| EngineError::Format(format!("{key}: {e}"));
+        let model = get("tokenizer.ggml.model")?
+            .to_string()
+            .map_err(|e| bad("tokenizer.ggml.model", e))?;
+        if model != "llama" {
+            return Err(EngineError::Format(format!(
+                "tokenizer model {model:?} is not SentencePiece (\"llama\")"
+            )));
+        }
+        let array = |key: &str| -> Result<&Vec<Value>> { get(key)?.to_vec().map_err(|e| bad(key, e)) };
+        let pieces = array("tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| v.to_string().cloned())
+            .collect::<std::result::Result<Vec<String>, _>>()
+            .map_err(|e| bad("tokenizer.ggml.tokens", e))?;
+        let scores = array("tokenizer.ggml.scores")?
+            .iter()
+            .map(Value::to_f32)
+            .collect::<std::result::Result<Vec<f32>, _>>()
+            .map_err(|e| bad("tokenizer.ggml.scores", e))?;
+        let kinds = array("tokenizer.ggml.token_type")?
+            .iter()
+            .map(|v| v.to_i32().map_err(|e| bad("tokenizer.ggml.token_type", e)))
+            .map(|code| code.and_then(TokenKind::from_gguf))
+            .collect::<Result<Vec<TokenKind>>>()?;
+        let id = |key: &str| -> Result<u32> { get(key)?.to_u32().map_err(|e| bad(key, e)) };
+        let (bos, eos) = (
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+        );
+        Self::from_parts(pieces, scores, kinds, bos, eos)
+    }
+
+    /// Builds the tokenizer from its vocabulary: `pieces[i]`, `scores[i]` and
+    /// `kinds[i]` describe token `i`; the vocabulary needs all 256 byte tokens
+    /// and the turn markers `<start_of_turn>` and `<end_of_turn>`.
+    pub fn from_parts(
+        pieces: Vec<String>,
+        scores: Vec<f32>,
+        kinds: Vec<TokenKind>,
+        bos: u32,
+        eos: u32,
+    ) -> Result<Self> {
+        let n = pieces.len();
+        if scores.len() != n || kinds.len() != n {
+            return Err(EngineError::Format(format!(
+                "{n} tokens, {} scores, {} token types",
+                scores.len(),
+                kinds.len()
+            )));
+        }
+        if n > u32::MAX as usize || bos as usize >= n || eos as usize >= n {
+            return Err(EngineError::Format(format!(
+                "bos {bos} or eos {eos} outside the vocabulary of {n}"
+            )));
+        }
+        let mut normal = HashMap::new();
+        let mut whole = HashMap::new();
+        let mut bytes = [u32::MAX; 256];
+        for (i, (piece, kind)) in pieces.iter().zip(&kinds).enumerate() {
+            let i = i as u32;
+            match kind {
+                TokenKind::Normal => {
+                    normal.entry(piece.clone()).or_insert(i);
+                }
+                TokenKind::UserDefined | TokenKind::Control if !piece.is_empty() => {
+                    whole
+                        .entry(piece.clone())
+                        .or_insert((i, *kind == TokenKind::Control));
+                }
+                TokenKind::Byte => {
+                    let byte = piece
+                        .strip_prefix("<0x")
+                        .and_then(|rest| rest.strip_suffix('>'))
+                        .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                        .ok_or_else(|| EngineError::Format(format!("byte token {i} is {piece:?}")))?;
+                    bytes[usize::from(byte)] = i;
+                }
+                _ => {}
+            }
+        }
+        if let Some(b) = bytes.iter().position(|&t| t == u32::MAX) {
+            return Err(EngineError::Format(format!("no byte token <0x{b:02X}>")));
+        }
+        let marker = |text: &str| {
+            whole
+                .get(text)
+                .map(|&(id, _)| id)
+                .ok_or_else(|| EngineError::Format(format!("no {text} token")))
+        };
+        let (start_of_turn, end_of_turn) = (marker("<start_of_turn>")?, marker("<end_of_turn>")?);
+        let mut whole_lengths: Vec<usize> = whole.keys().map(String::len).collect();
+        whole_lengths.sort_unstable_by(|a, b| b.cmp(a));
+        whole_lengths.dedup();
+        Ok(GemmaTokenizer {
+            pieces,
+            scores,
+            kinds,
+            normal,
+            bytes,
+            whole,
+            whole_lengths,
+            bos,
+            eos,
+            start_of_turn,
+            end_of_turn,
+        })
+    }
+
+    /// Token ids of `text`, with `<bos>` first when `add_bos`. Control tokens
+    /// written in the text (`<start_of_turn>`) become their ids when
+    /// `parse_special`, else they are plain text.
+    pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        if add_bos {
+            ids.push(self.bos);
+        }
+        let mut fragment_start = 0;
+        let mut i = 0;
+        while i < text.len() {
+            match self.whole_at(&text[i..], parse_special) {
+                Some((id, len)) => {
+                    self.encode_fragment(&text[fragment_start..i], &mut ids);
+                    ids.push(id);
+                    i += len;
+                    fragment_start = i;
+                }
+                None => i += text[i..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        self.encode_fragment(&text[fragment_start..], &mut ids);
+        ids
+    }
+
+    /// The longest token matched whole at the start of `text`, and its length.
+    fn whole_at(&self, text: &str, parse_special: bool) -> Option<(u32, usize)> {
+        self.whole_lengths.iter().find_map(|&len| {
+            let candidate = text.get(..len)?;
+            match self.whole.get(candidate) {
+                Some(&(id, control)) if parse_special || !control => Some((id, len)),
+                _ => None,
+            }
+        })
+    }
+
+    /// Step 2 and 3 of the module docs for one fragment free of whole tokens.
+    fn encode_fragment(&self, fragment: &str, ids: &mut Vec<u32>) {
+        if fragment.is_empty() {
+            return;
+        }
+        let text: String = fragment
+            .chars()
+            .map(|c| if c == ' ' { SPACE } else { c })
+            .collect();
+        // Symbols are byte ranges of `text` in a linked list; merged ones get
+        // an empty range at the right.
+        let mut symbols: Vec<Symbol> = text
+            .char_indices()
+            .map(|(start, c)| Symbol {
+                start,
+                end: start + c.len_utf8(),
+                prev: None,
+                next: None,
+            })
+            .collect();
+        let count = symbols.len();
+        for (i, s) in symbols.iter_mut().enumerate() {
+            s.prev = i.checked_sub(1);
+            s.next = (i + 1 < count).then_some(i + 1);
+        }
+        let mut queue = BinaryHeap::new();
+        for left in 0..count.saturating_sub(1) {
+            self.push_pair(&text, &symbols, left, left + 1, &mut queue);
+        }
+        while let Some(pair) = queue.pop() {
+            let (l, r) = (pair.left, pair.right);
+            // Stale: one side was merged away or grew since the pair was queued.
+            if symbols[l].start == symbols[l].end
+                || symbols[r].start == symbols[r].end
+                || symbols[l].end - symbols[l].start + symbols[r].end - symbols[r].start != pair.len
+            {
+                continue;
+            }
+            symbols[l].end = symbols[r].end;
+            symbols[r].start = symbols[r].end;
+            symbols[l].next = symbols[r].next;
+            if let Some(next) = symbols[r].next {
+                symbols[next].prev = Some(l);
+                self.push_pair(&text, &symbols, l, next, &mut queue);
+            }
+            if let Some(prev) = symbols[l].prev {
+                self.push_pair(&text, &symbols, prev, l, &mut queue);
+            }
+        }
+        let mut at = Some(0);
+        while let Some(i) = at {
+            let piece = &text[symbols[i].start..symbols[i].end];
+            match self.normal.get(piece) {
+                Some(&id) => ids.push(id),
+                None => ids.extend(piece.bytes().map(|b| self.bytes[usize::from(b)])),
+            }
+            at = symbols[i].next;
+        }
+    }
+
+    fn push_pair(
+        &self,
+        text: &str,
+        symbols: &[Symbol],
+        left: usize,
+        right: usize,
+        queue: &mut BinaryHeap<Pair>,
+    ) {
+        let (start, end) = (symbols[left].start, symbols[right].end);
+        if let Some(&id) = self.normal.get(&text[start..end]) {
+            queue.push(Pair {
+                score: self.scores[id as usize],
+                left,
+                right,
+                len: end - start,
+            });
+        }
+    }
+
+    /// The text of `ids`: spaces for `▁`, bytes for byte tokens, control and
+    /// user-defined tokens as written (`<start_of_turn>`). Ids outside the
+    /// vocabulary are an error.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            let kind = *self.kinds.get(id as usize).ok_or_else(|| {
+                EngineError::InvalidArgument(format!(
+                    "token {id} outside the vocabulary of {}",
+                    self.pieces.len()
+                ))
+            })?;
+            let piece = &self.pieces[id as usize];
+            match kind {
+                TokenKind::Byte => bytes.push(self.byte_of(id)),
+                TokenKind::Normal => {
+                    for c in piece.chars() {
+                        let c = if c == SPACE { ' ' } else { c };
+                        bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+                    }
+                }
+                _ => bytes.extend_from_slice(piece.as_bytes()),
+            }
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn byte_of(&self, id: u32) -> u8 {
+        let b = self.bytes.iter().position(|&t| t == id);
+        b.expect("byte token ids come from the byte table") as u8
+    }
+
+    /// One user turn and the start of the model's reply, with `<bos>` first
+    /// when `first`: `<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n`.
+    pub fn encode_user_turn(&self, text: &str, first: bool) -> Vec<u32> {
+        self.encode(&chat_turn(text), first, true)
+    }
+
+    /// The piece of token `id`, if it exists.
+    pub fn piece(&self, id: u32) -> Option<&str> {
+        self.pieces.get(id as usize).map(String::as_str)
+    }
+
+    /// What token `id` is, if it exists.
+    pub fn kind(&self, id: u32) -> Option<TokenKind> {
+        self.kinds.get(id as usize).copied()
+    }
+
+    /// `<bos>`.
+    pub fn bos_token_id(&self) -> u32 {
+        self.bos
+    }
+
+    /// `<eos>`.
+    pub fn eos_token_id(&self) -> u32 {
+        self.eos
+    }
+
+    /// `<start_of_turn>`.
+    pub fn start_of_turn_id(&self) -> u32 {
+        self.start_of_turn
+    }
+
+    /// `<end_of_turn>`: where a reply ends.
+    pub fn end_of_turn_id(&self) -> u32 {
+        self.end_of_turn
+    }
+
+    /// Number of tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+}
+
+/// Gemma's turn format for a user message followed by the model's turn.
+pub fn chat_turn(user: &str) -> String {
+    format!("<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")
+}
+
+/// The end of a model reply in Gemma's turn format.
+pub fn end_of_reply(reply: &str) -> String {
+    format!("{reply}<end_of_turn>\n")
+}
+
+/// A range of the fragment in the merge list.
+#[derive(Debug, Clone, Copy)]
+struct Symbol {
+    start: usize,
+    end: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+/// A candidate merge: higher score first, then leftmost.
+#[derive(Debug)]
+struct Pair {
+    score: f32,
+    left: usize,
+    right: usize,
+    len: usize,
+}
+
+impl Ord for Pair {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.left.cmp(&self.left))
+    }
+}
+
+impl PartialOrd for Pair {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Pair {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Pair {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vocabulary of the byte tokens, turn markers and a few pieces.
+    fn toy() -> GemmaTokenizer {
+        let mut pieces = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into()];
+        let mut kinds = vec![TokenKind::Control; 3];
+        let mut scores = vec![0.0; 3];
+        for (text, kind) in [
+            ("<start_of_turn>", TokenKind::Control),
+            ("<end_of_turn>", TokenKind::Control),
+            ("\n", TokenKind::UserDefined),
+            ("\n\n", TokenKind::UserDefined),
+        ] {
+            pieces.push(text.into());
+            kinds.push(kind);
+            scores.push(0.0);
+        }
+        for b in 0..=255u8 {
+            pieces.push(format!("<0x{b:02X}>"));
+            kinds.push(TokenKind::Byte);
+            scores.push(0.0);
+        }
+        for (text, score) in [
+            ("a", -1.0),
+            ("b", -1.0),
+            ("▁", -5.0),
+            ("ab", -2.0),
+            ("▁ab", -3.0),
+            ("ba", -0.5),
+        ] {
+            pieces.push(text.into());
+            kinds.push(TokenKind::Normal);
+            scores.push(score);
+        }
+        GemmaTokenizer::from_parts(pieces, scores, kinds, 2, 1).unwrap()
+    }
+
+    fn id(t: &GemmaTokenizer, piece: &str) -> u32 {
+        (0..t.vocab_size() as u32)
+            .find(|&i| t.piece(i) == Some(piece))
+            .unwrap()
+    }
+
+    #[test]
+    fn merges_follow_scores_and_fall_back_to_bytes() {
+        let t = toy();
+        // "aba": "ba" (-0.5) beats "ab" (-2): a + ba.
+        assert_eq!(t.encode("aba", false, false), vec![id(&t, "a"), id(&t, "ba")]);
+        // " ab": "ab" first, then "▁" + "ab" = "▁ab".
+        assert_eq!(t.encode(" ab", true, false), vec![2, id(&t, "▁ab")]);
+        // "é" is no piece: its two UTF-8 bytes.
+        assert_eq!(
+            t.encode("é", false, false),
+            vec![id(&t, "<0xC3>"), id(&t, "<0xA9>")]
+        );
+        // Newline runs are whole tokens, the longest first.
+        assert_eq!(
+            t.encode("a\n\n\nb", false, false),
+            vec![id(&t, "a"), id(&t, "\n\n"), id(&t, "\n"), id(&t, "b")]
+        );
+    }
+
+    #[test]
+    fn control_tokens_are_parsed_only_when_asked() {
+        let t = toy();
+        let turn = t.encode("<start_of_turn>ab", false, true);
+        assert_eq!(turn, vec![t.start_of_turn_id(), id(&t, "ab")]);
+        let plain = t.encode("<start_of_turn>ab", false, false);
+        assert!(!plain.contains(&t.start_of_turn_id()));
+        assert_eq!(t.decode(&plain).unwrap(), "<start_of_turn>ab");
+    }
+
+    #[test]
+    fn decode_inverts_encode_and_rejects_unknown_ids() {
+        let t = toy();
+        for text in ["", "ab ba  a", " \n\nx", "日本 😀", "tab\tend "] {
+            assert_eq!(t.decode(&t.encode(text, false, true)).unwrap(), text);
+        }
+        let err = t.decode(&[t.vocab_size() as u32]).unwrap_err();
+        assert!(matches!(err, EngineError::InvalidArgument(_)), "{err}");
+    }
+
+    #[test]
+    fn a_vocabulary_without_byte_tokens_is_rejected() {
+        let pieces = vec![
+            "<bos>".to_string(),
+            "<start_of_turn>".into(),
+            "<end_of_turn>".into(),
+        ];
+        let err = GemmaTokenizer::from_parts(pieces, vec![0.0; 3], vec![TokenKind::Control; 3], 0, 0);
+        assert!(matches!(err, Err(EngineError::Format(_))));
+    }
+}
