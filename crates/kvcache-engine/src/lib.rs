@@ -43,6 +43,7 @@ pub mod check;
 mod config;
 pub mod conversation;
 pub mod engine;
+pub mod gemma;
 mod error;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
