@@ -9,11 +9,11 @@
 
 use std::ops::Range;
 
-use kvcache_api::{Batch, CacheError, CausalConfig, ForwardMode, Pos, PosRange, Result, SeqId};
+use kvcache_api::{Batch, CacheError, CausalConfig, ForwardMode, Placement, Pos, PosRange, Result, SeqId};
 
 use crate::cells::Cells;
 use crate::mask::{self, Plan, Query};
-use crate::placement::{choose_cells, plan_compaction, Move};
+use crate::placement::{choose_cells, choose_cells_reserving, plan_compaction, Move, Reservations};
 use crate::window::{self, Attention};
 
 mod transfer;
@@ -112,6 +112,8 @@ pub(crate) struct Book {
     config: CausalConfig,
     attention: Attention,
     cells: Cells,
+    /// Free cells set aside for sequences decoding side by side.
+    reservations: Reservations,
     pass: Pass,
     scratch: Scratch,
 }
@@ -129,6 +131,7 @@ impl Book {
         Ok(Book {
             attention: Attention::new(&config),
             cells: Cells::new(cells, config.max_sequences),
+            reservations: Reservations::new(config.max_sequences),
             pass: Pass::default(),
             scratch: Scratch {
                 lowest: vec![Pos::MAX; config.max_sequences],
@@ -254,17 +257,17 @@ impl Book {
             }
         }
         let mut moves = Vec::new();
-        if !self.choose_cells(batch.len()) {
+        if !self.choose_cells(batch) {
             moves = self.compact();
             assert!(
-                self.choose_cells(batch.len()),
+                self.choose_cells(batch),
                 "no room after compaction despite validation"
             );
         } else if self.too_many_holes() {
             moves = self.compact();
             self.pass.cells.clear();
             assert!(
-                self.choose_cells(batch.len()),
+                self.choose_cells(batch),
                 "no room after compaction despite validation"
             );
         }
@@ -281,11 +284,23 @@ impl Book {
         moves
     }
 
-    fn choose_cells(&mut self, n: usize) -> bool {
+    /// Chooses a cell for every token of `batch` into the pass's cells. Scattered
+    /// placement keeps reservations unless the cache compacts holey ranges (the
+    /// spare cells of reservations are holes).
+    fn choose_cells(&mut self, batch: &Batch) -> bool {
+        let config = &self.config;
+        if config.placement == Placement::Scattered && config.compact_threshold.is_none() {
+            return choose_cells_reserving(
+                &mut self.cells,
+                &mut self.reservations,
+                batch,
+                &mut self.pass.cells,
+            );
+        }
         choose_cells(
             self.cells.occupancy_mut(),
-            self.config.placement,
-            n,
+            config.placement,
+            batch.len(),
             &mut self.pass.cells,
         )
     }
@@ -319,6 +334,7 @@ impl Book {
             "compacting the KV cache"
         );
         self.cells.compact(&moves, &runs);
+        self.reservations.clear();
         moves
     }
 
@@ -482,6 +498,7 @@ impl Book {
     /// Applies a validated removal to the metadata; ends any pass in progress.
     pub(crate) fn commit_remove(&mut self, plan: &RemovePlan) {
         self.cells.remove(plan.seq, plan.start, plan.end);
+        self.reservations.drop_seq(plan.seq);
         self.pass.end();
     }
 
@@ -506,6 +523,7 @@ impl Book {
             self.cells.clear(dst);
             self.cells.share_prefix(src, dst, len);
         }
+        self.reservations.drop_seq(dst);
         self.pass.end();
     }
 
@@ -628,7 +646,7 @@ fn chunk_shifts(spans: &[(usize, usize)], max_batch: usize, delta: Pos) -> (Vec<
 
 #[cfg(test)]
 mod tests {
-    use kvcache_api::{Placement, SlidingWindow};
+    use kvcache_api::SlidingWindow;
 
     use super::*;
 

@@ -120,6 +120,64 @@ impl Occupancy {
         out.len() == goal
     }
 
+    /// Appends the first `n` free cells outside `skip` (sorted, disjoint cell
+    /// ranges), in index order, to `out`; false (with `out` holding fewer) when
+    /// there are not that many. With no ranges to skip, [`Occupancy::first_free`].
+    pub(crate) fn first_free_outside(&mut self, n: usize, skip: &[Range<u32>], out: &mut Vec<u32>) -> bool {
+        if skip.is_empty() {
+            return self.first_free(n, out);
+        }
+        let goal = out.len() + n;
+        self.skip_full_words();
+        let (mut at, mut k) = (self.first_open_word * 64, 0);
+        while out.len() < goal {
+            let cell = self.next_free(at);
+            if cell >= self.cells {
+                return false;
+            }
+            while k < skip.len() && skip[k].end as usize <= cell {
+                k += 1;
+            }
+            match skip.get(k) {
+                Some(r) if r.start as usize <= cell => at = r.end as usize,
+                _ => {
+                    out.push(cell as u32);
+                    at = cell + 1;
+                }
+            }
+        }
+        true
+    }
+
+    /// Start of the first run of `n` consecutive free cells outside `skip`
+    /// (sorted, disjoint cell ranges).
+    pub(crate) fn first_free_run_outside(&mut self, n: usize, skip: &[Range<u32>]) -> Option<usize> {
+        self.skip_full_words();
+        let (mut at, mut k) = (self.first_open_word * 64, 0);
+        loop {
+            let start = self.next_free(at);
+            if start >= self.cells {
+                return None;
+            }
+            while k < skip.len() && skip[k].end as usize <= start {
+                k += 1;
+            }
+            let skipped = skip.get(k).map(|r| (r.start as usize, r.end as usize));
+            if let Some((lo, hi)) = skipped.filter(|&(lo, _)| lo <= start) {
+                debug_assert!(lo <= start);
+                at = hi;
+                continue;
+            }
+            let end = self
+                .next_used(start)
+                .min(skipped.map_or(usize::MAX, |(lo, _)| lo));
+            if end - start >= n {
+                return Some(start);
+            }
+            at = end;
+        }
+    }
+
     /// Start of the first run of `n` consecutive free cells.
     pub(crate) fn first_free_run(&mut self, n: usize) -> Option<usize> {
         self.skip_full_words();
@@ -276,6 +334,27 @@ mod tests {
         assert_eq!(o.free_in(1..71), 67);
         assert_eq!(o.free_in(64..128), 61);
         assert_eq!(o.free_in(3..3), 0);
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // slices of one range to skip, not ranges to collect
+    fn searches_skip_ranges() {
+        let mut o = occupancy(200, &[0, 1, 5, 70, 71, 72]);
+        let mut out = vec![];
+        assert!(o.first_free_outside(4, &[3..4, 6..66], &mut out));
+        assert_eq!(out, vec![2, 4, 66, 67]);
+        out.clear();
+        assert!(!o.first_free_outside(200, &[2..200], &mut out));
+        assert_eq!(out, Vec::<u32>::new());
+        assert!(o.first_free_outside(1, &[], &mut out));
+        assert_eq!(out, vec![2]);
+        // Free runs: 2..5, 6..70, 73..200; skipping 10..20 splits the second.
+        assert_eq!(o.first_free_run_outside(3, &[10..20]), Some(2));
+        assert_eq!(o.first_free_run_outside(4, &[10..20]), Some(6));
+        assert_eq!(o.first_free_run_outside(5, &[10..20]), Some(20));
+        assert_eq!(o.first_free_run_outside(51, &[10..20]), Some(73));
+        assert_eq!(o.first_free_run_outside(127, &[2..5, 100..101]), None);
+        assert_eq!(o.first_free_run_outside(99, &[0..3, 100..101]), Some(101));
     }
 
     #[test]
