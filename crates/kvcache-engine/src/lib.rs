@@ -44,6 +44,7 @@ mod config;
 pub mod conversation;
 pub mod engine;
 pub mod gemma;
+pub mod kv_accuracy;
 mod error;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
