@@ -9,14 +9,26 @@
 //! and evaluates only the rest; once its prompt is evaluated, the part the store
 //! lacks is exported ([`CausalCache::export_seq`]) and written behind the
 //! engine's back.
+//!
+//! With [`Engine::set_prefix_reuse`] the cache itself is the prefix
+//! cache, as in Ollama's input cache and llama.cpp's slots: a finished
+//! sequence's cells stay where they are, and a joining request starts from the
+//! longest prefix of its prompt held by any sequence of its namespace
+//! ([`CausalCache::copy_prefix`], which shares cells, or by taking an idle
+//! sequence over), evaluating only the rest. Two namespaces never share cells.
+//! Idle sequences are dropped, least recently used first, when a request needs
+//! their slot or a pass needs their cells.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use kvcache_api::{CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState};
+use kvcache_api::{
+    CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState,
+};
 
+use crate::sampling::Sampler;
 use crate::{BatchToken, EngineError, Llama, Result};
 
 /// Index of the largest value (the first one on ties); 0 for an empty slice.
@@ -161,6 +173,9 @@ pub struct Finished {
     pub context_shifts: usize,
     /// Prompt tokens imported from the prefix store instead of evaluated.
     pub restored: usize,
+    /// Prompt tokens taken from another sequence's cells instead of evaluated
+    /// ([`Engine::set_prefix_reuse`]).
+    pub reused: usize,
 }
 
 /// What happened during [`Engine::run`], in order.
@@ -259,6 +274,43 @@ struct Slot {
     first_token: Option<Duration>,
     shifts: usize,
     restored: usize,
+    reused: usize,
+    /// Picks the request's tokens; `None` is greedy.
+    sampler: Option<Sampler>,
+}
+
+/// A finished sequence whose cells stay in the cache for later requests of
+/// its namespace to start from ([`Engine::set_prefix_reuse`]).
+#[derive(Debug)]
+struct Idle {
+    namespace: Namespace,
+    /// Exactly the tokens in the cache, from position 0.
+    tokens: Vec<u32>,
+    last_used: Instant,
+}
+
+/// A queued request and its token picker.
+#[derive(Debug)]
+struct Queued {
+    req: Request,
+    sampler: Option<Sampler>,
+}
+
+/// Prefix reuse across requests, counted since the engine was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReuseStats {
+    /// Requests that started from another sequence's cells.
+    pub hits: usize,
+    /// Requests that found nothing to start from.
+    pub misses: usize,
+    /// Prompt tokens taken from other sequences' cells instead of evaluated.
+    pub reused_tokens: usize,
+    /// Prompt tokens evaluated.
+    pub evaluated_tokens: usize,
+    /// Idle sequences dropped to make room (slots or cells) or for age.
+    pub evictions: usize,
+    /// Requests cancelled before they finished.
+    pub cancelled: usize,
 }
 
 /// The store an engine reuses prefixes through, the model its entries belong
@@ -280,18 +332,26 @@ impl std::fmt::Debug for StoreLink {
 
 /// A continuous-batching engine over one causal cache with one slot per
 /// sequence id.
+///
+/// Drive it all at once ([`Engine::run`]) or one pass at a time
+/// ([`Engine::step`], with [`Engine::submit_sampled`] and [`Engine::cancel`]
+/// between steps, as a server does).
 #[derive(Debug)]
 pub struct Engine<'m, C> {
     model: &'m Llama,
     cache: C,
     config: EngineConfig,
-    queue: VecDeque<Request>,
+    queue: VecDeque<Queued>,
     slots: Vec<Option<Slot>>,
+    /// Per sequence id: the finished sequence kept there for reuse, if any.
+    idle: Vec<Option<Idle>>,
     store: Option<StoreLink>,
     /// Store counters of the run in progress.
     restored_tokens: usize,
     stored_tokens: usize,
     store_errors: usize,
+    reuse: ReuseStats,
+    reuse_prefixes: bool,
 }
 
 impl<'m, C> Engine<'m, C>
@@ -319,10 +379,13 @@ where
             config,
             queue: VecDeque::new(),
             slots: (0..slots).map(|_| None).collect(),
+            idle: (0..slots).map(|_| None).collect(),
             store: None,
             restored_tokens: 0,
             stored_tokens: 0,
             store_errors: 0,
+            reuse: ReuseStats::default(),
+            reuse_prefixes: false,
         })
     }
 
@@ -337,8 +400,26 @@ where
         });
     }
 
-    /// Queues a request; it joins when a slot is free.
+    /// Keeps finished sequences' cells (when `on`) and starts new requests from
+    /// the longest prefix any sequence of their namespace holds. Off by default.
+    /// Turning it off drops the sequences kept so far.
+    pub fn set_prefix_reuse(&mut self, on: bool) -> Result<()> {
+        self.reuse_prefixes = on;
+        if !on {
+            self.evict_idle(Duration::ZERO)?;
+        }
+        Ok(())
+    }
+
+    /// Queues a greedy request; it joins when a slot is free.
     pub fn submit(&mut self, req: Request) -> Result<()> {
+        self.submit_sampled(req, None)
+    }
+
+    /// Queues a request whose tokens `sampler` picks (`None`: greedy). Request
+    /// ids must be unique among queued and running requests for
+    /// [`Engine::cancel`] to name one.
+    pub fn submit_sampled(&mut self, req: Request, sampler: Option<Sampler>) -> Result<()> {
         if req.prompt.is_empty() || req.max_new_tokens == 0 {
             return Err(EngineError::InvalidArgument(format!(
                 "request {}: empty prompt or nothing to generate",
@@ -354,8 +435,29 @@ where
                 )));
             }
         }
-        self.queue.push_back(req);
+        self.queue.push_back(Queued { req, sampler });
         Ok(())
+    }
+
+    /// Drops request `id`, queued or running; a running one's cells are freed.
+    /// Returns whether it was found.
+    pub fn cancel(&mut self, id: usize) -> Result<bool> {
+        if let Some(i) = self.queue.iter().position(|q| q.req.id == id) {
+            self.queue.remove(i);
+            self.reuse.cancelled += 1;
+            return Ok(true);
+        }
+        let Some(seq) = self
+            .slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.req.id == id))
+        else {
+            return Ok(false);
+        };
+        self.cache.remove(seq, PosRange::from(0..))?;
+        self.slots[seq] = None;
+        self.reuse.cancelled += 1;
+        Ok(true)
     }
 
     /// The cache.
@@ -363,23 +465,75 @@ where
         &self.cache
     }
 
+    /// Requests waiting for a slot.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Requests holding a slot.
+    pub fn active(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Prompt tokens the running request `id` took from cached cells;
+    /// `None` when it is not running.
+    pub fn reused_tokens(&self, id: usize) -> Option<usize> {
+        self.slots
+            .iter()
+            .flatten()
+            .find(|s| s.req.id == id)
+            .map(|s| s.reused)
+    }
+
+    /// Finished sequences kept for reuse.
+    pub fn idle_sequences(&self) -> usize {
+        self.idle.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Prefix reuse counters since the engine was made.
+    pub fn reuse_stats(&self) -> ReuseStats {
+        self.reuse
+    }
+
+    /// Drops the sequences kept for reuse that have not been used for `age`;
+    /// returns how many.
+    pub fn evict_idle(&mut self, age: Duration) -> Result<usize> {
+        let mut n = 0;
+        for seq in 0..self.idle.len() {
+            if self.idle[seq]
+                .as_ref()
+                .is_some_and(|idle| idle.last_used.elapsed() >= age)
+            {
+                self.drop_idle(seq)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     /// Runs until every queued request has finished.
     pub fn run(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<Stats> {
         let start = Instant::now();
         let mut stats = Stats::default();
-        loop {
-            self.admit(on_event)?;
-            if self.slots.iter().all(Option::is_none) {
-                break;
-            }
-            stats.context_shifts += self.context_shifts(on_event)?;
-            self.pass(&mut stats, on_event)?;
-        }
+        while self.step(&mut stats, on_event)? {}
         stats.elapsed = start.elapsed();
         stats.restored_tokens = std::mem::take(&mut self.restored_tokens);
         stats.stored_tokens = std::mem::take(&mut self.stored_tokens);
         stats.store_errors = std::mem::take(&mut self.store_errors);
         Ok(stats)
+    }
+
+    /// Admits queued requests into free slots, then runs one forward pass over
+    /// every running request (a decode token each, then prompt chunks).
+    /// Returns `false`, having done nothing, when no request is running.
+    pub fn step(&mut self, stats: &mut Stats, on_event: &mut dyn FnMut(&Event)) -> Result<bool> {
+        self.admit(on_event)?;
+        if self.slots.iter().all(Option::is_none) {
+            return Ok(false);
+        }
+        stats.context_shifts += self.context_shifts(on_event)?;
+        self.pass(stats, on_event)?;
+        Ok(true)
     }
 
     /// Imports the longest stored prefix of `prompt` into the empty sequence
@@ -429,14 +583,105 @@ where
         }
     }
 
+    /// Drops the idle sequence kept at `seq`, freeing its cells.
+    fn drop_idle(&mut self, seq: SeqId) -> Result<()> {
+        self.cache.remove(seq, PosRange::from(0..))?;
+        self.idle[seq] = None;
+        self.reuse.evictions += 1;
+        Ok(())
+    }
+
+    /// Drops the least recently used idle sequence; `false` when there is none.
+    fn evict_lru(&mut self) -> Result<bool> {
+        let oldest = (0..self.idle.len())
+            .filter_map(|seq| self.idle[seq].as_ref().map(|idle| (idle.last_used, seq)))
+            .min();
+        match oldest {
+            Some((_, seq)) => self.drop_idle(seq).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// The sequence holding the longest prefix of `prompt` in `namespace`
+    /// (running or idle), leaving the last prompt token to evaluate: `(seq, len)`.
+    fn longest_prefix(&self, namespace: &Namespace, prompt: &[u32]) -> Option<(SeqId, usize)> {
+        let limit = prompt.len() - 1;
+        let running = self.slots.iter().enumerate().filter_map(|(seq, s)| {
+            let s = s.as_ref()?;
+            // A shifted sequence's positions no longer match its tokens.
+            (s.shifts == 0 && s.req.namespace == *namespace).then(|| (seq, &s.tokens[..s.cached]))
+        });
+        let idle = self.idle.iter().enumerate().filter_map(|(seq, i)| {
+            let i = i.as_ref()?;
+            (i.namespace == *namespace).then(|| (seq, &i.tokens[..]))
+        });
+        running
+            .chain(idle)
+            .map(|(seq, tokens)| (seq, common_prefix(tokens, prompt).min(limit)))
+            .filter(|&(_, len)| len > 0)
+            .max_by_key(|&(seq, len)| (len, std::cmp::Reverse(seq)))
+    }
+
+    /// A sequence id for a new request: an empty one, else the idle one `prefer`
+    /// (kept for its prefix), else the least recently used idle one, dropped.
+    fn free_seq(&mut self, prefer: Option<SeqId>) -> Result<Option<SeqId>> {
+        let empty = (0..self.slots.len()).find(|&seq| self.slots[seq].is_none() && self.idle[seq].is_none());
+        if empty.is_some() {
+            return Ok(empty);
+        }
+        if let Some(seq) = prefer.filter(|&seq| self.idle[seq].is_some()) {
+            return Ok(Some(seq));
+        }
+        if self.evict_lru()? {
+            return self.free_seq(None);
+        }
+        Ok(None)
+    }
+
     fn admit(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
-        for seq in 0..self.slots.len() {
-            if self.slots[seq].is_some() {
-                continue;
+        while let Some(next) = self.queue.front() {
+            let (namespace, prompt) = (next.req.namespace.clone(), next.req.prompt.clone());
+            let source = if self.reuse_prefixes {
+                self.longest_prefix(&namespace, &prompt)
+            } else {
+                None
+            };
+            let Some(seq) = self.free_seq(source.map(|s| s.0))? else {
+                break;
+            };
+            let Queued { req, sampler } = self.queue.pop_front().expect("front exists");
+            let reused = match source {
+                Some((src, len)) if src == seq => {
+                    // Take the idle sequence over, keeping its shared prefix.
+                    self.cache.remove(seq, PosRange::from(len as Pos..))?;
+                    self.idle[seq] = None;
+                    len
+                }
+                Some((src, len)) => {
+                    self.cache.copy_prefix(src, seq, len as Pos)?;
+                    if let Some(idle) = self.idle[src].as_mut() {
+                        idle.last_used = Instant::now();
+                    }
+                    len
+                }
+                None => {
+                    self.cache.remove(seq, PosRange::from(0..))?;
+                    0
+                }
+            };
+            if self.reuse_prefixes {
+                if reused > 0 {
+                    self.reuse.hits += 1;
+                } else {
+                    self.reuse.misses += 1;
+                }
+                self.reuse.reused_tokens += reused;
             }
-            let Some(req) = self.queue.pop_front() else { break };
-            self.cache.remove(seq, PosRange::from(0..))?;
-            let restored = self.restore(seq, &req.namespace.clone(), &req.prompt.clone());
+            let restored = if reused == 0 {
+                self.restore(seq, &namespace, &prompt)
+            } else {
+                0
+            };
             on_event(&Event::Joined {
                 id: req.id,
                 seq,
@@ -445,12 +690,14 @@ where
             self.slots[seq] = Some(Slot {
                 tokens: req.prompt.clone(),
                 req,
-                cached: restored,
+                cached: reused.max(restored),
                 generated: Vec::new(),
                 joined: Instant::now(),
                 first_token: None,
                 shifts: 0,
                 restored,
+                reused,
+                sampler,
             });
         }
         Ok(())
@@ -485,6 +732,16 @@ where
             });
         }
         Ok(n)
+    }
+
+    /// Runs `batch`, dropping idle sequences while the cache is too full for it.
+    fn hidden_making_room(&mut self, batch: &[BatchToken]) -> Result<Tensor> {
+        loop {
+            match self.model.hidden(batch, &mut self.cache) {
+                Err(EngineError::Cache(CacheError::Full { .. })) if self.evict_lru()? => continue,
+                result => return result,
+            }
+        }
     }
 
     fn pass(&mut self, stats: &mut Stats, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
@@ -535,19 +792,21 @@ where
         }
         let prefill = batch.len() - decode;
         let t0 = Instant::now();
-        let hidden = self.model.hidden(&batch, &mut self.cache)?;
+        let hidden = self.hidden_making_room(&batch)?;
         let rows: Vec<u32> = plan.iter().filter_map(|p| p.2).map(|r| r as u32).collect();
-        let picks = if rows.is_empty() {
+        let logits = if rows.is_empty() {
             Vec::new()
         } else {
             let idx = Tensor::from_vec(rows.clone(), rows.len(), hidden.device())?;
-            let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
-            logits.to_vec2::<f32>()?.iter().map(|r| argmax(r)).collect()
+            self.model
+                .logits(&hidden.index_select(&idx, 0)?)?
+                .to_vec2::<f32>()?
         };
         let elapsed = t0.elapsed();
         stats.passes += 1;
         stats.prefill_tokens += prefill;
         stats.decode_tokens += decode;
+        self.reuse.evaluated_tokens += prefill;
         if prefill == 0 {
             stats.decode_time += elapsed;
         }
@@ -556,7 +815,7 @@ where
             prefill,
             elapsed,
         });
-        let mut picks = picks.into_iter();
+        let mut logits = logits.iter();
         for (seq, n, row) in plan {
             let slot = self.slots[seq].as_mut().expect("planned slots are live");
             slot.cached += n;
@@ -581,7 +840,11 @@ where
                 }
             }
             let slot = self.slots[seq].as_mut().expect("planned slots are live");
-            let token = picks.next().expect("one pick per row");
+            let row = logits.next().expect("one row of logits per pick");
+            let token = match slot.sampler.as_mut() {
+                Some(sampler) => sampler.sample(row),
+                None => argmax(row),
+            };
             slot.first_token.get_or_insert_with(|| slot.joined.elapsed());
             slot.generated.push(token);
             slot.tokens.push(token);
@@ -592,20 +855,42 @@ where
             });
             let done = slot.generated.len() == slot.req.max_new_tokens || Some(token) == self.config.eos;
             if done {
-                let s = self.slots[seq].take().expect("live");
-                self.cache.remove(seq, PosRange::from(0..))?;
-                on_event(&Event::Finished(Finished {
-                    id: s.req.id,
-                    seq,
-                    prompt_tokens: s.req.prompt.len(),
-                    generated: s.generated,
-                    time_to_first_token: s.first_token.unwrap_or_default(),
-                    total: s.joined.elapsed(),
-                    context_shifts: s.shifts,
-                    restored: s.restored,
-                }));
+                self.finish(seq, on_event)?;
             }
         }
         Ok(())
     }
+
+    /// Ends the request in `seq`: its cells are kept for reuse (when enabled and
+    /// never shifted) or freed.
+    fn finish(&mut self, seq: SeqId, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
+        let mut s = self.slots[seq].take().expect("live");
+        if self.reuse_prefixes && s.shifts == 0 {
+            s.tokens.truncate(s.cached);
+            self.idle[seq] = Some(Idle {
+                namespace: s.req.namespace.clone(),
+                tokens: s.tokens,
+                last_used: Instant::now(),
+            });
+        } else {
+            self.cache.remove(seq, PosRange::from(0..))?;
+        }
+        on_event(&Event::Finished(Finished {
+            id: s.req.id,
+            seq,
+            prompt_tokens: s.req.prompt.len(),
+            generated: s.generated,
+            time_to_first_token: s.first_token.unwrap_or_default(),
+            total: s.joined.elapsed(),
+            context_shifts: s.shifts,
+            restored: s.restored,
+            reused: s.reused,
+        }));
+        Ok(())
+    }
+}
+
+/// Length of the longest common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

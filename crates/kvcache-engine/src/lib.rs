@@ -51,6 +51,7 @@ pub mod mlx;
 pub mod model;
 pub mod paths;
 pub mod replica;
+pub mod sampling;
 pub mod store;
 pub mod store_bench;
 pub mod tokenizer;

@@ -249,3 +249,186 @@ fn engines_reuse_prefixes_through_a_store_by_export_and_import() {
     let expect = greedy(&model, &mut alone, 0, &requests[0].prompt, 5, None).unwrap();
     assert_eq!(done[0].generated, expect);
 }
+
+/// Steps `engine` until it is idle; returns the finished requests in order.
+fn drain(engine: &mut Engine<'_, CausalKvCache>) -> Vec<kvcache_engine::engine::Finished> {
+    let mut stats = kvcache_engine::engine::Stats::default();
+    let mut finished = Vec::new();
+    while engine
+        .step(&mut stats, &mut |e| {
+            if let Event::Finished(f) = e {
+                finished.push(f.clone());
+            }
+        })
+        .unwrap()
+    {}
+    finished
+}
+
+fn alone(model: &Llama, r: &Request) -> Vec<u32> {
+    let mut fresh = cache(model, CausalConfig::new(1, 64, 64));
+    greedy(model, &mut fresh, 0, &r.prompt, r.max_new_tokens, None).unwrap()
+}
+
+#[test]
+fn finished_sequences_are_reused_within_their_namespace_only() {
+    use kvcache_api::Namespace;
+    let model = model();
+    let mut engine = Engine::new(
+        &model,
+        cache(&model, CausalConfig::new(3, 64, 16)),
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 4,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_prefix_reuse(true).unwrap();
+    let system: Vec<u32> = (0..9).map(|i| (i * 5 + 1) % 64).collect();
+    let first = Request::new(0, [&system[..], &[40, 41]].concat(), 4);
+    let done = drain(&mut engine);
+    assert!(done.is_empty());
+    engine.submit(first.clone()).unwrap();
+    let done = drain(&mut engine);
+    assert_eq!(
+        (done[0].reused, done[0].generated.clone()),
+        (0, alone(&model, &first))
+    );
+    // Its cells stay: the prompt and all generated tokens but the last.
+    let kept = first.prompt.len() + first.max_new_tokens - 1;
+    assert_eq!(engine.cache().used_cells(), kept);
+    assert_eq!(engine.idle_sequences(), 1);
+
+    // The next turn starts from everything the first one holds; the same
+    // system prompt in another namespace starts from nothing.
+    let next = Request::new(1, [&first.prompt[..], &done[0].generated, &[50, 51]].concat(), 5);
+    let mut tenant = Request::new(2, first.prompt.clone(), 3);
+    tenant.namespace = Namespace::new("tenant-b").unwrap();
+    engine.submit(next.clone()).unwrap();
+    engine.submit(tenant.clone()).unwrap();
+    let mut done = drain(&mut engine);
+    done.sort_by_key(|f| f.id);
+    assert_eq!(done[0].reused, kept);
+    assert_eq!(done[1].reused, 0);
+    assert_eq!(done[0].generated, alone(&model, &next));
+    assert_eq!(done[1].generated, alone(&model, &tenant));
+    let stats = engine.reuse_stats();
+    assert_eq!((stats.hits, stats.misses, stats.reused_tokens), (1, 2, kept));
+    assert_eq!(
+        stats.evaluated_tokens,
+        first.prompt.len() + (next.prompt.len() - kept) + tenant.prompt.len()
+    );
+
+    // A running sibling shares its prompt's cells (copy_prefix): two requests
+    // with the system prompt, the second joining while the first decodes.
+    let a = Request::new(3, [&system[..], &[7]].concat(), 6);
+    let b = Request::new(4, [&system[..], &[8, 9]].concat(), 2);
+    engine.submit(a.clone()).unwrap();
+    let mut stats = kvcache_engine::engine::Stats::default();
+    let mut finished = Vec::new();
+    let mut collect = |e: &Event| {
+        if let Event::Finished(f) = e {
+            finished.push(f.clone());
+        }
+    };
+    for _ in 0..5 {
+        engine.step(&mut stats, &mut collect).unwrap();
+    }
+    engine.submit(b.clone()).unwrap();
+    while engine.step(&mut stats, &mut collect).unwrap() {}
+    finished.sort_by_key(|f| f.id);
+    assert!(finished[1].reused >= system.len(), "{}", finished[1].reused);
+    assert_eq!(finished[0].generated, alone(&model, &a));
+    assert_eq!(finished[1].generated, alone(&model, &b));
+    // Idle sequences age out and give their cells back.
+    engine.evict_idle(std::time::Duration::ZERO).unwrap();
+    assert_eq!((engine.idle_sequences(), engine.cache().used_cells()), (0, 0));
+    engine.cache().check();
+}
+
+#[test]
+fn idle_sequences_make_room_and_cancelled_requests_free_their_cells() {
+    let model = model();
+    // Two slots of 24 cells: three different conversations evict the oldest.
+    let mut engine = Engine::new(
+        &model,
+        cache(&model, CausalConfig::new(2, 24, 16)),
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 8,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_prefix_reuse(true).unwrap();
+    for id in 0..3 {
+        let r = Request::new(id, prompt(id + 10), 3);
+        engine.submit(r.clone()).unwrap();
+        let done = drain(&mut engine);
+        assert_eq!(done[0].generated, alone(&model, &r));
+    }
+    assert_eq!(engine.reuse_stats().evictions, 1);
+    assert_eq!(engine.idle_sequences(), 2);
+
+    // Cancelling: a queued request disappears, a running one frees its cells.
+    let before = engine.cache().used_cells();
+    let long = Request::new(7, prompt(3), 20);
+    engine.submit(long.clone()).unwrap();
+    engine.submit(Request::new(8, prompt(4), 20)).unwrap();
+    let mut stats = kvcache_engine::engine::Stats::default();
+    engine.step(&mut stats, &mut |_| {}).unwrap();
+    assert!(engine.cancel(7).unwrap());
+    assert!(engine.cancel(8).unwrap());
+    assert!(!engine.cancel(8).unwrap());
+    assert_eq!((engine.active(), engine.queued()), (0, 0));
+    assert!(engine.cache().used_cells() <= before, "cells freed");
+    assert_eq!(engine.reuse_stats().cancelled, 2);
+    assert!(!engine.step(&mut stats, &mut |_| {}).unwrap());
+    engine.cache().check();
+}
+
+#[test]
+fn seeded_sampling_repeats_and_greedy_sampler_equals_argmax() {
+    use kvcache_engine::sampling::{Sampler, SamplingParams};
+    let model = model();
+    let run = |params: SamplingParams| {
+        let mut engine = Engine::new(
+            &model,
+            cache(&model, CausalConfig::new(2, 64, 16)),
+            EngineConfig {
+                max_batch: 16,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        // A greedy neighbour in the same passes must not change the draws.
+        engine.submit(Request::new(1, prompt(2), 12)).unwrap();
+        engine
+            .submit_sampled(
+                Request::new(0, prompt(1), 12),
+                Some(Sampler::new(params).unwrap()),
+            )
+            .unwrap();
+        let mut done = drain(&mut engine);
+        done.sort_by_key(|f| f.id);
+        done[0].generated.clone()
+    };
+    let hot = SamplingParams {
+        temperature: 1.5,
+        top_p: 1.0,
+        seed: Some(42),
+    };
+    assert_eq!(run(hot), run(hot));
+    assert_ne!(
+        run(hot),
+        run(SamplingParams {
+            seed: Some(43),
+            ..hot
+        })
+    );
+    assert_eq!(
+        run(SamplingParams::greedy()),
+        alone(&model, &Request::new(0, prompt(1), 12))
+    );
+}
