@@ -326,6 +326,7 @@ impl CausalKvCache {
     /// the stored tensors match the configuration.
     pub fn check(&self) {
         self.book.check();
+        self.storage.check();
         let config = self.book.config();
         for (layer, store) in self.storage.layers() {
             assert_eq!(

@@ -410,6 +410,18 @@ impl Storage {
         Ok(())
     }
 
+    /// Panics unless every layer's planes have the configured cell count, storage
+    /// type and parts that agree.
+    pub(crate) fn check(&self) {
+        for (layer, store) in self.layers() {
+            store.keys.check(self.kind, &format!("layer {layer} keys"));
+            store.values.check(self.kind, &format!("layer {layer} values"));
+            assert_eq!(store.keys.dims()[0], self.cells, "layer {layer}: key cells");
+            let cells = store.values.dims()[self.value_cell_axis()];
+            assert_eq!(cells, self.cells, "layer {layer}: value cells");
+        }
+    }
+
     /// Bytes of key/value storage allocated.
     pub(crate) fn bytes(&self) -> usize {
         self.layers()

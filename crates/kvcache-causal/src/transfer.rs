@@ -10,6 +10,14 @@
 //! freely. A [`Fingerprint`] names the model: a state is only imported into a
 //! cache of the same model.
 //!
+//! The host value is in the cache's compute dtype
+//! ([`CausalConfig::dtype`](kvcache_api::CausalConfig::dtype)) whatever the
+//! storage type ([`CausalConfig::storage`](kvcache_api::CausalConfig::storage)):
+//! a `q8_0` (or f16-stored) cache exports its keys and values decoded, and an
+//! import stores them as a forward pass's `put` would, quantizing them. So states
+//! move between caches of different storage types, and the prefix store keeps
+//! float rows.
+//!
 //! # Placement and sliding windows
 //!
 //! An import is placed as a forward pass over the imported positions would be: the

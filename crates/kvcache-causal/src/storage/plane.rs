@@ -135,6 +135,36 @@ impl Plane {
         self.parts().any(|p| same_storage(p, t))
     }
 
+    /// Panics unless the parts agree: float of `kind`, or `u8` integers and
+    /// `f16` scales whose shape is the integers' with the block axis divided by 32.
+    pub(crate) fn check(&self, kind: KvStorage, what: &str) {
+        match (self, kind.float()) {
+            (Plane::Float(t), Some(dtype)) => {
+                assert_eq!(t.dtype(), super::candle_dtype(dtype), "{what}: stored dtype")
+            }
+            (Plane::Q8_0 { quants, scales, axis }, None) => {
+                assert_eq!(
+                    (quants.dtype(), scales.dtype()),
+                    (CandleDType::U8, CandleDType::F16),
+                    "{what}"
+                );
+                let mut expected = quants.dims().to_vec();
+                assert!(
+                    expected[*axis].is_multiple_of(q8_0::BLOCK),
+                    "{what}: {expected:?} off the blocks"
+                );
+                expected[*axis] /= q8_0::BLOCK;
+                assert_eq!(
+                    scales.dims(),
+                    expected.as_slice(),
+                    "{what}: scales for {:?}",
+                    quants.dims()
+                );
+            }
+            _ => panic!("{what}: stored as {self:?}, configured as {kind}"),
+        }
+    }
+
     /// Bytes allocated.
     pub(crate) fn bytes(&self) -> usize {
         self.parts()
