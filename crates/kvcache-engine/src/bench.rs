@@ -425,3 +425,56 @@ pub fn e1_chat_reuse_interleaved(
     }
     Ok(reports)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(reuse: Reuse, rows: &[(usize, usize, usize, u64)]) -> E1Report {
+        let rows = rows
+            .iter()
+            .enumerate()
+            .map(|(idx, &(turn, evaluated, min_prefill, ttft_ms))| E1Row {
+                idx,
+                conv: 0,
+                turn,
+                min_prefill,
+                outcome: TurnOutcome {
+                    prompt_tokens: 100,
+                    matched: 100 - evaluated,
+                    restored: 0,
+                    tiers: Vec::new(),
+                    evaluated,
+                    time_to_first_token: Duration::from_millis(ttft_ms),
+                    total: Duration::from_millis(ttft_ms),
+                    generated: vec![1],
+                },
+            })
+            .collect();
+        E1Report {
+            reuse,
+            rows,
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn the_verdict_compares_the_trie_with_no_reuse() {
+        let trie = report(
+            Reuse::Trie,
+            &[(1, 100, 100, 900), (2, 20, 20, 100), (3, 30, 25, 300)],
+        );
+        let none = report(
+            Reuse::None,
+            &[(1, 100, 100, 900), (2, 100, 20, 800), (3, 100, 25, 1000)],
+        );
+        let single = report(Reuse::SingleEntry, &[(1, 100, 100, 5)]);
+        assert_eq!(E1Verdict::from_reports(std::slice::from_ref(&trie)), None);
+        assert_eq!(E1Verdict::from_reports(&[single.clone(), none.clone()]), None);
+        let v = E1Verdict::from_reports(&[none, single, trie]).unwrap();
+        // Medians over turns >= 2: no reuse 900 ms (of 800, 1000), the trie 200 ms (of 100, 300).
+        assert!((v.ttft_speedup - 4.5).abs() < 1e-9, "{v:?}");
+        assert!((v.trie_over_minimum - 150.0 / 145.0).abs() < 1e-12, "{v:?}");
+        assert!(v.to_string().contains("4.5x faster"), "{v}");
+    }
+}

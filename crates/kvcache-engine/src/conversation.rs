@@ -107,3 +107,114 @@ pub fn interleaved(
     }
     Ok(conversations)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+    use super::*;
+
+    const IM_START: &str = "<|im_start|>";
+    const IM_END: &str = "<|im_end|>";
+
+    /// A byte-level tokenizer with no merges: one token per byte, then the
+    /// two ChatML specials (ids 256 and 257, the latter end of turn).
+    fn tokenizer() -> ChatTokenizer {
+        let mut tokens: Vec<String> = ByteLevel::alphabet().into_iter().map(String::from).collect();
+        tokens.sort();
+        tokens.extend([IM_START.to_owned(), IM_END.to_owned()]);
+        ChatTokenizer::from_parts(tokens, &[], &[IM_START.to_owned(), IM_END.to_owned()], 256, 257).unwrap()
+    }
+
+    fn outcome(prompt: &[u32], generated: Vec<u32>) -> TurnOutcome {
+        TurnOutcome {
+            prompt_tokens: prompt.len(),
+            matched: 0,
+            restored: 0,
+            tiers: Vec::new(),
+            evaluated: prompt.len(),
+            time_to_first_token: Duration::ZERO,
+            total: Duration::ZERO,
+            generated,
+        }
+    }
+
+    #[test]
+    fn turns_interleave_and_each_prompt_repeats_its_conversation() {
+        let tok = tokenizer();
+        let questions = ["Why?".to_owned(), "How?".to_owned(), "Unused".to_owned()];
+        let plan = ConversationPlan {
+            conversations: 2,
+            turns: 3,
+            max_new: 5,
+        };
+        let mut prompts = Vec::new();
+        let mut turns = Vec::new();
+        let reply = tok.encode(" Yes. ").unwrap();
+        let run = interleaved(
+            &tok,
+            &questions,
+            plan,
+            &mut |prompt, n, eos| {
+                assert_eq!((n, eos), (5, Some(257)));
+                prompts.push(prompt.to_vec());
+                Ok(outcome(prompt, [reply.clone(), vec![257]].concat()))
+            },
+            &mut |t| turns.push((t.conversation, t.turn, t.user.clone(), t.reply.clone())),
+        )
+        .unwrap();
+        assert_eq!(run, 2);
+        let order: Vec<(usize, usize)> = turns.iter().map(|t| (t.0, t.1)).collect();
+        assert_eq!(order, [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]);
+        assert_eq!(turns[1].2, "How?");
+        assert_eq!(
+            (turns[2].2.as_str(), turns[4].2.as_str()),
+            (FOLLOW_UPS[0], FOLLOW_UPS[1])
+        );
+        // The reply is decoded, trimmed, without the end-of-turn token.
+        assert!(turns.iter().all(|t| t.3 == "Yes."));
+        // Conversation 0's third prompt is its whole history, the system prompt first.
+        let history = [
+            Message::new(Role::System, SYSTEM_PROMPT),
+            Message::new(Role::User, "Why?"),
+            Message::new(Role::Assistant, "Yes."),
+            Message::new(Role::User, FOLLOW_UPS[0]),
+            Message::new(Role::Assistant, "Yes."),
+            Message::new(Role::User, FOLLOW_UPS[1]),
+        ];
+        assert_eq!(prompts[4], tok.encode(&chatml(&history, true)).unwrap());
+        // Each turn's prompt extends the same conversation's previous one.
+        assert!(prompts[2].starts_with(&prompts[0]) && prompts[4].starts_with(&prompts[2]));
+        assert!(!prompts[1].starts_with(&prompts[0]));
+    }
+
+    #[test]
+    fn an_empty_plan_is_rejected_before_generating() {
+        let tok = tokenizer();
+        let questions = ["Why?".to_owned()];
+        let plans = [
+            (0, 1, 1, &questions[..]),
+            (1, 0, 1, &questions[..]),
+            (1, 1, 0, &questions[..]),
+            (1, 1, 1, &[][..]),
+        ];
+        for (conversations, turns, max_new, questions) in plans {
+            let plan = ConversationPlan {
+                conversations,
+                turns,
+                max_new,
+            };
+            let err = interleaved(
+                &tok,
+                questions,
+                plan,
+                &mut |_, _, _| unreachable!("nothing is generated for {plan:?}"),
+                &mut |_| unreachable!("no turn for {plan:?}"),
+            )
+            .unwrap_err();
+            assert!(matches!(err, EngineError::InvalidArgument(_)), "{err}");
+        }
+    }
+}

@@ -383,3 +383,88 @@ impl Drop for Replica {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_setup_names_the_model_trace_tokens_and_extra_flags() {
+        let exe = Path::new("/bin/engine");
+        let setup =
+            ReplicaSetup::new(exe, Path::new("m.gguf"), Path::new("t.json"), 8).with("--device", "cpu");
+        assert_eq!(setup.exe, exe);
+        assert_eq!(
+            setup.args,
+            [
+                "--model",
+                "m.gguf",
+                "--trace",
+                "t.json",
+                "--e1-predict",
+                "8",
+                "--device",
+                "cpu"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_hand_off_needs_two_turns_of_a_conversation_before_starting_anything() {
+        let trace = Trace::load(crate::paths::e1_trace_path()).unwrap();
+        // A binary that does not exist: spawning would fail with an io error.
+        let setup = ReplicaSetup::new(
+            Path::new("/nonexistent/engine"),
+            Path::new("m"),
+            Path::new("t"),
+            1,
+        );
+        let dir = std::env::temp_dir();
+        let turns = trace.conversations[0].len();
+        for (conv, n) in [(0, 1), (0, turns + 1), (trace.conversations.len(), 2)] {
+            let err = hand_off(&setup, &trace, conv, n, &dir, &mut |_, _| unreachable!()).unwrap_err();
+            assert!(
+                matches!(err, EngineError::InvalidArgument(_)),
+                "{conv} {n}: {err}"
+            );
+        }
+        let err = hand_off(&setup, &trace, 0, 2, &dir, &mut |_, _| unreachable!()).unwrap_err();
+        assert!(matches!(err, EngineError::Io { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_replica_without_a_store_answers_commands_and_rejects_bad_ones() {
+        let model = Llama::random(crate::LlamaConfig::tiny(), 2, &Device::Cpu).unwrap();
+        let trace: Trace = serde_json::from_str(
+            r#"{"system":"s","conversations":[],"requests":[
+                {"idx":0,"conv":0,"turn":1,"prompt":"p","n_predict":1,"prompt_tokens":4,
+                 "best_prefix_with_earlier":0,"token_ids":[1,2,3,4],"min_prefill":4},
+                {"idx":1,"conv":0,"turn":2,"prompt":"p","n_predict":1,"prompt_tokens":6,
+                 "best_prefix_with_earlier":4,"token_ids":[1,2,3,4,9,9],"min_prefill":2}]}"#,
+        )
+        .unwrap();
+        let mut server = ChatServer::new(&model, Reuse::Trie, 1 << 20).unwrap();
+        let mut out = Vec::new();
+        // One token each: the trie keeps exactly the evaluated prompt.
+        serve(
+            &model,
+            &trace,
+            &mut server,
+            &|| {},
+            1,
+            "run 0\nrun 1\nrecompute 1\n".as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        let lines: Vec<&str> = std::str::from_utf8(&out).unwrap().lines().collect();
+        assert_eq!(lines[0], "ready");
+        let turn = |i: usize| serde_json::from_str::<TurnLine>(lines[i]).unwrap();
+        assert_eq!((turn(1).idx, turn(1).evaluated), (0, 4));
+        assert_eq!((turn(2).idx, turn(2).cached, turn(2).evaluated), (1, 4, 2));
+        assert_eq!((turn(3).cached, turn(3).evaluated), (0, 6));
+        for bad in ["run 7\n", "jump 1\n", "run x\n"] {
+            let err = serve(&model, &trace, &mut server, &|| {}, 1, bad.as_bytes(), Vec::new()).unwrap_err();
+            assert!(matches!(err, EngineError::InvalidArgument(_)), "{bad:?}: {err}");
+        }
+    }
+}

@@ -178,3 +178,47 @@ impl PassMix {
         self.decode_tokens as f64 / self.decode_passes.max(1) as f64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use candle_core::Device;
+    use kvcache_api::CausalCache;
+
+    use super::*;
+    use crate::LlamaConfig;
+
+    #[test]
+    fn pass_mix_counts_decode_only_and_mixed_passes() {
+        let pass = |decode, prefill| Event::Pass {
+            decode,
+            prefill,
+            elapsed: Duration::ZERO,
+        };
+        let mut mix = PassMix::default();
+        assert_eq!(mix.mean_decode_batch(), 0.0);
+        for ev in [pass(0, 40), pass(3, 0), pass(2, 17), pass(1, 0), pass(4, 0)] {
+            mix.observe(&ev);
+        }
+        mix.observe(&Event::Token { id: 0, token: 5 });
+        assert_eq!(
+            mix,
+            PassMix {
+                decode_passes: 3,
+                decode_tokens: 8,
+                mixed: 1
+            }
+        );
+        assert!((mix.mean_decode_batch() - 8.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn causal_caches_carry_the_models_shift_and_the_config() {
+        let model = Llama::random(LlamaConfig::tiny(), 1, &Device::Cpu).unwrap();
+        let config = CausalConfig::new(3, 40, 16).with_window(SlidingWindow::new(8));
+        let cache = causal_cache(&model, config.clone()).unwrap();
+        assert_eq!(cache.config(), &config);
+        assert_eq!(cache.num_cells(), config.num_cells());
+    }
+}
