@@ -11,7 +11,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use kvcache_api::paging::{RowCache, Rows, RowsSnapshot};
+use kvcache_api::paging::{Payload, RowCache, Rows, RowsSnapshot};
 use kvcache_api::{CacheError, KvLayout, LayerCache, LayerRows, LayerRowsMut, Result};
 
 fn be(e: candle_core::Error) -> CacheError {
@@ -51,13 +51,15 @@ impl KvRows {
     }
 }
 
+impl Payload for KvRows {
+    fn size_bytes(&self) -> usize {
+        (self.keys.elem_count() + self.values.elem_count()) * self.keys.dtype().size_in_bytes()
+    }
+}
+
 impl Rows for KvRows {
     fn tokens(&self) -> usize {
         self.keys.dims()[1]
-    }
-
-    fn size_bytes(&self) -> usize {
-        (self.keys.elem_count() + self.values.elem_count()) * self.keys.dtype().size_in_bytes()
     }
 
     fn concat(parent: &Self, child: &Self) -> Result<Self> {
@@ -175,17 +177,13 @@ impl CandleKv {
 impl RowCache for CandleKv {
     type Rows = KvRows;
 
-    fn live_offset(&self) -> usize {
-        self.offset
-    }
-
-    fn truncate(&mut self, to: usize) {
-        self.offset = to;
-    }
-
     fn copy_rows(&self, rows: Range<usize>) -> Result<KvRows> {
         let (k, v) = self.live().map_err(be)?;
         KvRows::copy_of(&k, &v, rows.start, rows.len())
+    }
+
+    fn live_offset(&self) -> usize {
+        self.offset
     }
 
     fn write_rows(&mut self, at: usize, rows: &KvRows, take: usize) -> Result<()> {
@@ -215,9 +213,13 @@ impl RowCache for CandleKv {
         self.values = None;
         self.offset = 0;
     }
+
+    fn truncate(&mut self, to: usize) {
+        self.offset = to;
+    }
 }
 
-kvcache_api::row_snapshot_cache!(CandleKv {
+kvcache_api::snapshot_cache!(rows: CandleKv {
     /// Host rows are `[kv_heads, rows, head_dim]` f32, like the live buffers.
     fn read_rows(&self, rows: Range<usize>, mut out: LayerRowsMut<'_>) -> Result<bool> {
         self.expect_layout(&out.layout)?;

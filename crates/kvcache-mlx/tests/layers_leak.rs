@@ -79,7 +79,7 @@ fn snapshots_keep_only_their_range_alive() {
     assert_eq!(snap.size_bytes(), one_head.bytes(100));
     let s = snap.as_any().downcast_ref::<RotatingSnapshot>().unwrap();
     for live in rotating.state() {
-        for copy in [s.keys(), s.values()] {
+        for copy in [s.slots().keys(), s.slots().values()] {
             assert!(!overlaps(&data_range(&live), &data_range(copy)));
         }
     }

@@ -240,9 +240,9 @@ fn snapshots_hold_the_window_and_write_index() {
     let s = rot(&snap);
     assert_eq!(s.window(), 4);
     assert_eq!(s.write_index(), 2);
-    assert_eq!(s.keys().shape(), &[2, 2, 4, 3]);
+    assert_eq!(s.slots().keys().shape(), &[2, 2, 4, 3]);
     // Ring order: position p in slot p % 4.
-    assert_eq!(ids_of(s.keys(), s.values()), [4, 5, 2, 3]);
+    assert_eq!(ids_of(s.slots().keys(), s.slots().values()), [4, 5, 2, 3]);
     assert_eq!(snap.size_bytes(), SMALL.bytes(4));
 
     // Restores into any cache with the same window, whatever it holds.
@@ -258,7 +258,7 @@ fn snapshots_hold_the_window_and_write_index() {
     write_checked(&mut other, &mut resumed, &ids.next(1), SMALL);
     write_checked(&mut other, &mut resumed, &ids.next(2), SMALL);
     // The snapshot did not change.
-    assert_eq!(ids_of(s.keys(), s.values()), [4, 5, 2, 3]);
+    assert_eq!(ids_of(s.slots().keys(), s.slots().values()), [4, 5, 2, 3]);
 
     // Before a wrap the window holds everything, so any earlier target works.
     let mut short = RotatingKvCache::new(8).unwrap();
@@ -285,7 +285,10 @@ fn merge_keeps_the_child_and_split_is_refused() {
 
     let merged = cache.merge(Some(parent), Some(child)).unwrap().unwrap();
     assert_eq!(merged.range(), 0..6);
-    assert_eq!(ids_of(rot(&merged).keys(), rot(&merged).values()), [4, 5, 2, 3]);
+    assert_eq!(
+        ids_of(rot(&merged).slots().keys(), rot(&merged).slots().values()),
+        [4, 5, 2, 3]
+    );
     let err = error_of(cache.merge(Some(merged), Some(stray)));
     assert!(matches!(err, CacheError::InvalidArgument(_)), "{err}");
 

@@ -436,6 +436,29 @@ impl KvLayout {
     pub(crate) fn check_opt(stored: Option<&KvLayout>, other: &KvLayout, tokens: usize) -> Result<()> {
         stored.map_or(Ok(()), |s| s.check(other, tokens))
     }
+
+    /// The layout of a keys/values pair and its token count, checked against
+    /// the layout a cache holds (`stored`, any when `None`).
+    pub(crate) fn fitting(keys: &Array, values: &Array, stored: Option<&KvLayout>) -> Result<(Self, usize)> {
+        let (layout, tokens) = Self::of(keys, values)?;
+        Self::check_opt(stored, &layout, tokens)?;
+        Ok((layout, tokens))
+    }
+
+    /// [`fitting`](Self::fitting) for the keys/values of an update, which
+    /// must hold at least one token.
+    pub(crate) fn of_update(
+        keys: &Array,
+        values: &Array,
+        stored: Option<&KvLayout>,
+    ) -> Result<(Self, usize)> {
+        let (layout, tokens) = Self::of(keys, values)?;
+        if tokens == 0 {
+            return Err(CacheError::InvalidArgument("update with no tokens".into()));
+        }
+        Self::check_opt(stored, &layout, tokens)?;
+        Ok((layout, tokens))
+    }
 }
 
 #[cfg(test)]

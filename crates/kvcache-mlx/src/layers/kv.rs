@@ -9,9 +9,8 @@ use kvcache_api::SnapshotCache;
 use kvcache_api::{CacheError, DType, KvLayout as HostLayout, LayerCache, LayerRows, LayerRowsMut, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::arrays::{
-    backend, compact_seq_slices, dim, eval, grow_write, seq_len, seq_slice, KvLayout, Origin,
-};
+use super::arrays::{backend, compact_seq_slices, dim, eval, grow_write, seq_slice, KvLayout, Origin};
+use super::buffers::KvBuffers;
 use super::snapshot::KvRows;
 use super::DEFAULT_STEP;
 
@@ -37,22 +36,14 @@ use super::DEFAULT_STEP;
 ///   [`append_rows`](SnapshotCache::append_rows) writes host rows at the
 ///   offset as an update would. Both take f32, f16 and bf16.
 pub struct KvCache {
-    keys: Option<Array>,
-    values: Option<Array>,
-    layout: Option<KvLayout>,
-    offset: usize,
-    step: usize,
+    buf: KvBuffers,
 }
 
 impl KvCache {
     /// An empty cache growing in steps of [`DEFAULT_STEP`] positions.
     pub fn new() -> Self {
         KvCache {
-            keys: None,
-            values: None,
-            layout: None,
-            offset: 0,
-            step: DEFAULT_STEP,
+            buf: KvBuffers::new(DEFAULT_STEP),
         }
     }
 
@@ -64,23 +55,22 @@ impl KvCache {
             ));
         }
         Ok(KvCache {
-            step,
-            ..KvCache::new()
+            buf: KvBuffers::new(step),
         })
     }
 
     /// Positions the buffers can hold before they grow (0 when empty).
     pub fn capacity(&self) -> usize {
-        self.keys.as_ref().map_or(0, seq_len)
+        self.buf.capacity()
     }
 
     /// Views of the live positions, keys `[B, H, offset, Dk]` and values
     /// `[B, H, offset, Dv]`, or `None` when the cache holds nothing.
     pub fn live(&self) -> Result<Option<(Array, Array)>> {
-        match (&self.keys, &self.values) {
-            (Some(k), Some(v)) if self.offset > 0 => Ok(Some((
-                seq_slice(k, 0, self.offset)?,
-                seq_slice(v, 0, self.offset)?,
+        match (&self.buf.keys, &self.buf.values) {
+            (Some(k), Some(v)) if self.buf.offset > 0 => Ok(Some((
+                seq_slice(k, 0, self.buf.offset)?,
+                seq_slice(v, 0, self.buf.offset)?,
             ))),
             _ => Ok(None),
         }
@@ -89,10 +79,10 @@ impl KvCache {
     /// Writes the first `n` positions of `keys`/`values` at `[start, start + n)`,
     /// the cache holding `[0, start)`.
     fn write(&mut self, start: usize, keys: &Array, values: &Array, n: usize, origin: Origin) -> Result<()> {
-        let growth = (self.step, usize::MAX);
-        grow_write(&mut self.keys, start, keys, 0..n, origin, growth)?;
-        grow_write(&mut self.values, start, values, 0..n, origin, growth)?;
-        self.offset = start + n;
+        let growth = (self.buf.step, usize::MAX);
+        grow_write(&mut self.buf.keys, start, keys, 0..n, origin, growth)?;
+        grow_write(&mut self.buf.values, start, values, 0..n, origin, growth)?;
+        self.buf.offset = start + n;
         Ok(())
     }
 }
@@ -199,63 +189,54 @@ impl Default for KvCache {
 
 impl fmt::Debug for KvCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KvCache")
-            .field("offset", &self.offset)
-            .field("capacity", &self.capacity())
-            .field("step", &self.step)
-            .field("layout", &self.layout)
-            .finish()
+        f.debug_tuple("KvCache").field(&self.buf).finish()
     }
 }
 
 impl RowCache for KvCache {
     type Rows = KvRows;
 
-    fn live_offset(&self) -> usize {
-        self.offset
-    }
-
-    fn truncate(&mut self, to: usize) {
-        self.offset = to;
-    }
-
     fn copy_rows(&self, rows: Range<usize>) -> Result<KvRows> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let (Some(k), Some(v)) = (&self.buf.keys, &self.buf.values) else {
             unreachable!("a cache holding rows has buffers");
         };
         let [keys, values] = compact_seq_slices([(k, rows.start, rows.end), (v, rows.start, rows.end)])?;
         Ok(KvRows { keys, values })
     }
 
+    fn live_offset(&self) -> usize {
+        self.buf.offset
+    }
+
     /// Replays a snapshot's rows in place (layout checked first).
     fn write_rows(&mut self, at: usize, rows: &KvRows, take: usize) -> Result<()> {
-        let (layout, tokens) = KvLayout::of(&rows.keys, &rows.values)?;
-        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        let (layout, _) = KvLayout::fitting(&rows.keys, &rows.values, self.buf.layout.as_ref())?;
         if take == 0 {
             // Everything up to `at` is already live.
-            self.offset = at;
+            self.buf.offset = at;
             return Ok(());
         }
         self.write(at, &rows.keys, &rows.values, take, Origin::Owned)?;
-        self.layout = Some(layout);
+        self.buf.layout = Some(layout);
         Ok(())
     }
 
     fn clear(&mut self) {
-        self.keys = None;
-        self.values = None;
-        self.layout = None;
-        self.offset = 0;
+        self.buf.clear();
+    }
+
+    fn truncate(&mut self, to: usize) {
+        self.buf.offset = to;
     }
 }
 
-kvcache_api::row_snapshot_cache!(KvCache {
+kvcache_api::snapshot_cache!(rows: KvCache {
     /// Copies live rows `rows` into `out` (`[H, rows.len(), D]` keys and values).
     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
-        if rows.start > rows.end || rows.end > self.offset {
+        if rows.start > rows.end || rows.end > self.buf.offset {
             return Ok(false);
         }
-        let (Some(k), Some(v), Some(layout)) = (&self.keys, &self.values, &self.layout) else {
+        let (Some(k), Some(v), Some(layout)) = (&self.buf.keys, &self.buf.values, &self.buf.layout) else {
             return Ok(rows.is_empty());
         };
         if layout.batch != 1 {
@@ -287,7 +268,7 @@ kvcache_api::row_snapshot_cache!(KvCache {
             )));
         }
         let host = src.layout;
-        if let Some(layout) = &self.layout {
+        if let Some(layout) = &self.buf.layout {
             if layout.batch != 1 {
                 return Ok(false);
             }
@@ -303,11 +284,10 @@ kvcache_api::row_snapshot_cache!(KvCache {
         let values = from_host(host.dtype, host.kv_heads, n, host.head_dim_v, |h| {
             src.head_values(h, rows.clone())
         })?;
-        let (layout, _) = KvLayout::of(&keys, &values)?;
-        KvLayout::check_opt(self.layout.as_ref(), &layout, n)?;
-        self.write(self.offset, &keys, &values, n, Origin::Caller)?;
-        self.layout = Some(layout);
-        eval(self.keys.iter().chain(self.values.iter()))?;
+        let (layout, _) = KvLayout::fitting(&keys, &values, self.buf.layout.as_ref())?;
+        self.write(self.buf.offset, &keys, &values, n, Origin::Caller)?;
+        self.buf.layout = Some(layout);
+        eval(self.buf.keys.iter().chain(self.buf.values.iter()))?;
         Ok(true)
     }
 });
@@ -320,13 +300,9 @@ impl LayerCache for KvCache {
     /// `[B, H, offset + L, Dk]` and `[B, H, offset + L, Dv]`. Query `i` of the
     /// update (position `offset + i`) may attend to columns `0..=offset + i`.
     fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let (layout, tokens) = KvLayout::of(keys, values)?;
-        if tokens == 0 {
-            return Err(CacheError::InvalidArgument("update with no tokens".into()));
-        }
-        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
-        self.write(self.offset, keys, values, tokens, Origin::Caller)?;
-        self.layout = Some(layout);
+        let (layout, tokens) = KvLayout::of_update(keys, values, self.buf.layout.as_ref())?;
+        self.write(self.buf.offset, keys, values, tokens, Origin::Caller)?;
+        self.buf.layout = Some(layout);
         let (k, v) = self.live()?.expect("a cache just written to holds positions");
         Ok((k, v))
     }
@@ -335,6 +311,6 @@ impl LayerCache for KvCache {
     /// `[B, H, capacity, Dv]` (only `[0, offset)` is meaningful), or nothing when
     /// empty: what the cache keeps alive.
     fn state(&self) -> Vec<Array> {
-        self.keys.iter().chain(self.values.iter()).cloned().collect()
+        self.buf.arrays()
     }
 }

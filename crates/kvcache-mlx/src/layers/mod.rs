@@ -41,6 +41,7 @@
 //! Every type here is `Send` (mlx arrays are `Send`, not `Sync`).
 
 mod arrays;
+mod buffers;
 #[cfg(target_os = "linux")]
 mod host;
 mod kv;

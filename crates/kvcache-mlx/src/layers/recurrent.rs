@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use kvcache_api::paging::{Rewind, StateCache};
+use kvcache_api::paging::StateCache;
 #[cfg(doc)]
 use kvcache_api::SnapshotCache;
 use kvcache_api::{CacheError, HostState, Result};
@@ -134,24 +134,16 @@ impl fmt::Debug for RecurrentCache {
 impl StateCache for RecurrentCache {
     type State = RecurrentState;
 
-    fn live_offset(&self) -> usize {
-        self.offset
-    }
-
-    fn rewind(&self) -> Rewind {
-        Rewind::Never
-    }
-
-    fn truncate(&mut self, _to: usize) {
-        unreachable!("a recurrent state is never rewound");
-    }
-
     fn capture(&self) -> Result<Option<RecurrentState>> {
         if self.state.is_empty() {
             return Ok(None);
         }
         let state = self.state.iter().map(compact_copy).collect::<Result<Vec<_>>>()?;
         Ok(Some(RecurrentState(state)))
+    }
+
+    fn live_offset(&self) -> usize {
+        self.offset
     }
 
     fn load(&mut self, snap: &RecurrentSnapshot, target: usize) -> Result<()> {
@@ -169,7 +161,7 @@ impl StateCache for RecurrentCache {
     }
 }
 
-kvcache_api::state_snapshot_cache!(RecurrentCache {
+kvcache_api::snapshot_cache!(state: RecurrentCache {
     /// The state arrays at the current offset, in order; `None` when the cache
     /// holds no state.
     fn read_state(&self) -> Result<Option<HostState>> {

@@ -11,7 +11,8 @@ use mlx_rs::Array;
 use super::arrays::{
     compact_seq_slices, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
 };
-use super::snapshot::{array_from_host, array_to_host, Ring, RotatingSnapshot};
+use super::buffers::KvBuffers;
+use super::snapshot::{array_from_host, array_to_host, KvRows, Ring, RotatingSnapshot};
 use super::DEFAULT_STEP;
 
 /// Keys and values of the last `W` positions of one layer, for sliding-window
@@ -58,11 +59,7 @@ use super::DEFAULT_STEP;
 /// [`load_state`](SnapshotCache::load_state) takes them back.
 pub struct RotatingKvCache {
     window: usize,
-    step: usize,
-    keys: Option<Array>,
-    values: Option<Array>,
-    layout: Option<KvLayout>,
-    offset: usize,
+    buf: KvBuffers,
 }
 
 impl RotatingKvCache {
@@ -82,11 +79,7 @@ impl RotatingKvCache {
         }
         Ok(RotatingKvCache {
             window,
-            step,
-            keys: None,
-            values: None,
-            layout: None,
-            offset: 0,
+            buf: KvBuffers::new(step),
         })
     }
 
@@ -97,24 +90,24 @@ impl RotatingKvCache {
 
     /// Slots of the ring (at most `W`; 0 when empty).
     pub fn capacity(&self) -> usize {
-        self.keys.as_ref().map_or(0, seq_len)
+        self.buf.capacity()
     }
 
     /// Whether position `W` has been written, overwriting position 0: from then
     /// on only snapshots can take the cache back.
     pub fn has_wrapped(&self) -> bool {
-        self.offset > self.window
+        self.buf.offset > self.window
     }
 
     /// The retained positions `[max(0, offset - W), offset)` in temporal order:
     /// keys `[B, H, min(offset, W), Dk]` and values `[B, H, min(offset, W), Dv]`,
     /// or `None` when the cache holds nothing.
     pub fn ordered_window(&self) -> Result<Option<(Array, Array)>> {
-        if self.offset == 0 || self.keys.is_none() {
+        if self.buf.offset == 0 || self.buf.keys.is_none() {
             return Ok(None);
         }
-        let from = self.offset.saturating_sub(self.window);
-        Ok(Some(self.ordered(from, self.offset)?))
+        let from = self.buf.offset.saturating_sub(self.window);
+        Ok(Some(self.ordered(from, self.buf.offset)?))
     }
 
     /// Additive mask for the next [`update`](LayerCache::update) of `tokens`
@@ -122,7 +115,7 @@ impl RotatingKvCache {
     /// may attend to column `j` of the returned keys, `-inf` where not (see the
     /// type's docs). All zeros when `tokens == 1`. Cast it for f16/bf16 models.
     pub fn update_mask(&self, tokens: usize) -> Result<Array> {
-        let earlier = self.offset.min(self.window - 1);
+        let earlier = self.buf.offset.min(self.window - 1);
         let cols = earlier + tokens;
         let mut mask = vec![f32::NEG_INFINITY; tokens * cols];
         for i in 0..tokens {
@@ -136,7 +129,7 @@ impl RotatingKvCache {
 
     /// Positions `[from, to)` (all retained, `to - from <= W`) in temporal order.
     fn ordered(&self, from: usize, to: usize) -> Result<(Array, Array)> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let (Some(k), Some(v)) = (&self.buf.keys, &self.buf.values) else {
             unreachable!("ordered() on an empty ring");
         };
         let start = from % self.window;
@@ -161,21 +154,21 @@ impl RotatingKvCache {
     /// last `W` of them.
     fn write(&mut self, keys: &Array, values: &Array) -> Result<()> {
         let w = self.window;
-        let o = self.offset;
+        let o = self.buf.offset;
         let tokens = seq_len(keys);
         let end = o + tokens;
         if end <= w {
             // No wrap yet: the ring is a plain growable buffer capped at W.
-            let growth = (self.step, w);
-            grow_write(&mut self.keys, o, keys, 0..tokens, Origin::Caller, growth)?;
-            grow_write(&mut self.values, o, values, 0..tokens, Origin::Caller, growth)?;
-            self.offset = end;
+            let growth = (self.buf.step, w);
+            grow_write(&mut self.buf.keys, o, keys, 0..tokens, Origin::Caller, growth)?;
+            grow_write(&mut self.buf.values, o, values, 0..tokens, Origin::Caller, growth)?;
+            self.buf.offset = end;
             return Ok(());
         }
         // The ring must have all W slots before it wraps; before a wrap only
         // [0, o) is meaningful.
         if self.capacity() < w {
-            for (buf, like) in [(&mut self.keys, keys), (&mut self.values, values)] {
+            for (buf, like) in [(&mut self.buf.keys, keys), (&mut self.buf.values, values)] {
                 let mut parts = Vec::with_capacity(2);
                 if o > 0 {
                     parts.push(seq_slice(buf.as_ref().expect("o > 0 implies a ring"), 0, o)?);
@@ -190,14 +183,14 @@ impl RotatingKvCache {
         let first = tokens - kept;
         let slot = (end - kept) % w;
         let head = kept.min(w - slot);
-        for (buf, src) in [(&mut self.keys, keys), (&mut self.values, values)] {
+        for (buf, src) in [(&mut self.buf.keys, keys), (&mut self.buf.values, values)] {
             let ring = buf.as_mut().expect("ring has W slots");
             seq_write(ring, slot, src, first..first + head, Origin::Caller)?;
             if head < kept {
                 seq_write(ring, 0, src, first + head..tokens, Origin::Caller)?;
             }
         }
-        self.offset = end;
+        self.buf.offset = end;
         Ok(())
     }
 }
@@ -206,10 +199,7 @@ impl fmt::Debug for RotatingKvCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RotatingKvCache")
             .field("window", &self.window)
-            .field("offset", &self.offset)
-            .field("capacity", &self.capacity())
-            .field("step", &self.step)
-            .field("layout", &self.layout)
+            .field("buffers", &self.buf)
             .finish()
     }
 }
@@ -217,30 +207,21 @@ impl fmt::Debug for RotatingKvCache {
 impl StateCache for RotatingKvCache {
     type State = Ring;
 
-    fn live_offset(&self) -> usize {
-        self.offset
-    }
-
-    fn rewind(&self) -> Rewind {
-        Rewind::Window(self.window)
-    }
-
-    fn truncate(&mut self, to: usize) {
-        self.offset = to;
-    }
-
     fn capture(&self) -> Result<Option<Ring>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let (Some(k), Some(v)) = (&self.buf.keys, &self.buf.values) else {
             return Ok(None);
         };
-        let n = self.offset.min(self.window);
+        let n = self.buf.offset.min(self.window);
         let [keys, values] = compact_seq_slices([(k, 0, n), (v, 0, n)])?;
         Ok(Some(Ring {
-            keys,
-            values,
+            slots: KvRows { keys, values },
             window: self.window,
-            write_index: self.offset % self.window,
+            write_index: self.buf.offset % self.window,
         }))
+    }
+
+    fn live_offset(&self) -> usize {
+        self.buf.offset
     }
 
     fn load(&mut self, snap: &RotatingSnapshot, target: usize) -> Result<()> {
@@ -250,42 +231,47 @@ impl StateCache for RotatingKvCache {
                 snap.window, self.window
             )));
         }
-        let (layout, tokens) = KvLayout::of(&snap.keys, &snap.values)?;
-        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
+        let (layout, _) =
+            KvLayout::fitting(snap.slots.keys(), snap.slots.values(), self.buf.layout.as_ref())?;
         // mlx arrays are values: sharing the snapshot's buffers is safe, and the
         // next write copies them (they are not donatable while the snapshot lives).
-        self.keys = Some(snap.keys.clone());
-        self.values = Some(snap.values.clone());
-        self.layout = Some(layout);
-        self.offset = target;
+        self.buf.keys = Some(snap.slots.keys().clone());
+        self.buf.values = Some(snap.slots.values().clone());
+        self.buf.layout = Some(layout);
+        self.buf.offset = target;
         Ok(())
     }
 
     fn clear(&mut self) {
-        self.keys = None;
-        self.values = None;
-        self.layout = None;
-        self.offset = 0;
+        self.buf.clear();
+    }
+
+    fn rewind(&self) -> Rewind {
+        Rewind::Window(self.window)
+    }
+
+    fn truncate(&mut self, to: usize) {
+        self.buf.offset = to;
     }
 }
 
-kvcache_api::state_snapshot_cache!(RotatingKvCache {
+kvcache_api::snapshot_cache!(state: RotatingKvCache {
     /// The ring's `n = min(offset, W)` slots: keys `[B, H, n, Dk]`, values
     /// `[B, H, n, Dv]`; `None` when the cache is empty.
     fn read_state(&self) -> Result<Option<HostState>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let (Some(k), Some(v)) = (&self.buf.keys, &self.buf.values) else {
             return Ok(None);
         };
-        if self.offset == 0 {
+        if self.buf.offset == 0 {
             return Ok(None);
         }
-        let n = self.offset.min(self.window);
+        let n = self.buf.offset.min(self.window);
         let arrays = vec![
             array_to_host(&seq_slice(k, 0, n)?)?,
             array_to_host(&seq_slice(v, 0, n)?)?,
         ];
         Ok(Some(HostState {
-            offset: self.offset,
+            offset: self.buf.offset,
             arrays,
         }))
     }
@@ -314,12 +300,11 @@ kvcache_api::state_snapshot_cache!(RotatingKvCache {
             });
         }
         let (keys, values) = (array_from_host(keys)?, array_from_host(values)?);
-        let (layout, tokens) = KvLayout::of(&keys, &values)?;
-        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
-        self.keys = Some(keys);
-        self.values = Some(values);
-        self.layout = Some(layout);
-        self.offset = state.offset;
+        let (layout, _) = KvLayout::fitting(&keys, &values, self.buf.layout.as_ref())?;
+        self.buf.keys = Some(keys);
+        self.buf.values = Some(values);
+        self.buf.layout = Some(layout);
+        self.buf.offset = state.offset;
         Ok(true)
     }
 });
@@ -331,12 +316,8 @@ impl LayerCache for RotatingKvCache {
     /// `[offset, offset + L)` and returns what they attend to: see the type's
     /// docs for the shapes and the mask the batched case needs.
     fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let (layout, tokens) = KvLayout::of(keys, values)?;
-        if tokens == 0 {
-            return Err(CacheError::InvalidArgument("update with no tokens".into()));
-        }
-        KvLayout::check_opt(self.layout.as_ref(), &layout, tokens)?;
-        let o = self.offset;
+        let (layout, tokens) = KvLayout::of_update(keys, values, self.buf.layout.as_ref())?;
+        let o = self.buf.offset;
         // The batched view is built from the ring before the write overwrites
         // slots the first new tokens still need.
         let batched = if tokens > 1 {
@@ -354,12 +335,12 @@ impl LayerCache for RotatingKvCache {
             None
         };
         self.write(keys, values)?;
-        self.layout = Some(layout);
+        self.buf.layout = Some(layout);
         if let Some(view) = batched {
             return Ok(view);
         }
-        let n = self.offset.min(self.window);
-        let (k, v) = (self.keys.as_ref(), self.values.as_ref());
+        let n = self.buf.offset.min(self.window);
+        let (k, v) = (self.buf.keys.as_ref(), self.buf.values.as_ref());
         let (k, v) = (k.expect("written ring"), v.expect("written ring"));
         Ok((seq_slice(k, 0, n)?, seq_slice(v, 0, n)?))
     }
@@ -367,6 +348,6 @@ impl LayerCache for RotatingKvCache {
     /// The ring, keys `[B, H, capacity, Dk]` and values `[B, H, capacity, Dv]`
     /// (position `p` in slot `p % W`), or nothing when empty.
     fn state(&self) -> Vec<Array> {
-        self.keys.iter().chain(self.values.iter()).cloned().collect()
+        self.buf.arrays()
     }
 }

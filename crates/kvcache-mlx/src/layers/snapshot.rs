@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use kvcache_api::paging::{Rows, RowsSnapshot, State, StateSnapshot};
+use kvcache_api::paging::{Payload, Rows, RowsSnapshot, State, StateSnapshot};
 use kvcache_api::{CacheError, DType, HostArray, Result};
 use mlx_rs::{Array, Dtype};
 
@@ -47,13 +47,15 @@ impl KvRows {
     }
 }
 
+impl Payload for KvRows {
+    fn size_bytes(&self) -> usize {
+        retained_bytes([&self.keys, &self.values])
+    }
+}
+
 impl Rows for KvRows {
     fn tokens(&self) -> usize {
         seq_len(&self.keys)
-    }
-
-    fn size_bytes(&self) -> usize {
-        retained_bytes([&self.keys, &self.values])
     }
 
     fn concat(parent: &Self, child: &Self) -> Result<Self> {
@@ -90,26 +92,20 @@ impl fmt::Debug for KvRows {
 /// (its whole window, whatever `from` was asked for): its [`Ring`].
 pub type RotatingSnapshot = StateSnapshot<Ring>;
 
-/// A rotating cache's window: keys `[B, H, n, Dk]` and values `[B, H, n, Dv]`
-/// with `n = min(to, window)`, in ring order: position `p` sits at index
-/// `p % window`. Restoring needs nothing before it, since the window is
-/// complete.
+/// A rotating cache's window: the [`KvRows`] of its `n = min(to, window)`
+/// slots, in ring order (position `p` at index `p % window`). Restoring needs
+/// nothing before it, since the window is complete.
+#[derive(Debug)]
 pub struct Ring {
-    pub(crate) keys: Array,
-    pub(crate) values: Array,
+    pub(crate) slots: KvRows,
     pub(crate) window: usize,
     pub(crate) write_index: usize,
 }
 
 impl Ring {
-    /// Ring of keys, `[B, H, min(to, window), Dk]`; position `p` at index `p % window`.
-    pub fn keys(&self) -> &Array {
-        &self.keys
-    }
-
-    /// Ring of values, `[B, H, min(to, window), Dv]`; position `p` at index `p % window`.
-    pub fn values(&self) -> &Array {
-        &self.values
+    /// The ring's slots: keys `[B, H, n, Dk]` and values `[B, H, n, Dv]`.
+    pub fn slots(&self) -> &KvRows {
+        &self.slots
     }
 
     /// The window `W` of the cache that took the snapshot.
@@ -123,21 +119,13 @@ impl Ring {
     }
 }
 
-impl State for Ring {
+impl Payload for Ring {
     fn size_bytes(&self) -> usize {
-        retained_bytes([&self.keys, &self.values])
+        self.slots.size_bytes()
     }
 }
 
-impl fmt::Debug for Ring {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Ring")
-            .field("window", &self.window)
-            .field("write_index", &self.write_index)
-            .field("shapes", &shapes([&self.keys, &self.values]))
-            .finish()
-    }
-}
+impl State for Ring {}
 
 /// The state of a [`RecurrentCache`](super::RecurrentCache) after position
 /// `to - 1`, restorable only at exactly `to`: its [`RecurrentState`].
@@ -154,11 +142,13 @@ impl RecurrentState {
     }
 }
 
-impl State for RecurrentState {
+impl Payload for RecurrentState {
     fn size_bytes(&self) -> usize {
         retained_bytes(&self.0)
     }
 }
+
+impl State for RecurrentState {}
 
 impl fmt::Debug for RecurrentState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

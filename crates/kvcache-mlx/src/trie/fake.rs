@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvcache_api::paging::{Rewind, RowCache, Rows, RowsSnapshot, State, StateCache, StateSnapshot};
+use kvcache_api::paging::{Payload, Rewind, RowCache, Rows, RowsSnapshot, State, StateCache, StateSnapshot};
 use kvcache_api::{
     CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
     PrefixStore, Result, Snapshot, SnapshotCache,
@@ -157,6 +157,15 @@ fn words_array(words: &[u32]) -> HostArray {
     }
 }
 
+/// A whole state at `offset` of one array of `words` (see [`words_array`]);
+/// `None` at offset 0, where a fake holds nothing.
+fn words_state(offset: usize, words: &[u32]) -> Option<HostState> {
+    (offset > 0).then(|| HostState {
+        offset,
+        arrays: vec![words_array(words)],
+    })
+}
+
 /// The words of a state of one `[len]` array of `f32`-sized elements, `len`
 /// given or any; a typed error for anything else.
 fn state_words(state: &HostState, len: Option<usize>) -> Result<Vec<u32>> {
@@ -239,12 +248,15 @@ impl FakeRows {
     }
 }
 
+impl Payload for FakeRows {
+    fn size_bytes(&self) -> usize {
+        self.tokens.len() * std::mem::size_of::<u32>()
+    }
+}
+
 impl Rows for FakeRows {
     fn tokens(&self) -> usize {
         self.tokens.len()
-    }
-    fn size_bytes(&self) -> usize {
-        self.tokens.len() * std::mem::size_of::<u32>()
     }
     fn concat(parent: &Self, child: &Self) -> Result<Self> {
         let tokens = [&parent.tokens[..], &child.tokens[..]].concat();
@@ -300,15 +312,14 @@ impl FakeLayer for FakeKv {
 impl RowCache for FakeKv {
     type Rows = FakeRows;
 
-    fn live_offset(&self) -> usize {
-        self.tokens.len()
-    }
-    fn truncate(&mut self, to: usize) {
-        self.tokens.truncate(to);
-    }
     fn copy_rows(&self, rows: Range<usize>) -> Result<FakeRows> {
         Ok(FakeRows::new(self.tokens[rows].to_vec(), &self.counters))
     }
+
+    fn live_offset(&self) -> usize {
+        self.tokens.len()
+    }
+
     fn write_rows(&mut self, at: usize, rows: &FakeRows, take: usize) -> Result<()> {
         self.counters.check_restore()?;
         self.tokens.truncate(at);
@@ -316,12 +327,17 @@ impl RowCache for FakeKv {
         self.counters.0.restored.fetch_add(take, Ordering::Relaxed);
         Ok(())
     }
+
     fn clear(&mut self) {
         self.tokens = Vec::new();
     }
+
+    fn truncate(&mut self, to: usize) {
+        self.tokens.truncate(to);
+    }
 }
 
-kvcache_api::row_snapshot_cache!(FakeKv {
+kvcache_api::snapshot_cache!(rows: FakeKv {
     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
         Self::check_layout(&out.layout)?;
         if rows.start > rows.end || rows.end > self.tokens.len() {
@@ -614,11 +630,13 @@ impl FakeHash {
     }
 }
 
-impl State for FakeHash {
+impl Payload for FakeHash {
     fn size_bytes(&self) -> usize {
         RECURRENT_STATE_BYTES
     }
 }
+
+impl State for FakeHash {}
 
 impl FakeRecurrent {
     /// An empty state counting into `counters`.
@@ -650,21 +668,17 @@ impl FakeLayer for FakeRecurrent {
 impl StateCache for FakeRecurrent {
     type State = FakeHash;
 
-    fn live_offset(&self) -> usize {
-        self.offset
-    }
-    fn rewind(&self) -> Rewind {
-        Rewind::Never
-    }
-    fn truncate(&mut self, _to: usize) {
-        unreachable!("a recurrent state is never rewound");
-    }
     fn capture(&self) -> Result<Option<FakeHash>> {
         Ok(Some(FakeHash {
             hash: self.hash,
             _tally: Tally::new(&self.counters),
         }))
     }
+
+    fn live_offset(&self) -> usize {
+        self.offset
+    }
+
     fn load(&mut self, snap: &FakeRecurrentSnapshot, target: usize) -> Result<()> {
         self.counters.check_restore()?;
         self.offset = target;
@@ -673,22 +687,17 @@ impl StateCache for FakeRecurrent {
         self.counters.0.restored.fetch_add(tokens, Ordering::Relaxed);
         Ok(())
     }
+
     fn clear(&mut self) {
         self.offset = 0;
         self.hash = FNV_OFFSET;
     }
 }
 
-kvcache_api::state_snapshot_cache!(FakeRecurrent {
+kvcache_api::snapshot_cache!(state: FakeRecurrent {
     /// The hash as one `[2]` array (low word first); `None` at offset 0.
     fn read_state(&self) -> Result<Option<HostState>> {
-        if self.offset == 0 {
-            return Ok(None);
-        }
-        Ok(Some(HostState {
-            offset: self.offset,
-            arrays: vec![words_array(&[self.hash as u32, (self.hash >> 32) as u32])],
-        }))
+        Ok(words_state(self.offset, &[self.hash as u32, (self.hash >> 32) as u32]))
     }
 
     fn load_state(&mut self, state: &HostState) -> Result<bool> {
@@ -726,11 +735,13 @@ impl FakeHeld {
     }
 }
 
-impl State for FakeHeld {
+impl Payload for FakeHeld {
     fn size_bytes(&self) -> usize {
         self.held.len() * std::mem::size_of::<u32>()
     }
 }
+
+impl State for FakeHeld {}
 
 impl FakeWindow {
     /// An empty cache keeping the last `window` tokens (at least 1).
@@ -765,22 +776,17 @@ impl FakeLayer for FakeWindow {
 impl StateCache for FakeWindow {
     type State = FakeHeld;
 
-    fn live_offset(&self) -> usize {
-        self.offset
-    }
-    fn rewind(&self) -> Rewind {
-        Rewind::Window(self.window)
-    }
-    fn truncate(&mut self, to: usize) {
-        self.held.truncate(to);
-        self.offset = to;
-    }
     fn capture(&self) -> Result<Option<FakeHeld>> {
         Ok(Some(FakeHeld {
             held: self.held.clone(),
             _tally: Tally::new(&self.counters),
         }))
     }
+
+    fn live_offset(&self) -> usize {
+        self.offset
+    }
+
     fn load(&mut self, snap: &FakeWindowSnapshot, target: usize) -> Result<()> {
         self.counters.check_restore()?;
         self.held.clone_from(&snap.held);
@@ -790,22 +796,26 @@ impl StateCache for FakeWindow {
         self.counters.0.restored.fetch_add(tokens, Ordering::Relaxed);
         Ok(())
     }
+
     fn clear(&mut self) {
         self.offset = 0;
         self.held = Vec::new();
     }
+
+    fn rewind(&self) -> Rewind {
+        Rewind::Window(self.window)
+    }
+
+    fn truncate(&mut self, to: usize) {
+        self.held.truncate(to);
+        self.offset = to;
+    }
 }
 
-kvcache_api::state_snapshot_cache!(FakeWindow {
+kvcache_api::snapshot_cache!(state: FakeWindow {
     /// The window's tokens as one `[min(offset, W)]` array; `None` at offset 0.
     fn read_state(&self) -> Result<Option<HostState>> {
-        if self.offset == 0 {
-            return Ok(None);
-        }
-        Ok(Some(HostState {
-            offset: self.offset,
-            arrays: vec![words_array(&self.held)],
-        }))
+        Ok(words_state(self.offset, &self.held))
     }
 
     fn load_state(&mut self, state: &HostState) -> Result<bool> {
