@@ -7,6 +7,7 @@ mod layers_common;
 
 use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Snapshot, SnapshotCache};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache, RotatingSnapshot};
+use kvcache_mlx::trie::PrefixCache;
 use layers_common::{error_of, f32s, ids_of, Foreign, Ids, Shape, SMALL};
 use proptest::prelude::*;
 
@@ -346,4 +347,82 @@ fn free_forgets_everything() {
     let (k, v) = ONE.kv(&Ids::default().next(2));
     cache.update(&k, &v).unwrap();
     assert_eq!(cache.offset(), 2);
+}
+
+/// The model's forward pass on rotating layers: every token writes keys and
+/// values that encode its id.
+fn eval_rotating(caches: &mut [RotatingKvCache], tokens: &[u32]) -> Result<(), CacheError> {
+    let (k, v) = SMALL.kv(tokens);
+    for cache in caches {
+        cache.update(&k, &v)?;
+    }
+    Ok(())
+}
+
+/// A prefix trie over rotating layers (window 4). A request continues a
+/// conversation with generated tokens that leave an existing edge part-way,
+/// so closing it splits that edge at a node with no snapshot (a window cannot
+/// be split) and branches off a new leaf. Evicting the other branch merges
+/// that node into the new leaf: merging the leaf's snapshot with no parent
+/// snapshot used to give none, and the conversation's next turn recomputed
+/// from the last snapshot before it (offset 5). It now keeps the leaf's
+/// window, and the next turn restores all 8 tokens.
+#[test]
+fn a_trie_merge_keeps_the_rotating_snapshot_for_the_next_turn() {
+    let layers = vec![
+        RotatingKvCache::with_step(4, 2).unwrap(),
+        RotatingKvCache::with_step(4, 2).unwrap(),
+    ];
+    let mut trie = PrefixCache::new(layers, usize::MAX).unwrap();
+    let run = |trie: &mut PrefixCache<RotatingKvCache>, prompt: &[u32], generated: &[u32]| {
+        let mut session = trie.begin(prompt).unwrap();
+        let cached = session.cached();
+        session
+            .prefill(|chunk, caches| eval_rotating(caches, chunk))
+            .unwrap();
+        for (i, &t) in generated.iter().enumerate() {
+            session.record(t);
+            if i + 1 < generated.len() {
+                eval_rotating(session.caches_mut(), &[t]).unwrap();
+            }
+        }
+        session.close().unwrap();
+        trie.check();
+        cached
+    };
+    // [0, 8), then an unrelated conversation pages it out.
+    let first: Vec<u32> = (1..=8).collect();
+    run(&mut trie, &first, &[]);
+    run(&mut trie, &[30, 31, 32], &[]);
+    // Six of the first eight tokens, then 7 and 60 generated (61 recorded,
+    // not evaluated): the edge [5, 8) splits at 7 with no window snapshot,
+    // and [60] branches off it.
+    run(&mut trie, &first[..6], &[7, 60, 61]);
+    run(&mut trie, &[40, 41, 42], &[]);
+    // Room for two nodes' windows: the oldest, [30, 31, 32] and the first
+    // conversation's [7, 8), are evicted, and the snapshot-less node at [5, 7)
+    // merges into [7, 8) = [60], which keeps its window.
+    let window_bytes = 2 * SMALL.bytes(4);
+    let (evictions, merges) = (trie.stats().evictions, trie.stats().auto_merges);
+    trie.set_budget(2 * window_bytes);
+    assert_eq!(trie.stats().evictions, evictions + 2);
+    assert_eq!(trie.stats().auto_merges, merges + 1);
+    trie.set_budget(usize::MAX);
+    trie.check();
+
+    // The next turn restores the merged leaf's window: 8 tokens cached.
+    let next = [&first[..7], &[60, 61]].concat();
+    let mut session = trie.begin(&next).unwrap();
+    assert_eq!(session.cached(), 8, "{}", session.cached());
+    for layer in session.caches() {
+        assert_eq!(window_ids(layer), next[4..8]);
+    }
+    session
+        .prefill(|chunk, caches| eval_rotating(caches, chunk))
+        .unwrap();
+    for layer in session.caches() {
+        assert_eq!(window_ids(layer), next[5..]);
+    }
+    session.close().unwrap();
+    trie.check();
 }
