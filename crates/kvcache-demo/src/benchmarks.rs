@@ -97,11 +97,14 @@ pub fn e2(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
         "\n== E2: 8 sequences decoding {} tokens each, together vs one after another ({} alternating runs) ==",
         cfg.tokens, cfg.runs
     );
+    let spinner = progress::spinner("E2");
     let report = e2_batched_decode(model, &prompts, &cfg, &mut |line| {
-        println!("  {line}");
+        progress::above(&spinner, || println!("  {line}"));
         flush();
-    })?;
-    println!("{report}");
+        spinner.inc(1);
+    });
+    spinner.finish_and_clear();
+    println!("{}", report?);
     Ok(())
 }
 
@@ -109,21 +112,28 @@ pub fn e2(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
 pub fn store(setup: &ReplicaSetup<'_>, cli: &Cli) -> Result<()> {
     let trace = Trace::load(cli.trace_path())?;
     let b = &cli.bench;
+    let spinner = progress::spinner(if b.bench_e3 { "E3" } else { "E4" });
     let mut log = |line: &str| {
-        println!("  {line}");
+        progress::above(&spinner, || println!("  {line}"));
         flush();
+        spinner.inc(1);
     };
-    if b.bench_e3 {
-        let dir = paths::scratch_dir("e3")?;
-        let report = e3_restart(setup, &trace, b.e1_requests, b.e3_restart, &dir, &mut log);
-        let _ = std::fs::remove_dir_all(&dir);
-        println!("{}", report?);
-    }
-    if b.bench_e4 {
-        println!(
-            "{}",
-            e4_replicas(setup, &trace, b.e1_requests, E4_REDIS_BYTES, &mut log)?
-        );
-    }
-    Ok(())
+    let mut run = || -> Result<()> {
+        if b.bench_e3 {
+            let dir = paths::scratch_dir("e3")?;
+            let report = e3_restart(setup, &trace, b.e1_requests, b.e3_restart, &dir, &mut log);
+            let _ = std::fs::remove_dir_all(&dir);
+            let report = report?;
+            progress::above(&spinner, || println!("{report}"));
+        }
+        if b.bench_e4 {
+            spinner.set_prefix("E4");
+            let report = e4_replicas(setup, &trace, b.e1_requests, E4_REDIS_BYTES, &mut log)?;
+            progress::above(&spinner, || println!("{report}"));
+        }
+        Ok(())
+    };
+    let result = run();
+    spinner.finish_and_clear();
+    result
 }

@@ -22,6 +22,21 @@ pub fn bar(len: u64, label: &str) -> ProgressBar {
     bar
 }
 
+/// A spinner named `label` counting steps of unknown number, or a hidden one
+/// off a terminal.
+pub fn spinner(label: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let style = ProgressStyle::with_template("{spinner} {prefix}: {pos} steps ({elapsed})")
+        .expect("a valid template");
+    let spinner = ProgressBar::new_spinner()
+        .with_style(style)
+        .with_prefix(label.to_owned());
+    spinner.enable_steady_tick(Duration::from_millis(200));
+    spinner
+}
+
 /// A bar over a model's tensors as they load, and the callback that moves it
 /// (`ModelFile::load`'s progress). Finish the bar once loading returns.
 pub fn loading(label: &str) -> (ProgressBar, impl FnMut(LoadProgress)) {
