@@ -31,6 +31,8 @@
 mod batch;
 mod causal;
 mod config;
+#[cfg(feature = "contract-tests")]
+pub mod contract;
 mod error;
 pub mod host;
 pub mod paging;

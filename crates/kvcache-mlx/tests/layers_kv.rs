@@ -580,3 +580,8 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn kv_cache_keeps_the_row_cache_contract() {
+    kvcache_api::contract::row_cache(&layers_common::MlxKv);
+}

@@ -180,3 +180,8 @@ fn foreign_snapshots_are_invalid_arguments() {
     assert_eq!(cache.offset(), 3);
     assert_eq!(tag_of(cache.state()), 1.0);
 }
+
+#[test]
+fn recurrent_cache_keeps_the_state_cache_contract() {
+    kvcache_api::contract::state_cache(&layers_common::MlxRecurrent, kvcache_api::paging::Rewind::Never);
+}

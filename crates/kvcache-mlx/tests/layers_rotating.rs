@@ -426,3 +426,11 @@ fn a_trie_merge_keeps_the_rotating_snapshot_for_the_next_turn() {
     session.close().unwrap();
     trie.check();
 }
+
+#[test]
+fn rotating_cache_keeps_the_state_cache_contract() {
+    for window in [4, 16] {
+        let subject = layers_common::MlxRotating(window);
+        kvcache_api::contract::state_cache(&subject, kvcache_api::paging::Rewind::Window(window));
+    }
+}

@@ -6,7 +6,9 @@
 use std::any::Any;
 use std::ops::Range;
 
-use kvcache_api::Snapshot;
+use kvcache_api::contract::Subject;
+use kvcache_api::{DType, KvLayout, LayerCache, Snapshot, SnapshotCache};
+use kvcache_mlx::layers::{KvCache, RecurrentCache, RotatingKvCache};
 use mlx_rs::Array;
 
 /// The value of element (batch `b < 4`, head `h < 4`, dim `d < 64`) of token
@@ -162,5 +164,100 @@ pub fn error_of<T>(r: kvcache_api::Result<T>) -> kvcache_api::CacheError {
     match r {
         Ok(_) => panic!("expected an error"),
         Err(e) => e,
+    }
+}
+
+/// Batch 1, as host rows need.
+pub const ONE_SEQ: Shape = Shape {
+    b: 1,
+    h: 2,
+    dk: 4,
+    dv: 4,
+};
+
+/// The mlx [`KvCache`] as a subject of the snapshot-cache contract.
+pub struct MlxKv;
+
+impl Subject for MlxKv {
+    type Cache = KvCache;
+
+    fn cache(&self) -> KvCache {
+        KvCache::with_step(4).unwrap()
+    }
+    fn feed(&self, cache: &mut KvCache, tokens: &[u32]) {
+        let (k, v) = ONE_SEQ.kv(tokens);
+        cache.update(&k, &v).unwrap();
+    }
+    fn holds(&self, cache: &KvCache, tokens: &[u32]) -> bool {
+        let live = cache.live().unwrap();
+        cache.offset() == tokens.len() && live.map_or_else(Vec::new, |(k, v)| ids_of(&k, &v)) == tokens
+    }
+    fn bytes_per_token(&self) -> usize {
+        ONE_SEQ.bytes(1)
+    }
+    fn host_layout(&self) -> Option<KvLayout> {
+        Some(KvLayout::new(1, ONE_SEQ.h, ONE_SEQ.dk, DType::F32))
+    }
+}
+
+/// The mlx [`RotatingKvCache`] with a window of `.0` as a subject of the
+/// snapshot-cache contract.
+pub struct MlxRotating(pub usize);
+
+impl Subject for MlxRotating {
+    type Cache = RotatingKvCache;
+
+    fn cache(&self) -> RotatingKvCache {
+        RotatingKvCache::with_step(self.0, 2).unwrap()
+    }
+    fn feed(&self, cache: &mut RotatingKvCache, tokens: &[u32]) {
+        let (k, v) = SMALL.kv(tokens);
+        cache.update(&k, &v).unwrap();
+    }
+    fn holds(&self, cache: &RotatingKvCache, tokens: &[u32]) -> bool {
+        let window = cache.ordered_window().unwrap();
+        let held = window.map_or_else(Vec::new, |(k, v)| ids_of(&k, &v));
+        cache.offset() == tokens.len() && held == tokens[tokens.len().saturating_sub(self.0)..]
+    }
+}
+
+/// The mlx [`RecurrentCache`] as a subject of the snapshot-cache contract:
+/// its state is one `[1, 2]` f32 array, the token count and the sum of
+/// `id * (position + 1)` over the tokens seen (exact in f32 for the
+/// contract's ids).
+pub struct MlxRecurrent;
+
+impl MlxRecurrent {
+    fn summary(tokens: &[u32], from: usize, state: [f32; 2]) -> [f32; 2] {
+        tokens.iter().enumerate().fold(state, |[n, sum], (i, &id)| {
+            [n + 1.0, sum + id as f32 * (from + i + 1) as f32]
+        })
+    }
+}
+
+impl Subject for MlxRecurrent {
+    type Cache = RecurrentCache;
+
+    fn cache(&self) -> RecurrentCache {
+        RecurrentCache::new()
+    }
+    fn feed(&self, cache: &mut RecurrentCache, tokens: &[u32]) {
+        let old = match cache.state() {
+            [] => [0.0, 0.0],
+            [a] => f32s(a).try_into().unwrap(),
+            more => panic!("{} state arrays", more.len()),
+        };
+        let new = Self::summary(tokens, cache.offset(), old);
+        cache
+            .advance(tokens.len(), vec![Array::from_slice(&new, &[1, 2])])
+            .unwrap();
+    }
+    fn holds(&self, cache: &RecurrentCache, tokens: &[u32]) -> bool {
+        let held = match cache.state() {
+            [] => vec![0.0, 0.0],
+            [a] => f32s(a),
+            _ => return false,
+        };
+        cache.offset() == tokens.len() && held == Self::summary(tokens, 0, [0.0, 0.0])
     }
 }
