@@ -133,33 +133,6 @@ fn snapshots_are_compact_copies() {
 }
 
 #[test]
-fn merge_keeps_the_child_and_split_is_refused() {
-    let mut cache = RecurrentCache::new();
-    cache.advance(4, state(1.0)).unwrap();
-    let parent = cache.snapshot(0).unwrap().unwrap();
-    cache.advance(2, state(2.0)).unwrap();
-    let child = cache.snapshot(4).unwrap().unwrap();
-    let stray = cache.snapshot(5).unwrap().unwrap();
-
-    let merged = cache.merge(Some(parent), Some(child)).unwrap().unwrap();
-    assert_eq!(merged.range(), 0..6);
-    assert_eq!(tag_of(recurrent(&*merged).arrays()), 2.0);
-    let err = error_of(cache.merge(Some(merged), Some(stray)));
-    assert!(matches!(err, CacheError::InvalidArgument(_)), "{err}");
-
-    let snap = cache.snapshot(1).unwrap().unwrap();
-    let (parent, child) = cache.split(snap, 3).unwrap();
-    assert!(parent.is_none());
-    assert_eq!(child.unwrap().range(), 1..6);
-    let lone = cache.snapshot(0).unwrap();
-    assert!(cache.merge(lone, None).unwrap().is_none());
-    let lone = cache.snapshot(2).unwrap();
-    let kept = cache.merge(None, lone).unwrap().unwrap();
-    assert_eq!(kept.range(), 2..6);
-    assert_eq!(tag_of(recurrent(&*kept).arrays()), 2.0);
-}
-
-#[test]
 fn foreign_snapshots_are_invalid_arguments() {
     let mut cache = RecurrentCache::new();
     cache.advance(3, state(1.0)).unwrap();

@@ -274,37 +274,6 @@ fn snapshots_hold_the_window_and_write_index() {
 }
 
 #[test]
-fn merge_keeps_the_child_and_split_is_refused() {
-    let mut cache = RotatingKvCache::new(4).unwrap();
-    let mut ids = Ids::default();
-    let mut model = Vec::new();
-    write_checked(&mut cache, &mut model, &ids.next(3), SMALL);
-    let parent = cache.snapshot(0).unwrap().unwrap();
-    write_checked(&mut cache, &mut model, &ids.next(3), SMALL);
-    let child = cache.snapshot(3).unwrap().unwrap();
-    let stray = cache.snapshot(4).unwrap().unwrap();
-
-    let merged = cache.merge(Some(parent), Some(child)).unwrap().unwrap();
-    assert_eq!(merged.range(), 0..6);
-    assert_eq!(
-        ids_of(rot(&merged).slots().keys(), rot(&merged).slots().values()),
-        [4, 5, 2, 3]
-    );
-    let err = error_of(cache.merge(Some(merged), Some(stray)));
-    assert!(matches!(err, CacheError::InvalidArgument(_)), "{err}");
-
-    let snap = cache.snapshot(1).unwrap().unwrap();
-    let (parent, child) = cache.split(snap, 3).unwrap();
-    assert!(parent.is_none());
-    assert_eq!(child.unwrap().range(), 1..6);
-    // Without a parent the child is kept as it is; without a child nothing is.
-    let lone = cache.snapshot(4).unwrap();
-    assert_eq!(cache.merge(None, lone).unwrap().unwrap().range(), 4..6);
-    let lone = cache.snapshot(4).unwrap();
-    assert!(cache.merge(lone, None).unwrap().is_none());
-}
-
-#[test]
 fn foreign_and_mismatched_snapshots_are_invalid_arguments() {
     let mut ids = Ids::default();
     let mut cache = RotatingKvCache::new(4).unwrap();

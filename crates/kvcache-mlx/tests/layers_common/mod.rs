@@ -1,13 +1,13 @@
 //! Helpers shared by the `layers_*` tests: K/V arrays whose every element
 //! encodes which token wrote it, so tests can read back exactly which tokens
-//! an array holds.
-#![allow(dead_code)]
+//! an array holds, and the mlx caches as subjects of the snapshot-cache
+//! contract (`kvcache_api::contract`).
+#![allow(dead_code, unused_imports)]
 
-use std::any::Any;
 use std::ops::Range;
 
 use kvcache_api::contract::Subject;
-use kvcache_api::{DType, KvLayout, LayerCache, Snapshot, SnapshotCache};
+use kvcache_api::{DType, KvLayout, LayerCache, SnapshotCache};
 use kvcache_mlx::layers::{KvCache, RecurrentCache, RotatingKvCache};
 use mlx_rs::Array;
 
@@ -141,22 +141,7 @@ pub fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
 }
 
 /// A snapshot type no cache knows.
-pub struct Foreign(pub Range<usize>);
-
-impl Snapshot for Foreign {
-    fn range(&self) -> Range<usize> {
-        self.0.clone()
-    }
-    fn size_bytes(&self) -> usize {
-        0
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
-}
+pub use kvcache_api::contract::Foreign;
 
 /// The error of `r`, which must have failed (snapshots are not `Debug`, so
 /// `unwrap_err` is not available on snapshot results).
