@@ -7,6 +7,7 @@ mod layout;
 mod mlx_sys_patch;
 mod mlx_wheel;
 mod model;
+mod openai_venv;
 mod prepare;
 mod python;
 mod shell;
@@ -33,6 +34,9 @@ Commands:
                        mlx-sys; with --model the test model too
   bench [CARGO ARGS]   prepare, then cargo bench --workspace
   demo [DEMO ARGS]     prepare, then run crates/kvcache-demo in release mode
+  serve [SERVER ARGS]  prepare, then run the OpenAI-compatible server
+                       (crates/kvcache-server) in release mode on the model,
+                       on 127.0.0.1:8080 unless told `--host H --port P`
   test-metal [ARGS]    kvcache-causal's tests on the Metal device (macOS)
   test-cuda [ARGS]     kvcache-causal's tests on CUDA (needs nvcc)
   help                 this text
@@ -74,6 +78,7 @@ fn run(command: &str, args: &[String]) -> Result<()> {
         "lint" => tasks::lint,
         "bench" => tasks::bench,
         "demo" => tasks::demo,
+        "serve" => tasks::serve,
         "test-metal" => tasks::test_metal,
         "test-cuda" => tasks::test_cuda,
         other => bail!("unknown command `{other}`; run `cargo xtask help`"),

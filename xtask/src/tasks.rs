@@ -15,6 +15,10 @@ pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
         "KVCACHE_REQUIRE_REDIS",
         if cfg!(target_os = "linux") { "1" } else { "0" },
     );
+    // kvcache-server's smoke test runs the official Python `openai` client.
+    let python = crate::openai_venv::ensure(&layout.cache)?;
+    cargo.set_env(crate::openai_venv::PYTHON_ENV, python);
+    cargo.set_env(crate::openai_venv::REQUIRE_ENV, "1");
     let chosen = Chosen::scan(args);
     if chosen.targets {
         return cargo.run(&chosen.command(&["test", "--no-fail-fast"], args));
@@ -67,6 +71,15 @@ pub fn demo(layout: &Layout, args: &[String]) -> Result<()> {
     }
     let cargo = prepare(layout, Model::Needed)?;
     let mut run = strings(&["run", "--release", "-p", DEMO, "--"]);
+    run.extend_from_slice(args);
+    cargo.run(&run)
+}
+
+/// The OpenAI-compatible server (crates/kvcache-server) in release mode on the
+/// prepared model; extra arguments go to the server.
+pub fn serve(layout: &Layout, args: &[String]) -> Result<()> {
+    let cargo = prepare(layout, Model::Needed)?;
+    let mut run = strings(&["run", "--release", "-p", "kvcache-server", "--"]);
     run.extend_from_slice(args);
     cargo.run(&run)
 }
