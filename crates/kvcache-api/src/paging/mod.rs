@@ -187,7 +187,7 @@ pub type Halves = (Option<BoxedSnapshot>, Option<BoxedSnapshot>);
 /// the items in braces (the methods with defaults it overrides: host rows,
 /// host states) added to the impl.
 ///
-/// ```ignore
+/// ```text
 /// kvcache_api::snapshot_cache!(rows: MyKv {
 ///     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> { ... }
 /// });

@@ -10,6 +10,13 @@
 //! Shapes follow mlx attention: `B` batch, `H` KV heads, `L` tokens of one
 //! update, `D` head dimension (`Dk` for keys and `Dv` for values may differ).
 //!
+//! The bookkeeping of snapshot, restore, merge and split is
+//! [`kvcache_api::paging`]'s, written once for these caches, the candle one
+//! and the fakes: [`KvCache`] is a row cache ([`KvSnapshot`] holds
+//! [`KvRows`]), the other two are state caches (a [`Ring`], a
+//! [`RecurrentState`]). Each implements the small backend trait of its kind
+//! over mlx arrays. All three keep `kvcache_api::contract`.
+//!
 //! Rules shared by every cache here:
 //! - A snapshot owns a *compact copy* of what it needs, made with a fresh
 //!   allocation and evaluated before it is returned, so it never keeps the live

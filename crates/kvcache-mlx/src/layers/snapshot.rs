@@ -28,7 +28,7 @@ pub type KvSnapshot = RowsSnapshot<KvRows>;
 
 /// Keys `[B, H, n, Dk]` and values `[B, H, n, Dv]` of `n` consecutive
 /// positions, each in an evaluated buffer of its own, so
-/// [`size_bytes`](Rows::size_bytes) is `n * B * H * (Dk * key_elem + Dv * value_elem)`
+/// [`size_bytes`](Payload::size_bytes) is `n * B * H * (Dk * key_elem + Dv * value_elem)`
 /// whatever the size of the buffer they were copied from.
 pub struct KvRows {
     pub(crate) keys: Array,

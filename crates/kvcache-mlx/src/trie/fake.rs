@@ -19,6 +19,10 @@
 //!   on the host is one `[min(offset, W)]` array of `f32`-sized elements: the
 //!   window's token ids, oldest first.
 //!
+//! Their snapshot, restore, merge and split are [`kvcache_api::paging`]'s,
+//! as the real caches' are (the fakes only say what a snapshot holds), and
+//! they keep the same `kvcache_api::contract`.
+//!
 //! Every snapshot they create and drop is counted in a shared [`Counters`], so
 //! a test can prove that each snapshot was dropped exactly once or is still
 //! owned by the trie. [`feed_all`] plays the model: it appends tokens to every
