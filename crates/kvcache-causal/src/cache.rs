@@ -427,8 +427,8 @@ impl CausalKvCache {
         self.storage.bytes_per_cell()
     }
 
-    /// Bytes kept between passes to write masks into: the largest mask of a
-    /// non-reserve pass so far.
+    /// Bytes kept between passes to write masks into: room for the largest mask
+    /// of a non-reserve pass so far (grown by doubling, so up to twice its size).
     pub fn mask_buffer_bytes(&self) -> usize {
         self.mask_buffer.bytes()
     }

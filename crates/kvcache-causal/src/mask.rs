@@ -81,6 +81,38 @@ impl Plan {
         self.visible.clear();
     }
 
+    /// Keeps only the first `len` entries.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        self.visible.retain(|&(a, _)| a < len);
+        if let Some(last) = self.visible.last_mut() {
+            last.1 = last.1.min(len);
+        }
+        self.len = len;
+    }
+
+    /// Grows the plan to `len` entries (at least its own), the new ones masked.
+    pub(crate) fn extend_masked(&mut self, len: usize) {
+        self.len = self.len.max(len);
+    }
+
+    /// Grows the plan to `older`'s length with `older`'s entries past its own: what
+    /// a buffer that held `older` holds after this plan is written over its start.
+    pub(crate) fn keep_tail_of(&mut self, older: &Plan) {
+        if older.len <= self.len {
+            return;
+        }
+        for &(a, b) in &older.visible {
+            if b > self.len {
+                let a = a.max(self.len);
+                self.visible.push((a, b));
+            }
+        }
+        self.len = older.len;
+    }
+
     /// Appends the visible interval `[start, end)`, at or after every earlier one.
     fn push(&mut self, start: usize, end: usize) {
         debug_assert!(start < end && end <= self.len);
@@ -307,6 +339,35 @@ mod tests {
                 plan
             })
         })
+    }
+
+    #[test]
+    fn tails_are_kept_and_extended_masked() {
+        let mut older = Plan::default();
+        older.reset(10);
+        older.push(1, 3);
+        older.push(5, 9);
+        let mut newer = Plan::default();
+        newer.reset(6);
+        newer.push(0, 1);
+        newer.keep_tail_of(&older);
+        assert_eq!((newer.len, &newer.visible[..]), (10, &[(0, 1), (6, 9)][..]));
+        newer.extend_masked(12);
+        newer.extend_masked(4);
+        assert_eq!(newer.len(), 12);
+        newer.truncate(7);
+        assert_eq!((newer.len, &newer.visible[..]), (7, &[(0, 1), (6, 7)][..]));
+        newer.truncate(6);
+        assert_eq!((newer.len, &newer.visible[..]), (6, &[(0, 1)][..]));
+        // What the buffer holds after `newer`'s first 6 entries are written over `older`.
+        let mut buffer = dense(&older);
+        let mut first = Plan::default();
+        first.reset(6);
+        first.push(0, 1);
+        write(&older, &first, &mut buffer[..6]);
+        let mut kept = first.clone();
+        kept.keep_tail_of(&older);
+        assert_eq!(buffer, dense(&kept));
     }
 
     proptest! {

@@ -4,9 +4,10 @@
 //! Allocating it afresh every pass costs more than writing it: each new page
 //! faults and is zeroed by the kernel, and the fresh buffer is cold in cache. So on
 //! the CPU the mask is written in place into a flat tensor kept between passes, and
-//! the pass's mask is a `[rows, cols]` view of its prefix; the buffer grows to the
-//! largest mask seen and stays there. On other devices the mask is written into a
-//! kept host vector and uploaded, one fresh device tensor per pass.
+//! the pass's mask is a `[rows, cols]` view of its prefix; the buffer grows (by
+//! doubling) to hold the largest mask seen and stays there. On other devices the
+//! mask is written into a kept host vector and uploaded, one fresh device tensor
+//! per pass.
 //!
 //! Writing in place is why `get`'s mask, like its keys and values, is a view that
 //! stays valid only until the next `start_forward`: a caller that keeps a mask
@@ -38,7 +39,7 @@ pub(crate) struct MaskBuffer {
     /// Other devices: the host copy written before each upload.
     host: Host,
     /// What the kept buffer (the tensor, or the host vector of the mask dtype)
-    /// holds in its first `held.len()` entries.
+    /// holds in its first `held.len()` entries (the tensor's every entry).
     held: Plan,
     /// Scratch for the next pass's plan.
     next: Plan,
@@ -62,8 +63,11 @@ impl MaskBuffer {
         book.plan_mask(&mut self.next);
         let reserve = book.pass().mode() == Some(ForwardMode::Reserve);
         let dtype = book.config().mask_dtype;
+        let config = book.config();
+        let rows = config.max_batch.div_ceil(config.batch_padding) * config.batch_padding;
+        let largest = rows * book.cells().len();
         let mask = match device {
-            Device::Cpu => self.write_in_place(dtype, reserve),
+            Device::Cpu => self.write_in_place(dtype, reserve, largest),
             _ => self.upload(dtype, device),
         };
         mask.and_then(|flat| flat.reshape(shape))
@@ -94,7 +98,8 @@ impl MaskBuffer {
         let planned = matches!(&source.tensor, Some(kept) if same_storage(mask, kept));
         let copied = if planned && mask.device().is_cpu() {
             self.next.clone_from(&source.held);
-            self.write_in_place(dtype, false)
+            self.next.truncate(mask.elem_count());
+            self.write_in_place(dtype, false, 0)
                 .and_then(|flat| flat.reshape(mask.dims()))
         } else {
             mask.copy()
@@ -115,7 +120,14 @@ impl MaskBuffer {
 
     /// Writes the planned mask into the kept tensor, or into a new one when it does
     /// not fit (kept unless `reserve`); returns the flat mask.
-    fn write_in_place(&mut self, dtype: DType, reserve: bool) -> candle_core::Result<Tensor> {
+    ///
+    /// A new kept tensor has room for twice the old one's entries (up to `largest`,
+    /// the most a mask of the cache can have), so masks that grow pass after pass
+    /// (a prefill in chunks, decoding into more cells) get a new buffer a few
+    /// times, not every pass. The room past the mask is written masked at once, so
+    /// it is known (only differences are written into it later) and its pages are
+    /// touched when the buffer is made rather than pass after pass.
+    fn write_in_place(&mut self, dtype: DType, reserve: bool, largest: usize) -> candle_core::Result<Tensor> {
         if std::mem::take(self.shared.get_mut()) {
             self.tensor = None;
             self.held = Plan::default();
@@ -129,19 +141,28 @@ impl MaskBuffer {
                 old: &self.held,
                 new: &self.next,
             })?;
+            self.next.keep_tail_of(&self.held);
             std::mem::swap(&mut self.held, &mut self.next);
             return Ok(mask);
         }
-        let fresh = Tensor::zeros(len, dtype, &Device::Cpu)?;
+        let kept = self.tensor.as_ref().filter(|t| t.dtype() == dtype);
+        let room = match kept {
+            Some(kept) if !reserve => len.max((2 * kept.elem_count()).min(largest)),
+            _ => len,
+        };
+        // Entries past the mask are written masked now, so that later, larger masks
+        // find them known and in memory already touched.
+        self.next.extend_masked(room);
+        let fresh = Tensor::zeros(room, dtype, &Device::Cpu)?;
         fresh.inplace_op1(&WriteMask {
-            old: &Plan::all_visible(len),
+            old: &Plan::all_visible(room),
             new: &self.next,
         })?;
         if !reserve {
             self.tensor = Some(fresh.clone());
             std::mem::swap(&mut self.held, &mut self.next);
         }
-        Ok(fresh)
+        fresh.narrow(0, 0, len)
     }
 
     fn upload(&mut self, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
