@@ -15,13 +15,17 @@
 //! `cargo xtask bench -p kvcache-causal --bench causal` (or `cargo bench -p kvcache-causal --bench causal`).
 //! Set `KVCACHE_BENCH_RUNS` to change the number of runs (default 5; W1b makes
 //! a third as many, at least one) and `KVCACHE_BENCH_ONLY` to a comma-separated
-//! list of ids (`W1,W1b,W2,W2c,W3,W4,W5,W6,mem`) to run only those.
+//! list of ids (`W1,W1b,W2,W2c,W3,W4,W5,W6,mem`) to run only those, and
+//! `KVCACHE_BENCH_KV` to a storage type (`f16`, `bf16`, `q8_0`; f32 by default)
+//! to store keys and values in.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode, KeyShift, Placement, Pos, SlidingWindow};
+use kvcache_api::{
+    Batch, CausalCache, CausalConfig, ForwardMode, KeyShift, KvStorage, Placement, Pos, SlidingWindow,
+};
 use kvcache_causal::CausalKvCache;
 
 const HEAD_DIM: usize = 8;
@@ -38,7 +42,17 @@ fn identity_shift() -> Option<Box<dyn KeyShift<Tensor>>> {
     }))
 }
 
+/// The KV storage type the caches use: `KVCACHE_BENCH_KV` (`f32`, `f16`, `bf16`,
+/// `q8_0`), f32 by default. Keys and values are put and got as f32 either way.
+fn kv_storage() -> KvStorage {
+    std::env::var("KVCACHE_BENCH_KV")
+        .ok()
+        .map(|name| name.parse().expect("KVCACHE_BENCH_KV names a storage type"))
+        .unwrap_or(KvStorage::F32)
+}
+
 fn cache(config: CausalConfig) -> CausalKvCache {
+    let config = config.with_kv_storage(kv_storage());
     CausalKvCache::new(config, Device::Cpu, identity_shift()).expect("cache")
 }
 
@@ -455,7 +469,10 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
-    println!("kvcache-causal W1-W6: f32, 1 layer, head dim {HEAD_DIM}, 1 KV head, max batch {MAX_BATCH},");
+    println!(
+        "kvcache-causal W1-W6: f32 in and out, {} storage, 1 layer, head dim {HEAD_DIM}, 1 KV head, max batch {MAX_BATCH},",
+        kv_storage()
+    );
     println!("padding 1, f32 mask, CPU; median over {runs} runs of per-run medians\n");
 
     let mut rows = Vec::new();
