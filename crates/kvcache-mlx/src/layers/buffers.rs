@@ -7,16 +7,18 @@ use std::fmt;
 use mlx_rs::Array;
 
 use super::arrays::{seq_len, KvLayout};
+use super::snapshot::SnapshotEncoding;
 
 /// Keys `[B, H, capacity, Dk]` and values `[B, H, capacity, Dv]` (`None`
 /// until the first write), the layout they were written with, the offset and
-/// the growth step.
+/// the growth step, and how snapshots keep what they copy.
 pub(crate) struct KvBuffers {
     pub(crate) keys: Option<Array>,
     pub(crate) values: Option<Array>,
     pub(crate) layout: Option<KvLayout>,
     pub(crate) offset: usize,
     pub(crate) step: usize,
+    pub(crate) encoding: SnapshotEncoding,
 }
 
 impl KvBuffers {
@@ -28,6 +30,7 @@ impl KvBuffers {
             layout: None,
             offset: 0,
             step,
+            encoding: SnapshotEncoding::Full,
         }
     }
 
@@ -41,9 +44,12 @@ impl KvBuffers {
         self.keys.iter().chain(self.values.iter()).cloned().collect()
     }
 
-    /// Drops the buffers and the layout; the offset becomes 0.
+    /// Drops the buffers and the layout; the offset becomes 0 (the step and
+    /// the snapshot encoding stay).
     pub(crate) fn clear(&mut self) {
+        let encoding = self.encoding;
         *self = KvBuffers::new(self.step);
+        self.encoding = encoding;
     }
 }
 
@@ -53,6 +59,7 @@ impl fmt::Debug for KvBuffers {
             .field("offset", &self.offset)
             .field("capacity", &self.capacity())
             .field("step", &self.step)
+            .field("encoding", &self.encoding)
             .field("layout", &self.layout)
             .finish()
     }

@@ -11,7 +11,7 @@ use mlx_rs::{Array, Dtype};
 
 use super::arrays::{backend, compact_seq_slices, dim, eval, grow_write, seq_slice, KvLayout, Origin};
 use super::buffers::KvBuffers;
-use super::snapshot::KvRows;
+use super::snapshot::{KvRows, SnapshotEncoding};
 use super::DEFAULT_STEP;
 
 /// Keys and values of every position of one layer, for full attention.
@@ -57,6 +57,20 @@ impl KvCache {
         Ok(KvCache {
             buf: KvBuffers::new(step),
         })
+    }
+
+    /// The same cache keeping its snapshots as `encoding` says
+    /// ([`SnapshotEncoding::Full`] by default; `InvalidArgument` for a group
+    /// size mlx does not take). Restores from either kind of snapshot work
+    /// whatever the cache's own encoding.
+    pub fn with_snapshot_encoding(mut self, encoding: SnapshotEncoding) -> Result<Self> {
+        self.buf.encoding = encoding.validated()?;
+        Ok(self)
+    }
+
+    /// How the cache keeps its snapshots.
+    pub fn snapshot_encoding(&self) -> SnapshotEncoding {
+        self.buf.encoding
     }
 
     /// Positions the buffers can hold before they grow (0 when empty).
@@ -200,23 +214,25 @@ impl RowCache for KvCache {
         let (Some(k), Some(v)) = (&self.buf.keys, &self.buf.values) else {
             unreachable!("a cache holding rows has buffers");
         };
-        let [keys, values] = compact_seq_slices([(k, rows.start, rows.end), (v, rows.start, rows.end)])?;
-        Ok(KvRows { keys, values })
+        KvRows::copy_of(k, v, rows, self.buf.encoding)
     }
 
     fn live_offset(&self) -> usize {
         self.buf.offset
     }
 
-    /// Replays a snapshot's rows in place (layout checked first).
+    /// Replays a snapshot's rows in place (layout checked first; 8-bit rows
+    /// dequantized to the cache's dtype first).
     fn write_rows(&mut self, at: usize, rows: &KvRows, take: usize) -> Result<()> {
-        let (layout, _) = KvLayout::fitting(&rows.keys, &rows.values, self.buf.layout.as_ref())?;
+        // The layout check needs the dtype rows decode to: of one row at least.
+        let (keys, values) = rows.decoded(take.max(1))?;
+        let (layout, _) = KvLayout::fitting(&keys, &values, self.buf.layout.as_ref())?;
         if take == 0 {
             // Everything up to `at` is already live.
             self.buf.offset = at;
             return Ok(());
         }
-        self.write(at, &rows.keys, &rows.values, take, Origin::Owned)?;
+        self.write(at, &keys, &values, take, Origin::Owned)?;
         self.buf.layout = Some(layout);
         Ok(())
     }

@@ -59,7 +59,9 @@ mod snapshot;
 pub use kv::KvCache;
 pub use recurrent::RecurrentCache;
 pub use rotating::RotatingKvCache;
-pub use snapshot::{KvRows, KvSnapshot, RecurrentSnapshot, RecurrentState, Ring, RotatingSnapshot};
+pub use snapshot::{
+    KvRows, KvSnapshot, RecurrentSnapshot, RecurrentState, Ring, RotatingSnapshot, SnapshotEncoding,
+};
 
 /// Growth step of [`KvCache`] and [`RotatingKvCache`] buffers, in positions.
 pub const DEFAULT_STEP: usize = 256;

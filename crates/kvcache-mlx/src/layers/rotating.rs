@@ -2,17 +2,15 @@
 
 use std::fmt;
 
-use kvcache_api::paging::{Rewind, StateCache};
+use kvcache_api::paging::{Rewind, Rows, StateCache};
 #[cfg(doc)]
 use kvcache_api::SnapshotCache;
 use kvcache_api::{CacheError, HostState, LayerCache, Result};
 use mlx_rs::Array;
 
-use super::arrays::{
-    compact_seq_slices, grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin,
-};
+use super::arrays::{grow_write, seq_concat, seq_len, seq_slice, seq_write, seq_zeros, KvLayout, Origin};
 use super::buffers::KvBuffers;
-use super::snapshot::{array_from_host, array_to_host, KvRows, Ring, RotatingSnapshot};
+use super::snapshot::{array_from_host, array_to_host, KvRows, Ring, RotatingSnapshot, SnapshotEncoding};
 use super::DEFAULT_STEP;
 
 /// Keys and values of the last `W` positions of one layer, for sliding-window
@@ -81,6 +79,19 @@ impl RotatingKvCache {
             window,
             buf: KvBuffers::new(step),
         })
+    }
+
+    /// The same cache keeping the window of its snapshots as `encoding` says
+    /// ([`SnapshotEncoding::Full`] by default; `InvalidArgument` for a group
+    /// size mlx does not take). Restores dequantize 8-bit windows.
+    pub fn with_snapshot_encoding(mut self, encoding: SnapshotEncoding) -> Result<Self> {
+        self.buf.encoding = encoding.validated()?;
+        Ok(self)
+    }
+
+    /// How the cache keeps its snapshots.
+    pub fn snapshot_encoding(&self) -> SnapshotEncoding {
+        self.buf.encoding
     }
 
     /// The window `W`.
@@ -212,9 +223,8 @@ impl StateCache for RotatingKvCache {
             return Ok(None);
         };
         let n = self.buf.offset.min(self.window);
-        let [keys, values] = compact_seq_slices([(k, 0, n), (v, 0, n)])?;
         Ok(Some(Ring {
-            slots: KvRows { keys, values },
+            slots: KvRows::copy_of(k, v, 0..n, self.buf.encoding)?,
             window: self.window,
             write_index: self.buf.offset % self.window,
         }))
@@ -231,12 +241,13 @@ impl StateCache for RotatingKvCache {
                 snap.window, self.window
             )));
         }
-        let (layout, _) =
-            KvLayout::fitting(snap.slots.keys(), snap.slots.values(), self.buf.layout.as_ref())?;
+        // Full-precision slots come back as they are, 8-bit ones dequantized.
+        let (keys, values) = snap.slots.decoded(snap.slots.tokens())?;
+        let (layout, _) = KvLayout::fitting(&keys, &values, self.buf.layout.as_ref())?;
         // mlx arrays are values: sharing the snapshot's buffers is safe, and the
         // next write copies them (they are not donatable while the snapshot lives).
-        self.buf.keys = Some(snap.slots.keys().clone());
-        self.buf.values = Some(snap.slots.values().clone());
+        self.buf.keys = Some(keys);
+        self.buf.values = Some(values);
         self.buf.layout = Some(layout);
         self.buf.offset = target;
         Ok(())
