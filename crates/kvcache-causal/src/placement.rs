@@ -274,6 +274,18 @@ pub(crate) fn choose_cells_reserving(
         r.placed[seq] = None;
         r.remaining[seq] += 1;
     }
+    let no_room = cells.occupancy().free() < (MIN_RESERVATION + 1) * r.sequences.len();
+    if no_room && r.by_seq.iter().all(Option::is_none) {
+        // Nothing reserved and nothing to reserve: plain first free cells.
+        for &seq in &r.sequences {
+            r.remaining[seq] = 0;
+        }
+        let found = cells.occupancy_mut().first_free(batch.len(), out);
+        if !found {
+            out.truncate(start);
+        }
+        return found;
+    }
     // The shortest run found missing in this pass, so failed searches are not repeated.
     let mut no_run_of = usize::MAX;
     for (i, (seq, pos)) in batch.tokens().enumerate() {
