@@ -87,8 +87,15 @@ pub fn batching(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<(
         d.conversations,
         d.slots.min(d.conversations)
     );
-    let mut engine =
-        workloads::continuous_batching(model, tokenizer, &questions, d.conversations, d.slots, d.max_new)?;
+    let mut engine = workloads::continuous_batching(
+        model,
+        tokenizer,
+        &questions,
+        d.conversations,
+        d.slots,
+        d.max_new,
+        cli.model.kv_type,
+    )?;
     let mut print = report::events(tokenizer, &questions);
     let mut mix = PassMix::default();
     let stats = engine.run(&mut |ev| {
@@ -110,7 +117,15 @@ pub fn batching(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<(
 pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
     let questions = cli.questions();
     let window = cli.demo.window;
-    let mut engine = workloads::sliding_window(model, tokenizer, &questions, 2, window, cli.demo.max_new)?;
+    let mut engine = workloads::sliding_window(
+        model,
+        tokenizer,
+        &questions,
+        2,
+        window,
+        cli.demo.max_new,
+        cli.model.kv_type,
+    )?;
     let config = engine.cache().config().clone();
     println!(
         "\n== sliding window: {} sequences attending to their last {window} positions ==",
@@ -136,7 +151,8 @@ pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()>
 pub fn shift(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
     let questions = cli.questions();
     let ctx = cli.demo.context;
-    let Some(mut engine) = workloads::context_shift(model, tokenizer, &questions[0], ctx)? else {
+    let Some(mut engine) = workloads::context_shift(model, tokenizer, &questions[0], ctx, cli.model.kv_type)?
+    else {
         println!(
             "\n== context shift: skipped (prompt of {} tokens does not fit --context {ctx}) ==",
             tokenizer.encode_user(&questions[0])?.len()

@@ -6,9 +6,10 @@
 //! Each function builds a [`CausalKvCache`] sized for the workload, an
 //! [`Engine`] over it, and submits the requests; the caller runs the engine
 //! (`Engine::run`) and sees its [`Event`]s. Request `i` asks `questions[i]`
-//! (cycling when there are fewer questions than requests).
+//! (cycling when there are fewer questions than requests). `kv` is how the cache
+//! stores keys and values (f32, f16, bf16 or q8_0), whatever the model computes in.
 
-use kvcache_api::{CausalConfig, SlidingWindow};
+use kvcache_api::{CausalConfig, KvStorage, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 
 use crate::engine::{Engine, EngineConfig, Event, Request};
@@ -48,6 +49,7 @@ pub fn continuous_batching<'m>(
     conversations: usize,
     slots: usize,
     max_new: usize,
+    kv: KvStorage,
 ) -> Result<CausalEngine<'m>> {
     let slots = slots.min(conversations);
     if slots == 0 || max_new == 0 {
@@ -56,7 +58,7 @@ pub fn continuous_batching<'m>(
              ({conversations} conversations, {slots} slots, {max_new} tokens)"
         )));
     }
-    let cache = causal_cache(model, CausalConfig::new(slots, 512, 256))?;
+    let cache = causal_cache(model, CausalConfig::new(slots, 512, 256).with_kv_storage(kv))?;
     let mut engine = Engine::new(
         model,
         cache,
@@ -88,6 +90,7 @@ pub fn sliding_window<'m>(
     sequences: usize,
     window: usize,
     max_new: usize,
+    kv: KvStorage,
 ) -> Result<CausalEngine<'m>> {
     let sequences = sequences.min(questions.len());
     if sequences == 0 || window == 0 || max_new == 0 {
@@ -96,7 +99,9 @@ pub fn sliding_window<'m>(
              ({sequences} sequences, window {window}, {max_new} tokens)"
         )));
     }
-    let config = CausalConfig::new(sequences, 4096, 128).with_window(SlidingWindow::new(window));
+    let config = CausalConfig::new(sequences, 4096, 128)
+        .with_window(SlidingWindow::new(window))
+        .with_kv_storage(kv);
     let cache = causal_cache(model, config)?;
     let mut engine = Engine::new(
         model,
@@ -127,12 +132,13 @@ pub fn context_shift<'m>(
     tokenizer: &ChatTokenizer,
     question: &str,
     context: usize,
+    kv: KvStorage,
 ) -> Result<Option<CausalEngine<'m>>> {
     let prompt = tokenizer.encode_user(question)?;
     if prompt.len() + 2 > context {
         return Ok(None);
     }
-    let cache = causal_cache(model, CausalConfig::new(1, context + 1, 64))?;
+    let cache = causal_cache(model, CausalConfig::new(1, context + 1, 64).with_kv_storage(kv))?;
     let mut engine = Engine::new(
         model,
         cache,
