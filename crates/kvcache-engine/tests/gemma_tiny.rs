@@ -43,7 +43,7 @@ fn run_conversation(v_layout: VLayout) -> (f32, usize, f32) {
     let base = CausalConfig::new(2, 64, 16).with_v_layout(v_layout);
     let cache = model.new_cache(&base, 16, &Device::Cpu).unwrap();
     let mut pair = Pair::new(&model, cache, 1);
-    conversation(&mut pair, 8, &tokens(48, 2), &tokens(16, 3), 5)
+    conversation(&mut pair, 8, &tokens(48, 2), &tokens(16, 3), 5, true)
 }
 
 #[test]

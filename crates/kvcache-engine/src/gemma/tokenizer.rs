@@ -16,6 +16,8 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
+use ahash::AHashMap;
+
 use candle_core::quantized::gguf_file::Value;
 
 use crate::{EngineError, Result};
@@ -62,14 +64,16 @@ pub struct GemmaTokenizer {
     scores: Vec<f32>,
     kinds: Vec<TokenKind>,
     /// Normal pieces by text (what merges may produce).
-    normal: HashMap<String, u32>,
+    normal: AHashMap<String, u32>,
     /// Byte `b` as token `bytes[b]`.
     bytes: [u32; 256],
     /// Tokens matched whole, by text: user-defined ones (`.1 == false`) and
     /// control ones (`.1 == true`).
-    whole: HashMap<String, (u32, bool)>,
-    /// Distinct byte lengths of `whole`'s texts, longest first.
-    whole_lengths: Vec<usize>,
+    whole: AHashMap<String, (u32, bool)>,
+    /// For the first two bytes of a whole token's text (one byte for a
+    /// one-byte text, then `0` second), the distinct byte lengths of the
+    /// whole tokens starting so, longest first.
+    whole_lengths: AHashMap<[u8; 2], Vec<usize>>,
     bos: u32,
     eos: u32,
     start_of_turn: u32,
@@ -139,8 +143,8 @@ impl GemmaTokenizer {
                 "bos {bos} or eos {eos} outside the vocabulary of {n}"
             )));
         }
-        let mut normal = HashMap::new();
-        let mut whole = HashMap::new();
+        let mut normal = AHashMap::new();
+        let mut whole = AHashMap::new();
         let mut bytes = [u32::MAX; 256];
         for (i, (piece, kind)) in pieces.iter().zip(&kinds).enumerate() {
             let i = i as u32;
@@ -174,9 +178,17 @@ impl GemmaTokenizer {
                 .ok_or_else(|| EngineError::Format(format!("no {text} token")))
         };
         let (start_of_turn, end_of_turn) = (marker("<start_of_turn>")?, marker("<end_of_turn>")?);
-        let mut whole_lengths: Vec<usize> = whole.keys().map(String::len).collect();
-        whole_lengths.sort_unstable_by(|a, b| b.cmp(a));
-        whole_lengths.dedup();
+        let mut whole_lengths: AHashMap<[u8; 2], Vec<usize>> = AHashMap::new();
+        for text in whole.keys() {
+            whole_lengths
+                .entry(lead(text.as_bytes()))
+                .or_default()
+                .push(text.len());
+        }
+        for lengths in whole_lengths.values_mut() {
+            lengths.sort_unstable_by(|a, b| b.cmp(a));
+            lengths.dedup();
+        }
         Ok(GemmaTokenizer {
             pieces,
             scores,
@@ -219,13 +231,21 @@ impl GemmaTokenizer {
 
     /// The longest token matched whole at the start of `text`, and its length.
     fn whole_at(&self, text: &str, parse_special: bool) -> Option<(u32, usize)> {
-        self.whole_lengths.iter().find_map(|&len| {
-            let candidate = text.get(..len)?;
-            match self.whole.get(candidate) {
-                Some(&(id, control)) if parse_special || !control => Some((id, len)),
-                _ => None,
-            }
-        })
+        let bytes = text.as_bytes();
+        // One-byte whole tokens (a newline) are keyed with a 0 second byte.
+        let keys = [lead(bytes), [bytes[0], 0]];
+        let keys = if bytes.len() > 1 { &keys[..] } else { &keys[..1] };
+        keys.iter()
+            .filter_map(|key| self.whole_lengths.get(key))
+            .flat_map(|lengths| lengths.iter())
+            .filter_map(|&len| {
+                let candidate = text.get(..len)?;
+                match self.whole.get(candidate) {
+                    Some(&(id, control)) if parse_special || !control => Some((id, len)),
+                    _ => None,
+                }
+            })
+            .max_by_key(|&(_, len)| len)
     }
 
     /// Step 2 and 3 of the module docs for one fragment free of whole tokens.
@@ -379,6 +399,12 @@ impl GemmaTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()
     }
+}
+
+/// The key of [`GemmaTokenizer::whole_lengths`] for a text starting with `bytes`
+/// (not empty).
+fn lead(bytes: &[u8]) -> [u8; 2] {
+    [bytes[0], bytes.get(1).copied().unwrap_or(0)]
 }
 
 /// Gemma's turn format for a user message followed by the model's turn.
