@@ -1,0 +1,116 @@
+//! Errors as OpenAI sends them: a status and
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// A request the server refuses, or a failure while serving it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// What went wrong, for a person.
+    pub message: String,
+    /// OpenAI's error type (`invalid_request_error`, `server_error`, ...).
+    pub kind: &'static str,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    /// A machine-readable code (`model_not_found`, `context_length_exceeded`, ...).
+    pub code: Option<&'static str>,
+    /// Seconds after which a retry may succeed (sent as `Retry-After`).
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// Sets the code.
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// 404: the model named is not served here.
+    pub fn unknown_model(model: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            ..ApiError::invalid(Some("model"), format!("The model `{model}` does not exist"))
+        }
+        .with_code("model_not_found")
+    }
+
+    /// 503 with `Retry-After`: the queue is full.
+    pub fn overloaded(in_flight: usize) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!("The server is busy ({in_flight} requests in flight); retry shortly"),
+            kind: "server_error",
+            param: None,
+            code: Some("server_overloaded"),
+            retry_after: Some(1),
+        }
+    }
+
+    /// 500: the engine failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 404 for a path the server does not serve.
+    pub fn not_found(path: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            ..ApiError::invalid(None, format!("No route for {path}"))
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        #[derive(Serialize)]
+        struct Inner<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: Option<&'a str>,
+        }
+        serde_json::json!({
+            "error": Inner {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}

@@ -1,0 +1,287 @@
+//! One request's way through the server: its options checked and turned
+//! into a [`Job`], then its tokens turned back into text pieces (whole UTF-8
+//! characters only, the end-of-sequence token left out, stop sequences cut).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvcache_api::Namespace;
+use kvcache_engine::sampling::{Sampler, SamplingParams, StopText};
+use kvcache_engine::ChatTokenizer;
+use tokio::sync::mpsc;
+
+use crate::error::ApiError;
+use crate::openai::{GenerationOptions, Usage};
+use crate::worker::{Job, JobEvent};
+use crate::AppState;
+
+/// Most stop sequences a request may give (OpenAI's limit).
+const MAX_STOPS: usize = 4;
+
+/// A request's options, checked.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop sequences.
+    pub stops: Vec<String>,
+    /// The tenant's namespace.
+    pub namespace: Namespace,
+    /// Stream as server-sent events.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+}
+
+/// Checks `options` for a prompt of `prompt` tokens served under `model`.
+pub fn check(
+    state: &AppState,
+    model: &str,
+    prompt: Vec<u32>,
+    options: GenerationOptions,
+    max_tokens: Option<u64>,
+) -> Result<Checked, ApiError> {
+    if model != state.config.model_name {
+        return Err(ApiError::unknown_model(model));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(Some("prompt"), "The prompt is empty"));
+    }
+    let vocab = state.tokenizer.vocab_size() as u32;
+    if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::invalid(
+            Some("prompt"),
+            format!("Token id {bad} is outside the vocabulary of {vocab} tokens"),
+        ));
+    }
+    let context = state.config.context;
+    // One position is left for the first generated token.
+    if prompt.len() + 1 > context {
+        return Err(ApiError::invalid(
+            Some("messages"),
+            format!(
+                "This model's maximum context length is {context} tokens; the prompt has {} tokens",
+                prompt.len()
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    if options.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(Some("n"), "Only n = 1 is supported"));
+    }
+    let max_tokens = match max_tokens.or(options.max_tokens) {
+        Some(0) => {
+            return Err(ApiError::invalid(
+                Some("max_tokens"),
+                "max_tokens must be at least 1",
+            ))
+        }
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        None => state.config.default_max_tokens,
+    };
+    let sampling = SamplingParams {
+        temperature: options.temperature.unwrap_or(1.0),
+        top_p: options.top_p.unwrap_or(1.0),
+        seed: options.seed.map(|s| s as u64),
+    };
+    if let Err(e) = sampling.validate() {
+        let param = if (0.0..=2.0).contains(&sampling.temperature) {
+            "top_p"
+        } else {
+            "temperature"
+        };
+        return Err(ApiError::invalid(Some(param), e.to_string()));
+    }
+    let stops = options.stop.map(|s| s.into_vec()).unwrap_or_default();
+    if stops.len() > MAX_STOPS {
+        return Err(ApiError::invalid(
+            Some("stop"),
+            format!("At most {MAX_STOPS} stop sequences"),
+        ));
+    }
+    let namespace = Namespace::from_salt(options.cache_salt.as_deref())
+        .map_err(|e| ApiError::invalid(Some("cache_salt"), e.to_string()))?;
+    Ok(Checked {
+        // Never past the context: the engine would shift it.
+        max_tokens: max_tokens.min(context - prompt.len()),
+        prompt,
+        sampling,
+        stops,
+        namespace,
+        stream: options.stream,
+        include_usage: options.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+/// What a generation yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// More text.
+    Text(String),
+    /// The end: why, and the token counts.
+    End {
+        /// `stop` or `length`.
+        finish_reason: &'static str,
+        /// Token counts.
+        usage: Usage,
+    },
+}
+
+/// A request running on the engine; dropping it cancels it there.
+pub struct Generation {
+    events: Option<mpsc::UnboundedReceiver<JobEvent>>,
+    state: AppState,
+    tokenizer: Arc<ChatTokenizer>,
+    prompt_tokens: usize,
+    /// Generated tokens, end-of-sequence excluded.
+    tokens: Vec<u32>,
+    completion_tokens: usize,
+    /// Bytes of the decoded text already handed to the stop filter.
+    decoded: usize,
+    stop: StopText,
+    started: Instant,
+    cached_tokens: usize,
+    pending: VecDeque<Piece>,
+    ended: bool,
+}
+
+impl std::fmt::Debug for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generation")
+            .field("prompt_tokens", &self.prompt_tokens)
+            .field("completion_tokens", &self.completion_tokens)
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Generation {
+    /// Submits `checked` to the engine; refuses with 503 when the queue is full.
+    pub fn start(state: &AppState, checked: Checked, started: Instant) -> Result<Generation, ApiError> {
+        let limit = state.config.max_sequences + state.config.max_queue;
+        let in_flight = state.metrics.in_flight.fetch_add(1, Ordering::SeqCst);
+        if in_flight >= limit {
+            state.metrics.in_flight.fetch_sub(1, Ordering::SeqCst);
+            state.metrics.overloaded.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::overloaded(in_flight));
+        }
+        // From here on, `Drop` gives the in-flight place back.
+        let (tx, rx) = mpsc::unbounded_channel();
+        let generation = Generation {
+            events: Some(rx),
+            state: state.clone(),
+            tokenizer: state.tokenizer.clone(),
+            prompt_tokens: checked.prompt.len(),
+            tokens: Vec::new(),
+            completion_tokens: 0,
+            decoded: 0,
+            stop: StopText::new(checked.stops),
+            started,
+            cached_tokens: 0,
+            pending: VecDeque::new(),
+            ended: false,
+        };
+        let sampler = Sampler::new(checked.sampling).map_err(|e| ApiError::invalid(None, e.to_string()))?;
+        let job = Job {
+            prompt: checked.prompt,
+            max_tokens: checked.max_tokens,
+            namespace: checked.namespace,
+            sampler,
+            events: tx,
+        };
+        if !state.worker.submit(job) {
+            return Err(ApiError::internal("The engine has stopped"));
+        }
+        state.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        Ok(generation)
+    }
+
+    /// The next piece; `None` after the end.
+    pub async fn next(&mut self) -> Option<Result<Piece, ApiError>> {
+        loop {
+            if let Some(piece) = self.pending.pop_front() {
+                return Some(Ok(piece));
+            }
+            if self.ended {
+                return None;
+            }
+            let event = match self.events.as_mut() {
+                Some(events) => events.recv().await,
+                None => None,
+            };
+            match event {
+                None => {
+                    self.ended = true;
+                    return Some(Err(ApiError::internal("The engine dropped the request")));
+                }
+                Some(JobEvent::Started { cached_tokens }) => self.cached_tokens = cached_tokens,
+                Some(JobEvent::Token(token)) => self.token(token),
+                Some(JobEvent::Finished { cached_tokens, eos }) => {
+                    self.cached_tokens = cached_tokens;
+                    let rest = self.stop.finish();
+                    if !rest.is_empty() {
+                        self.pending.push_back(Piece::Text(rest));
+                    }
+                    self.end(if eos { "stop" } else { "length" });
+                }
+                Some(JobEvent::Failed(message)) => {
+                    self.ended = true;
+                    return Some(Err(ApiError::internal(message)));
+                }
+            }
+        }
+    }
+
+    fn token(&mut self, token: u32) {
+        if self.completion_tokens == 0 {
+            self.state.metrics.observe_ttft(self.started.elapsed());
+        }
+        self.completion_tokens += 1;
+        if token == self.tokenizer.eos_token_id() {
+            return;
+        }
+        self.tokens.push(token);
+        let Some(new) = self.new_text() else { return };
+        let out = self.stop.push(&new);
+        if !out.text.is_empty() {
+            self.pending.push_back(Piece::Text(out.text));
+        }
+        if out.stopped {
+            // Dropping the receiver cancels the request on the engine.
+            self.events = None;
+            self.end("stop");
+        }
+    }
+
+    fn end(&mut self, finish_reason: &'static str) {
+        self.ended = true;
+        self.pending.push_back(Piece::End {
+            finish_reason,
+            usage: Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+        });
+    }
+
+    /// Text decoded since the last call, or `None` while the tokens end in
+    /// an incomplete UTF-8 character.
+    fn new_text(&mut self) -> Option<String> {
+        let text = self.tokenizer.decode(&self.tokens).ok()?;
+        if text.ends_with('\u{fffd}') {
+            return None;
+        }
+        let new = text.get(self.decoded..)?.to_string();
+        self.decoded = text.len();
+        Some(new)
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        self.state.metrics.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,105 @@
+//! `kvcache-server`: the OpenAI-compatible server on the kvcache-rs engine.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use kvcache_server::{router, AppState, ServerConfig};
+
+/// Serve SmolLM2 through an OpenAI-compatible HTTP API (chat completions,
+/// completions, models), with continuous batching and prefix reuse across
+/// requests on the kvcache-rs causal cache.
+///
+/// Requests with the same `cache_salt` share cached prefixes; different salts
+/// never do. `GET /metrics` reports the cache in Prometheus' text format.
+#[derive(Debug, Parser)]
+#[command(name = "kvcache-server", version, about, long_about)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The GGUF model file [default: $KVCACHE_MODEL, else the model `cargo xtask prepare` cached].
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The model name clients send and `/v1/models` lists.
+    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
+    served_model_name: String,
+    /// Sequences in the cache: running requests plus finished ones kept for reuse.
+    #[arg(long, default_value_t = 16)]
+    max_sequences: usize,
+    /// Positions per sequence (prompt plus generated tokens).
+    #[arg(long, default_value_t = 2048)]
+    context: usize,
+    /// Most tokens in one forward pass.
+    #[arg(long, default_value_t = 256)]
+    max_batch: usize,
+    /// Longest prompt chunk of one request in one forward pass.
+    #[arg(long, default_value_t = 128)]
+    prefill_chunk: usize,
+    /// Requests waiting beyond --max-sequences before new ones get 503 and Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Seconds a finished sequence stays cached for reuse.
+    #[arg(long, default_value_t = 300.0)]
+    idle_ttl: f64,
+    /// Tokens generated when a request gives no max_tokens.
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvcache-server: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let model = args
+        .model
+        .clone()
+        .or_else(kvcache_engine::paths::model_path)
+        .ok_or("no model: pass --model, set KVCACHE_MODEL, or run `cargo xtask prepare --model`")?;
+    if !(args.idle_ttl.is_finite() && args.idle_ttl >= 0.0) {
+        return Err("--idle-ttl must be a non-negative number of seconds".into());
+    }
+    let config = ServerConfig {
+        model_name: args.served_model_name,
+        max_sequences: args.max_sequences,
+        context: args.context,
+        max_batch: args.max_batch,
+        prefill_chunk: args.prefill_chunk,
+        max_queue: args.max_queue,
+        idle_ttl: Duration::from_secs_f64(args.idle_ttl),
+        default_max_tokens: args.default_max_tokens,
+    };
+    eprintln!("kvcache-server: loading {}", model.display());
+    let state = AppState::load(&model, config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let addr: SocketAddr = tokio::net::lookup_host((args.host.as_str(), args.port))
+            .await?
+            .next()
+            .ok_or("the host resolves to no address")?;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        println!("kvcache-server: listening on http://{}", listener.local_addr()?);
+        axum::serve(listener, router(state))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok::<(), Box<dyn std::error::Error>>(())
+    })
+}

@@ -1,0 +1,184 @@
+//! `GET /metrics`: the engine's gauges and the server's counters in
+//! Prometheus' text format.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::worker::Gauges;
+
+/// Upper bounds (seconds) of the time-to-first-token histogram's buckets.
+const TTFT_BUCKETS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// The server's own counters (the engine's come from [`Gauges`]).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Requests accepted for generation.
+    pub requests: AtomicU64,
+    /// Requests refused with a 4xx.
+    pub rejected: AtomicU64,
+    /// Requests refused because the queue was full.
+    pub overloaded: AtomicU64,
+    /// Requests submitted and not yet answered in full.
+    pub in_flight: AtomicUsize,
+    ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
+    ttft_count: AtomicU64,
+    ttft_micros: AtomicU64,
+}
+
+impl Metrics {
+    /// Records one time to first token.
+    pub fn observe_ttft(&self, ttft: Duration) {
+        let secs = ttft.as_secs_f64();
+        for (bucket, &bound) in self.ttft_buckets.iter().zip(&TTFT_BUCKETS) {
+            if secs <= bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.ttft_count.fetch_add(1, Ordering::Relaxed);
+        self.ttft_micros
+            .fetch_add(ttft.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text of these counters and the engine's `gauges`.
+    pub fn render(&self, g: &Gauges) -> String {
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        };
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        metric(
+            "kvcache_prefix_hits_total",
+            "counter",
+            "Requests that started from cached cells.",
+            g.reuse.hits as f64,
+        );
+        metric(
+            "kvcache_prefix_misses_total",
+            "counter",
+            "Requests that found no cached prefix.",
+            g.reuse.misses as f64,
+        );
+        metric(
+            "kvcache_prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens reused from cached cells instead of evaluated.",
+            g.reuse.reused_tokens as f64,
+        );
+        metric(
+            "kvcache_prompt_tokens_evaluated_total",
+            "counter",
+            "Prompt tokens evaluated by the model.",
+            g.reuse.evaluated_tokens as f64,
+        );
+        metric(
+            "kvcache_evictions_total",
+            "counter",
+            "Idle cached sequences dropped.",
+            g.reuse.evictions as f64,
+        );
+        metric(
+            "kvcache_requests_cancelled_total",
+            "counter",
+            "Requests cancelled because their client went away or a stop sequence ended them.",
+            g.reuse.cancelled as f64,
+        );
+        metric(
+            "kvcache_generated_tokens_total",
+            "counter",
+            "Tokens generated.",
+            g.generated_tokens as f64,
+        );
+        metric(
+            "kvcache_forward_passes_total",
+            "counter",
+            "Forward passes run.",
+            g.passes as f64,
+        );
+        metric(
+            "kvcache_cells_in_use",
+            "gauge",
+            "KV cells held by at least one sequence.",
+            g.cells_in_use as f64,
+        );
+        metric(
+            "kvcache_cells_total",
+            "gauge",
+            "KV cells in the cache.",
+            g.cells_total as f64,
+        );
+        metric(
+            "kvcache_sequences_active",
+            "gauge",
+            "Requests holding a sequence.",
+            g.active as f64,
+        );
+        metric(
+            "kvcache_sequences_idle",
+            "gauge",
+            "Finished sequences kept for prefix reuse.",
+            g.idle as f64,
+        );
+        metric(
+            "kvcache_queue_depth",
+            "gauge",
+            "Requests accepted and not yet holding a sequence.",
+            self.in_flight.load(Ordering::Relaxed).saturating_sub(g.active) as f64,
+        );
+        metric(
+            "kvcache_requests_in_flight",
+            "gauge",
+            "Requests accepted and not yet answered in full.",
+            self.in_flight.load(Ordering::Relaxed) as f64,
+        );
+        metric(
+            "kvcache_requests_total",
+            "counter",
+            "Generation requests accepted.",
+            load(&self.requests),
+        );
+        metric(
+            "kvcache_requests_rejected_total",
+            "counter",
+            "Requests refused as invalid.",
+            load(&self.rejected),
+        );
+        metric(
+            "kvcache_requests_overloaded_total",
+            "counter",
+            "Requests refused with 503 because the queue was full.",
+            load(&self.overloaded),
+        );
+        let name = "kvcache_time_to_first_token_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} From receiving a request to its first generated token.\n# TYPE {name} histogram"
+        );
+        for (bucket, bound) in self.ttft_buckets.iter().zip(TTFT_BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", load(bucket));
+        }
+        let count = load(&self.ttft_count);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {}", load(&self.ttft_micros) / 1e6);
+        let _ = writeln!(out, "{name}_count {count}");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let m = Metrics::default();
+        m.observe_ttft(Duration::from_millis(30));
+        m.observe_ttft(Duration::from_millis(300));
+        let text = m.render(&Gauges::default());
+        assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"));
+        assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n"));
+        assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.5\"} 2\n"));
+        assert!(text.contains("kvcache_time_to_first_token_seconds_count 2\n"));
+        assert!(text.contains("kvcache_time_to_first_token_seconds_sum 0.33\n"));
+    }
+}

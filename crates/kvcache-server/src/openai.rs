@@ -1,0 +1,163 @@
+//! The request and response bodies of OpenAI's chat completions and
+//! completions APIs, as far as this server implements them. Unknown fields
+//! are ignored; known fields of the wrong type are a 400.
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The model to use.
+    pub model: String,
+    /// The conversation so far.
+    pub messages: Vec<ChatMessage>,
+    /// The shared generation options.
+    #[serde(flatten)]
+    pub options: GenerationOptions,
+    /// Newer name of `max_tokens`.
+    pub max_completion_tokens: Option<u64>,
+}
+
+/// One message of a chat.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `developer`, `user` or `assistant`.
+    pub role: String,
+    /// Text, or text parts.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+/// A message's content: a string or a list of parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Parts; only text parts are accepted.
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// The part's type (`text`).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Its text.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The model to use.
+    pub model: String,
+    /// Text or token ids (one prompt).
+    pub prompt: Prompt,
+    /// The shared generation options.
+    #[serde(flatten)]
+    pub options: GenerationOptions,
+}
+
+/// A completion prompt in any of OpenAI's four shapes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text.
+    Text(String),
+    /// One prompt as token ids.
+    Tokens(Vec<u32>),
+    /// Several texts (only one is accepted).
+    Texts(Vec<String>),
+    /// Several token-id prompts (only one is accepted).
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// Options both endpoints share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct GenerationOptions {
+    /// Most tokens to generate.
+    pub max_tokens: Option<u64>,
+    /// 0 (greedy) to 2.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass, in (0, 1].
+    pub top_p: Option<f32>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<i64>,
+    /// Stop sequences: a string or up to 4 strings.
+    pub stop: Option<Stop>,
+    /// Stream the answer as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Choices to generate; only 1 is supported.
+    pub n: Option<u32>,
+    /// The tenant's cache salt (vLLM's field): prefixes are shared only between
+    /// requests with the same salt.
+    pub cache_salt: Option<String>,
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop sequence.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+impl Stop {
+    /// The stop sequences as a list.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` and no choices.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+    /// Of the prompt tokens, how many came from the cache.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose keys and values were reused from earlier requests.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    /// Usage of a request of `prompt` tokens, `completion` generated, `cached` reused.
+    pub fn new(prompt: usize, completion: usize, cached: usize) -> Self {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! The HTTP endpoints: OpenAI's chat completions, completions and models, and
+//! `/health` and `/metrics`.
+
+use std::convert::Infallible;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode, Uri};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use kvcache_engine::tokenizer::{chatml, Message, Role};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::generation::{check, Checked, Generation, Piece};
+use crate::openai::{ChatMessage, ChatRequest, CompletionRequest, MessageContent, Prompt, Usage};
+use crate::AppState;
+
+/// The server's routes over `state`.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .with_state(state)
+}
+
+/// Parses a JSON body, answering malformed JSON and wrong types with a 400.
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(None, format!("Invalid request body: {e}")))
+}
+
+/// Counts a refusal and passes it on.
+fn rejected(state: &AppState, error: ApiError) -> ApiError {
+    if error.status.is_client_error() {
+        state
+            .metrics
+            .rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    error
+}
+
+async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let result = async {
+        let req: ChatRequest = parse(&body)?;
+        let prompt = chat_prompt(&state, &req.messages)?;
+        let checked = check(&state, &req.model, prompt, req.options, req.max_completion_tokens)?;
+        Ok::<_, ApiError>((req.model, checked))
+    }
+    .await;
+    match result {
+        Ok((model, checked)) => respond(state, Kind::Chat, model, checked, started).await,
+        Err(e) => rejected(&state, e).into_response(),
+    }
+}
+
+async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let result = async {
+        let req: CompletionRequest = parse(&body)?;
+        let prompt = match req.prompt {
+            Prompt::Text(text) => encode(&state, &text)?,
+            Prompt::Tokens(ids) => ids,
+            Prompt::Texts(mut texts) if texts.len() == 1 => encode(&state, &texts.remove(0))?,
+            Prompt::TokenLists(mut lists) if lists.len() == 1 => lists.remove(0),
+            _ => {
+                return Err(ApiError::invalid(
+                    Some("prompt"),
+                    "Exactly one prompt is supported",
+                ))
+            }
+        };
+        let checked = check(&state, &req.model, prompt, req.options, None)?;
+        Ok::<_, ApiError>((req.model, checked))
+    }
+    .await;
+    match result {
+        Ok((model, checked)) => respond(state, Kind::Completion, model, checked, started).await,
+        Err(e) => rejected(&state, e).into_response(),
+    }
+}
+
+fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    state
+        .tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))
+}
+
+/// The ChatML prompt of `messages`, ending with the assistant's turn opened.
+fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid(Some("messages"), "messages must not be empty"));
+    }
+    let mut chat = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "developer" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            other => {
+                return Err(ApiError::invalid(
+                    Some(&format!("messages[{i}].role")),
+                    format!("Unsupported role `{other}`"),
+                ))
+            }
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(MessageContent::Text(text)) => text.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                Some(&format!("messages[{i}].content")),
+                                format!("Unsupported content part `{}`", part.kind),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        chat.push(Message::new(role, content));
+    }
+    encode(state, &chatml(&chat, true))
+}
+
+/// Which API a response follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// What every response carries: id, creation time and model.
+#[derive(Debug, Clone)]
+struct Header {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Header {
+    fn new(kind: Kind, model: String) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let prefix = match kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        };
+        Header {
+            kind,
+            id: format!("{prefix}-{created:x}{n:06x}"),
+            created,
+            model,
+        }
+    }
+
+    /// The whole answer of a non-streamed request.
+    fn complete(&self, text: String, finish_reason: &str, usage: Usage) -> Value {
+        match self.kind {
+            Kind::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish_reason,
+                    "logprobs": null,
+                }],
+                "usage": usage,
+            }),
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null}],
+                "usage": usage,
+            }),
+        }
+    }
+
+    /// One streamed chunk: `text` (or the role, first) and `finish_reason`.
+    fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
+        match self.kind {
+            Kind::Chat => {
+                let delta = match (first, text) {
+                    (true, _) => json!({"role": "assistant", "content": ""}),
+                    (false, Some(t)) => json!({"content": t}),
+                    (false, None) => json!({}),
+                };
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": null}],
+                })
+            }
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish_reason, "logprobs": null}],
+            }),
+        }
+    }
+
+    /// The last streamed chunk when usage was asked for: no choices.
+    fn usage_chunk(&self, usage: Usage) -> Value {
+        let object = match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        };
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [], "usage": usage,
+        })
+    }
+}
+
+async fn respond(state: AppState, kind: Kind, model: String, checked: Checked, started: Instant) -> Response {
+    let (stream, include_usage) = (checked.stream, checked.include_usage);
+    let generation = match Generation::start(&state, checked, started) {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    let header = Header::new(kind, model);
+    if stream {
+        return Sse::new(sse_events(header, generation, include_usage))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+    let mut generation = generation;
+    let mut text = String::new();
+    while let Some(piece) = generation.next().await {
+        match piece {
+            Ok(Piece::Text(t)) => text.push_str(&t),
+            Ok(Piece::End { finish_reason, usage }) => {
+                return Json(header.complete(text, finish_reason, usage)).into_response()
+            }
+            Err(e) => return e.into_response(),
+        }
+    }
+    ApiError::internal("The request ended without an answer").into_response()
+}
+
+/// The server-sent events of a streamed answer: a first chunk (the role, for
+/// chat), one per text piece, one with the finish reason, the usage when
+/// asked, then `[DONE]`. Dropping the stream (the client went away) drops the
+/// generation, which cancels it on the engine.
+fn sse_events(
+    header: Header,
+    generation: Generation,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    struct Streaming {
+        header: Header,
+        generation: Generation,
+        include_usage: bool,
+        queue: std::collections::VecDeque<SseEvent>,
+        done: bool,
+    }
+    let mut queue = std::collections::VecDeque::new();
+    if header.kind == Kind::Chat {
+        queue.push_back(data(&header.chunk(None, true, None)));
+    }
+    let start = Streaming {
+        header,
+        generation,
+        include_usage,
+        queue,
+        done: false,
+    };
+    stream::unfold(start, |mut s| async move {
+        loop {
+            if let Some(event) = s.queue.pop_front() {
+                return Some((Ok(event), s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.generation.next().await {
+                Some(Ok(Piece::Text(t))) => s.queue.push_back(data(&s.header.chunk(Some(&t), false, None))),
+                Some(Ok(Piece::End { finish_reason, usage })) => {
+                    s.queue
+                        .push_back(data(&s.header.chunk(None, false, Some(finish_reason))));
+                    if s.include_usage {
+                        s.queue.push_back(data(&s.header.usage_chunk(usage)));
+                    }
+                    s.queue.push_back(SseEvent::default().data("[DONE]"));
+                    s.done = true;
+                }
+                Some(Err(e)) => {
+                    s.queue.push_back(data(&e.body()));
+                    s.done = true;
+                }
+                None => s.done = true,
+            }
+        }
+    })
+}
+
+fn data(value: &Value) -> SseEvent {
+    SseEvent::default().data(value.to_string())
+}
+
+async fn models(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvcache-rs",
+        }],
+    }))
+}
+
+async fn health(State(state): State<AppState>) -> Json<Value> {
+    let g = state.worker.gauges();
+    Json(json!({"status": "ok", "active": g.active, "cells_in_use": g.cells_in_use}))
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let text = state.metrics.render(&state.worker.gauges());
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        text,
+    )
+}

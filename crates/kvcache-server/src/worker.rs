@@ -1,0 +1,293 @@
+//! The engine thread: one thread owns the model and the causal cache and runs
+//! continuous batching over every request in flight.
+//!
+//! Requests arrive over a channel ([`Worker::submit`]) and join between
+//! forward passes; each pass decodes one token for every running request.
+//! Tokens go back over the request's own channel; a request whose receiver is
+//! gone (its client disconnected, or a stop sequence ended it) is cancelled
+//! and its cells freed before the next pass. Finished sequences stay in the
+//! cache for prefix reuse within their namespace (the cache salt) and age out
+//! after the configured idle time, or sooner when their slot or cells are
+//! needed.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use kvcache_api::{CausalConfig, Namespace};
+use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, ReuseStats, Stats};
+use kvcache_engine::sampling::Sampler;
+use kvcache_engine::{Llama, ModelFile, WeightMode};
+use tokio::sync::mpsc;
+
+use crate::config::ServerConfig;
+
+/// What a request's channel receives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobEvent {
+    /// The request holds a sequence now.
+    Started {
+        /// Prompt tokens taken from cached cells instead of evaluated.
+        cached_tokens: usize,
+    },
+    /// A generated token.
+    Token(u32),
+    /// The request finished on its own (end of sequence or `max_tokens`).
+    Finished {
+        /// Prompt tokens taken from cached cells instead of evaluated.
+        cached_tokens: usize,
+        /// Whether it stopped on the end-of-sequence token.
+        eos: bool,
+    },
+    /// The engine failed; the message says why.
+    Failed(String),
+}
+
+/// One generation request for the engine thread.
+#[derive(Debug)]
+pub struct Job {
+    /// Prompt token ids (non-empty, shorter than the context).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate (at least 1).
+    pub max_tokens: usize,
+    /// The tenant's namespace: prefixes are reused within it only.
+    pub namespace: Namespace,
+    /// Picks the tokens.
+    pub sampler: Sampler,
+    /// Where the tokens go.
+    pub events: mpsc::UnboundedSender<JobEvent>,
+}
+
+/// The engine's state as last seen after a pass, for `/metrics` and `/health`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Cells held by at least one sequence.
+    pub cells_in_use: usize,
+    /// Cells the cache has.
+    pub cells_total: usize,
+    /// Requests holding a sequence.
+    pub active: usize,
+    /// Requests waiting for a sequence inside the engine.
+    pub queued: usize,
+    /// Finished sequences kept for reuse.
+    pub idle: usize,
+    /// Prefix reuse counters.
+    pub reuse: ReuseStats,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Forward passes run.
+    pub passes: usize,
+}
+
+enum Command {
+    Submit(usize, Job),
+}
+
+/// A handle on the engine thread; cloning shares it.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    commands: std_mpsc::Sender<CommandBox>,
+    next_id: Arc<AtomicUsize>,
+    gauges: Arc<Mutex<Gauges>>,
+}
+
+/// `Command` behind a newtype so that `Worker` can derive `Debug`.
+struct CommandBox(Command);
+
+impl std::fmt::Debug for CommandBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Command")
+    }
+}
+
+impl Worker {
+    /// Loads the model from `file` on a new thread and starts the engine loop
+    /// there; returns once the model is loaded.
+    pub fn start(file: ModelFile, config: &ServerConfig) -> kvcache_engine::Result<Worker> {
+        let (tx, rx) = std_mpsc::channel::<CommandBox>();
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        let gauges = Arc::new(Mutex::new(Gauges::default()));
+        let thread_gauges = gauges.clone();
+        let config = config.clone();
+        std::thread::Builder::new()
+            .name("kvcache-engine".into())
+            .spawn(move || {
+                let model = match file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}) {
+                    Ok(model) => model,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let eos = file.tokenizer().ok().map(|t| t.eos_token_id());
+                let engine = match build_engine(&model, &config, eos) {
+                    Ok(engine) => engine,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(()));
+                if let Err(error) = serve(engine, &config, eos, rx, &thread_gauges) {
+                    tracing::error!(%error, "engine thread stopped");
+                }
+            })
+            .map_err(|e| kvcache_engine::EngineError::io("kvcache-engine thread", e))?;
+        ready_rx.recv().unwrap_or_else(|_| {
+            Err(kvcache_engine::EngineError::InvalidArgument(
+                "engine thread died".into(),
+            ))
+        })?;
+        Ok(Worker {
+            commands: tx,
+            next_id: Arc::new(AtomicUsize::new(0)),
+            gauges,
+        })
+    }
+
+    /// Hands `job` to the engine thread; `false` when the thread has stopped.
+    pub fn submit(&self, job: Job) -> bool {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.commands.send(CommandBox(Command::Submit(id, job))).is_ok()
+    }
+
+    /// The engine's state after its last pass.
+    pub fn gauges(&self) -> Gauges {
+        *self.gauges.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn build_engine<'m>(
+    model: &'m Llama,
+    config: &ServerConfig,
+    eos: Option<u32>,
+) -> kvcache_engine::Result<Engine<'m, CausalKvCache>> {
+    let c = model.config();
+    let shift = RopeShift::new(RopeLayout::Normal, c.head_dim, c.rope_base as f32)?;
+    let cache_config = CausalConfig::new(config.max_sequences, config.context, config.max_batch);
+    let cache = CausalKvCache::new(cache_config, Device::Cpu, Some(Box::new(shift)))?;
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: config.max_batch,
+            prefill_chunk: config.prefill_chunk,
+            context: Some(config.context),
+            keep: 4,
+            eos,
+        },
+    )?;
+    engine.set_prefix_reuse(true)?;
+    Ok(engine)
+}
+
+/// The engine loop: runs until every [`Worker`] handle is dropped.
+fn serve(
+    mut engine: Engine<'_, CausalKvCache>,
+    config: &ServerConfig,
+    eos: Option<u32>,
+    commands: std_mpsc::Receiver<CommandBox>,
+    gauges: &Mutex<Gauges>,
+) -> kvcache_engine::Result<()> {
+    let mut jobs: std::collections::HashMap<usize, mpsc::UnboundedSender<JobEvent>> = Default::default();
+    let mut stats = Stats::default();
+    let mut last_sweep = Instant::now();
+    loop {
+        // Wait for work when there is none; otherwise take what has arrived.
+        let first = if jobs.is_empty() {
+            match commands.recv_timeout(Duration::from_millis(250)) {
+                Ok(c) => Some(c),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+            }
+        } else {
+            None
+        };
+        for CommandBox(command) in first.into_iter().chain(commands.try_iter()) {
+            let Command::Submit(id, job) = command;
+            let request = Request {
+                id,
+                prompt: job.prompt,
+                max_new_tokens: job.max_tokens,
+                namespace: job.namespace,
+            };
+            match engine.submit_sampled(request, Some(job.sampler)) {
+                Ok(()) => {
+                    jobs.insert(id, job.events);
+                }
+                Err(e) => {
+                    let _ = job.events.send(JobEvent::Failed(e.to_string()));
+                }
+            }
+        }
+        // Clients that went away: cancel, freeing their cells.
+        let gone: Vec<usize> = jobs
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            engine.cancel(id)?;
+            jobs.remove(&id);
+        }
+        let mut closed = Vec::new();
+        let mut joined = Vec::new();
+        let result = engine.step(&mut stats, &mut |event| match event {
+            Event::Joined { id, .. } => joined.push(*id),
+            Event::Token { id, token } => {
+                if let Some(tx) = jobs.get(id) {
+                    if tx.send(JobEvent::Token(*token)).is_err() {
+                        closed.push(*id);
+                    }
+                }
+            }
+            Event::Finished(f) => {
+                if let Some(tx) = jobs.remove(&f.id) {
+                    let eos = f.generated.last().copied() == eos;
+                    let _ = tx.send(JobEvent::Finished {
+                        cached_tokens: f.reused,
+                        eos,
+                    });
+                }
+            }
+            _ => {}
+        });
+        if let Err(error) = result {
+            // A failed pass leaves the requests in it in an unknown state:
+            // fail them all and start over with an empty engine state.
+            tracing::error!(%error, "forward pass failed");
+            for (id, tx) in jobs.drain() {
+                let _ = tx.send(JobEvent::Failed(error.to_string()));
+                engine.cancel(id)?;
+            }
+        }
+        for id in joined {
+            if let (Some(tx), Some(cached_tokens)) = (jobs.get(&id), engine.reused_tokens(id)) {
+                let _ = tx.send(JobEvent::Started { cached_tokens });
+            }
+        }
+        for id in closed {
+            if jobs.remove(&id).is_some() {
+                engine.cancel(id)?;
+            }
+        }
+        if last_sweep.elapsed() >= Duration::from_millis(100) {
+            engine.evict_idle(config.idle_ttl)?;
+            last_sweep = Instant::now();
+        }
+        let mut g = gauges.lock().unwrap_or_else(PoisonError::into_inner);
+        *g = Gauges {
+            cells_in_use: engine.cache().used_cells(),
+            cells_total: engine.cache().num_cells(),
+            active: engine.active(),
+            queued: engine.queued(),
+            idle: engine.idle_sequences(),
+            reuse: engine.reuse_stats(),
+            generated_tokens: stats.generated_tokens,
+            passes: stats.passes,
+        };
+    }
+}

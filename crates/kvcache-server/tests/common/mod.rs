@@ -1,0 +1,113 @@
+//! Starting the server binary for a test: on loopback, on a free port, on the
+//! real model; stopped by pid when the handle drops.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A running `kvcache-server` process.
+pub struct Server {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+}
+
+impl Server {
+    /// Starts the server on the test model with `args` added; `None` (with a
+    /// printed reason) when there is no model.
+    pub fn start(args: &[&str]) -> Option<Server> {
+        let model = kvcache_engine::paths::model_path_for_tests()?;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
+            .args(["--host", "127.0.0.1", "--port", "0", "--context", "1024"])
+            .arg("--model")
+            .arg(model)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvcache-server");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(url) = line.strip_prefix("kvcache-server: listening on ") {
+                    let _ = tx.send(url.to_string());
+                }
+            }
+        });
+        let base = match rx.recv_timeout(Duration::from_secs(300)) {
+            Ok(base) => base,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("kvcache-server did not print its address");
+            }
+        };
+        Some(Server { child, base })
+    }
+
+    /// The server's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `base` + `/v1`, for OpenAI clients.
+    pub fn api_base(&self) -> String {
+        format!("{}/v1", self.base)
+    }
+
+    /// The server's resident memory in KiB (`VmRSS` of /proc/PID/status).
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The value of metric `name` in `GET /metrics`.
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.base))
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        metric_value(&text, name)
+    }
+
+    /// Waits until metric `name` equals `want` (the engine thread publishes
+    /// after its next pass); panics after 30 s.
+    pub async fn wait_metric(&self, name: &str, want: f64) {
+        for _ in 0..300 {
+            if self.metric(name).await == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{name} never reached {want}: {}", self.metric(name).await);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // Child::kill sends SIGKILL to exactly this pid.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of the unlabelled metric `name` in Prometheus text.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing"))
+}
