@@ -6,7 +6,7 @@
 //! the rest (pausing where the trie wants branch-point snapshots), then decodes
 //! greedily, and closing the session stores what the caches hold.
 
-use kvcache_mlx::layers::KvCache;
+use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
 use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
 
 use super::MlxLlama;
@@ -32,7 +32,20 @@ impl<'m> MlxChatServer<'m> {
     /// A server whose trie keeps at most `budget_bytes` of snapshots; the layer
     /// caches grow in steps of `kvcache_mlx::layers::DEFAULT_STEP` positions.
     pub fn new(model: &'m MlxLlama, budget_bytes: usize) -> Result<Self> {
-        let caches = (0..model.config().n_layers).map(|_| KvCache::new()).collect();
+        Self::with_snapshot_encoding(model, budget_bytes, SnapshotEncoding::Full)
+    }
+
+    /// A server whose layer caches keep their snapshots as `encoding` says
+    /// ([`SnapshotEncoding::Q8`]: 8-bit, so the same `budget_bytes` holds about
+    /// 2x the snapshots of f16 layers, 3.6x of f32 ones).
+    pub fn with_snapshot_encoding(
+        model: &'m MlxLlama,
+        budget_bytes: usize,
+        encoding: SnapshotEncoding,
+    ) -> Result<Self> {
+        let caches = (0..model.config().n_layers)
+            .map(|_| KvCache::new().with_snapshot_encoding(encoding))
+            .collect::<kvcache_api::Result<Vec<_>>>()?;
         Ok(MlxChatServer {
             model,
             trie: PrefixCache::new(caches, budget_bytes)?,
