@@ -40,6 +40,10 @@ async fn stream(http: &reqwest::Client, url: &str, body: &Value) -> Result<(Stri
         buffer.push_str(std::str::from_utf8(&bytes).map_err(|e| e.to_string())?);
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
+            // A comment (the server's keep-alive) carries no data.
+            if event.starts_with(':') {
+                continue;
+            }
             let data = event
                 .trim()
                 .strip_prefix("data: ")
