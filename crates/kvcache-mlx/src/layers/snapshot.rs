@@ -78,7 +78,11 @@ impl SnapshotEncoding {
         let SnapshotEncoding::Q8 { group_size } = self else {
             return None;
         };
-        let fits = |a: &Array| a.shape().last().is_some_and(|&d| (d as usize).is_multiple_of(group_size));
+        let fits = |a: &Array| {
+            a.shape()
+                .last()
+                .is_some_and(|&d| (d as usize).is_multiple_of(group_size))
+        };
         (fits(keys) && fits(values)).then_some(group_size as i32)
     }
 }
