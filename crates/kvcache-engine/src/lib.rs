@@ -43,9 +43,9 @@ pub mod check;
 mod config;
 pub mod conversation;
 pub mod engine;
+mod error;
 pub mod gemma;
 pub mod kv_accuracy;
-mod error;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
 pub mod model;
