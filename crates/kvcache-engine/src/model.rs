@@ -701,7 +701,7 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// Softmax over the last dimension; rows need at least one finite entry.
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
     let e = x.broadcast_sub(&max)?.exp()?;
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
@@ -870,10 +870,10 @@ mod skinny {
 }
 
 /// A small deterministic generator for test weights.
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -882,7 +882,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in `[-1, 1)`.
-    fn next_sym(&mut self) -> f32 {
+    pub(crate) fn next_sym(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }

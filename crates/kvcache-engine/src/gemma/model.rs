@@ -25,6 +25,7 @@ use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode, Pos, SlidingWin
 use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
 
 use super::{Activation, GemmaConfig, GemmaTokenizer};
+use crate::model::{softmax_last, SplitMix64};
 use crate::{BatchToken, EngineError, LoadProgress, Result, WeightMode};
 
 /// A weight matrix `[out, in]` applied as `x @ W^T`.
@@ -604,29 +605,4 @@ pub fn causal_mask(
         }
     }
     Ok(Tensor::from_vec(mask, (n, m), device)?)
-}
-
-/// Softmax over the last dimension; rows need at least one finite entry.
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
-}
-
-/// A small deterministic generator for test weights.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[-1, 1)`.
-    fn next_sym(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
 }
