@@ -89,14 +89,14 @@ impl RotatingKvCache {
         Ok(self)
     }
 
-    /// How the cache keeps its snapshots.
-    pub fn snapshot_encoding(&self) -> SnapshotEncoding {
-        self.buf.encoding
-    }
-
     /// The window `W`.
     pub fn window(&self) -> usize {
         self.window
+    }
+
+    /// How the cache keeps the windows of its snapshots.
+    pub fn snapshot_encoding(&self) -> SnapshotEncoding {
+        self.buf.encoding
     }
 
     /// Slots of the ring (at most `W`; 0 when empty).
