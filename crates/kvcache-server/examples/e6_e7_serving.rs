@@ -1,0 +1,384 @@
+//! E6 serving and E7 concurrency: the E1 trace replayed over HTTP against
+//! `kvcache-server`'s `/v1/completions` (prompts as the trace's token ids,
+//! streamed, usage included).
+//!
+//! - E6: the requests one at a time in trace order. Prompt tokens evaluated
+//!   (`usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens`) against
+//!   the trace's minimum, and the median time to first token on turns >= 2.
+//! - E7: the trace's conversations as concurrent clients, each sending its
+//!   turns in order. Generated tokens per second over the run's wall time and
+//!   p50/p99 time to first token, against the sequential run.
+//!
+//! Either `--url` (a server already running; one mode only, since a second
+//! run would find the first one's prefixes cached) or `--server-bin` (a fresh
+//! server on a free loopback port for each mode, killed afterwards).
+//!
+//! ```text
+//! cargo build --release -p kvcache-server --bin kvcache-server --example e6_e7_serving
+//! target/release/examples/e6_e7_serving --server-bin target/release/kvcache-server --mode both
+//! ```
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use kvcache_engine::trace::{Request, Trace};
+use serde_json::{json, Value};
+
+/// Replays the E1 trace against kvcache-server (E6 sequential, E7 concurrent).
+#[derive(Debug, Parser)]
+struct Args {
+    /// A running server's base URL, e.g. http://127.0.0.1:8080.
+    #[arg(long, conflicts_with = "server_bin")]
+    url: Option<String>,
+    /// The server binary to start (on 127.0.0.1, a free port) for each mode.
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
+    /// Which run(s).
+    #[arg(long, value_enum, default_value = "both")]
+    mode: Mode,
+    /// The trace file [default: the project's fixtures/e1_trace.json].
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// The first N conversations of the trace (all turns of each).
+    #[arg(long, default_value_t = 10)]
+    conversations: usize,
+    /// Tokens to generate per request [default: the trace's n_predict].
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// The model name sent in each request.
+    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
+    model: String,
+    /// Print one line per request.
+    #[arg(long)]
+    verbose: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// E6: one request at a time.
+    Sequential,
+    /// E7: one client per conversation, all at once.
+    Concurrent,
+    /// Both, each on a fresh server (needs --server-bin).
+    Both,
+}
+
+/// What one request did, as the client saw it.
+#[derive(Debug, Clone)]
+struct Outcome {
+    conv: usize,
+    turn: usize,
+    min_prefill: usize,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    ttft: Duration,
+}
+
+impl Outcome {
+    fn evaluated(&self) -> usize {
+        self.prompt_tokens - self.cached_tokens
+    }
+}
+
+/// A whole run.
+struct RunReport {
+    name: &'static str,
+    outcomes: Vec<Outcome>,
+    wall: Duration,
+}
+
+impl RunReport {
+    fn print(&self) {
+        let evaluated: usize = self.outcomes.iter().map(Outcome::evaluated).sum();
+        let minimum: usize = self.outcomes.iter().map(|o| o.min_prefill).sum();
+        let prompt: usize = self.outcomes.iter().map(|o| o.prompt_tokens).sum();
+        let generated: usize = self.outcomes.iter().map(|o| o.completion_tokens).sum();
+        let mut later: Vec<f64> = self
+            .outcomes
+            .iter()
+            .filter(|o| o.turn >= 2)
+            .map(|o| o.ttft.as_secs_f64())
+            .collect();
+        let mut all: Vec<f64> = self.outcomes.iter().map(|o| o.ttft.as_secs_f64()).collect();
+        let wall = self.wall.as_secs_f64();
+        println!(
+            "{}: {} requests, {:.1} s: {} of {} prompt tokens evaluated ({:.4}x the minimum {}); \
+             median TTFT turns>=2 {:.1} ms; TTFT all p50 {:.1} ms p99 {:.1} ms; \
+             {} generated tokens = {:.2} tok/s; (evaluated + generated) {:.1} tok/s",
+            self.name,
+            self.outcomes.len(),
+            wall,
+            evaluated,
+            prompt,
+            evaluated as f64 / minimum.max(1) as f64,
+            minimum,
+            percentile(&mut later, 0.5) * 1e3,
+            percentile(&mut all, 0.5) * 1e3,
+            percentile(&mut all, 0.99) * 1e3,
+            generated,
+            generated as f64 / wall,
+            (evaluated + generated) as f64 / wall,
+        );
+    }
+}
+
+/// The `q` quantile (nearest rank) of `v`; 0 for none.
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// A server this client started; killed (by its pid) when dropped.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    fn start(bin: &PathBuf) -> Result<Self, Box<dyn std::error::Error>> {
+        let mut child = Command::new(bin)
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let url = loop {
+            let Some(line) = lines.next() else {
+                let _ = child.kill();
+                return Err("the server exited before listening".into());
+            };
+            let line = line?;
+            if let Some(url) = line.split("listening on ").nth(1) {
+                break url.trim().to_string();
+            }
+        };
+        // Keep draining its stdout so that it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Server { child, url })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends one streamed completion and reads it to `[DONE]`.
+async fn complete(
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    r: &Request,
+    max_tokens: usize,
+) -> Result<Outcome, Box<dyn std::error::Error + Send + Sync>> {
+    let body = json!({
+        "model": model,
+        "prompt": r.token_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let start = Instant::now();
+    let mut response = http
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await?;
+    if !response.status().is_success() {
+        let status = response.status();
+        return Err(format!("request {}: {status}: {}", r.idx, response.text().await?).into());
+    }
+    let mut buffer = String::new();
+    let mut ttft = None;
+    let mut usage = None;
+    let mut done = false;
+    while let Some(chunk) = response.chunk().await? {
+        buffer.push_str(std::str::from_utf8(&chunk)?);
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            for line in event.lines() {
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data)?;
+                let has_choice = v["choices"].as_array().is_some_and(|c| !c.is_empty());
+                if has_choice && ttft.is_none() {
+                    ttft = Some(start.elapsed());
+                }
+                if !v["usage"].is_null() {
+                    usage = Some(v["usage"].clone());
+                }
+            }
+        }
+    }
+    let usage = usage.ok_or_else(|| format!("request {}: no usage", r.idx))?;
+    if !done {
+        return Err(format!("request {}: stream ended without [DONE]", r.idx).into());
+    }
+    let field = |v: &Value| v.as_u64().map(|n| n as usize).ok_or("usage field missing");
+    Ok(Outcome {
+        conv: r.conv,
+        turn: r.turn,
+        min_prefill: r.min_prefill,
+        prompt_tokens: field(&usage["prompt_tokens"])?,
+        cached_tokens: field(&usage["prompt_tokens_details"]["cached_tokens"])?,
+        completion_tokens: field(&usage["completion_tokens"])?,
+        ttft: ttft.ok_or_else(|| format!("request {}: no token", r.idx))?,
+    })
+}
+
+fn log(verbose: bool, o: &Outcome) {
+    if verbose {
+        println!(
+            "  conv {} turn {}: prompt {} cached {} evaluated {} (min {}) ttft {:.1} ms, {} generated",
+            o.conv,
+            o.turn,
+            o.prompt_tokens,
+            o.cached_tokens,
+            o.evaluated(),
+            o.min_prefill,
+            o.ttft.as_secs_f64() * 1e3,
+            o.completion_tokens
+        );
+    }
+}
+
+async fn sequential(
+    url: &str,
+    args: &Args,
+    requests: &[Request],
+    max_tokens: usize,
+) -> Result<RunReport, Box<dyn std::error::Error + Send + Sync>> {
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    let mut outcomes = Vec::new();
+    for r in requests {
+        let o = complete(&http, url, &args.model, r, max_tokens).await?;
+        log(args.verbose, &o);
+        outcomes.push(o);
+    }
+    Ok(RunReport {
+        name: "E6 sequential",
+        outcomes,
+        wall: start.elapsed(),
+    })
+}
+
+async fn concurrent(
+    url: &str,
+    args: &Args,
+    requests: &[Request],
+    max_tokens: usize,
+) -> Result<RunReport, Box<dyn std::error::Error + Send + Sync>> {
+    let http = reqwest::Client::new();
+    let mut convs: Vec<usize> = requests.iter().map(|r| r.conv).collect();
+    convs.sort_unstable();
+    convs.dedup();
+    let start = Instant::now();
+    let mut clients = Vec::new();
+    for conv in convs {
+        let turns: Vec<Request> = requests.iter().filter(|r| r.conv == conv).cloned().collect();
+        let (http, url, model, verbose) = (http.clone(), url.to_string(), args.model.clone(), args.verbose);
+        clients.push(tokio::spawn(async move {
+            let mut outcomes = Vec::new();
+            for r in &turns {
+                let o = complete(&http, &url, &model, r, max_tokens).await?;
+                log(verbose, &o);
+                outcomes.push(o);
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(outcomes)
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for client in clients {
+        outcomes.extend(client.await??);
+    }
+    Ok(RunReport {
+        name: "E7 concurrent",
+        outcomes,
+        wall: start.elapsed(),
+    })
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let args = Args::parse();
+    let trace_path = args
+        .trace
+        .clone()
+        .unwrap_or_else(kvcache_engine::paths::e1_trace_path);
+    let trace = Trace::load(&trace_path).map_err(|e| e.to_string())?;
+    let requests: Vec<Request> = trace
+        .requests
+        .iter()
+        .filter(|r| r.conv < args.conversations)
+        .cloned()
+        .collect();
+    let max_tokens = args
+        .max_tokens
+        .unwrap_or_else(|| requests.first().map_or(1, |r| r.n_predict));
+    let modes: &[Mode] = match args.mode {
+        Mode::Both => &[Mode::Sequential, Mode::Concurrent],
+        Mode::Sequential => &[Mode::Sequential],
+        Mode::Concurrent => &[Mode::Concurrent],
+    };
+    if modes.len() > 1 && args.server_bin.is_none() {
+        return Err("--mode both needs --server-bin (a fresh server per run)".into());
+    }
+    println!(
+        "trace {}: {} requests of {} conversations, {} tokens generated each",
+        trace_path.display(),
+        requests.len(),
+        args.conversations.min(trace.conversations.len()),
+        max_tokens
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut reports = Vec::new();
+    for &mode in modes {
+        let server = match &args.server_bin {
+            Some(bin) => Some(Server::start(bin).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let url = match (&server, &args.url) {
+            (Some(s), _) => s.url.clone(),
+            (None, Some(url)) => url.trim_end_matches('/').to_string(),
+            (None, None) => return Err("pass --url or --server-bin".into()),
+        };
+        let report = runtime.block_on(async {
+            match mode {
+                Mode::Sequential => sequential(&url, &args, &requests, max_tokens).await,
+                _ => concurrent(&url, &args, &requests, max_tokens).await,
+            }
+        })?;
+        report.print();
+        reports.push(report);
+        drop(server);
+    }
+    if let [seq, conc] = &reports[..] {
+        let tps = |r: &RunReport| {
+            r.outcomes.iter().map(|o| o.completion_tokens).sum::<usize>() as f64 / r.wall.as_secs_f64()
+        };
+        println!(
+            "E7 vs E6: generated tok/s {:.2}x, wall {:.2}x faster",
+            tps(conc) / tps(seq),
+            seq.wall.as_secs_f64() / conc.wall.as_secs_f64()
+        );
+    }
+    Ok(())
+}
