@@ -475,14 +475,15 @@ where
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
-    /// Prompt tokens the running request `id` took from cached cells;
-    /// `None` when it is not running.
+    /// Prompt tokens the running request `id` did not evaluate: taken from
+    /// cached cells, or imported from the prefix store; `None` when it is not
+    /// running.
     pub fn reused_tokens(&self, id: usize) -> Option<usize> {
         self.slots
             .iter()
             .flatten()
             .find(|s| s.req.id == id)
-            .map(|s| s.reused)
+            .map(|s| s.cached)
     }
 
     /// Finished sequences kept for reuse.

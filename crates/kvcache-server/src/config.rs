@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use kvcache_engine::store::StoreOptions;
+
 /// How the server sizes its engine and guards its queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
@@ -22,6 +24,8 @@ pub struct ServerConfig {
     pub idle_ttl: Duration,
     /// Generated tokens when a request names no `max_tokens`.
     pub default_max_tokens: usize,
+    /// The prefix store's tiers beside host memory (none: no store at all).
+    pub store: StoreOptions,
 }
 
 impl Default for ServerConfig {
@@ -35,6 +39,7 @@ impl Default for ServerConfig {
             max_queue: 64,
             idle_ttl: Duration::from_secs(300),
             default_max_tokens: 256,
+            store: StoreOptions::default(),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use kvcache_engine::store::StoreOptions;
 use kvcache_server::{router, AppState, ServerConfig};
 
 /// Serve SmolLM2 through an OpenAI-compatible HTTP API (chat completions,
@@ -50,6 +51,13 @@ struct Args {
     /// Tokens generated when a request gives no max_tokens.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
+    /// Keep evaluated prompts in a prefix store on disk in DIR: they outlive the
+    /// process, and a restarted server (or a replica on the same disk) imports them
+    #[arg(long, value_name = "DIR")]
+    store_dir: Option<PathBuf>,
+    /// Share the prefix store through Redis (`redis://host:port`, `redis+unix:///path`)
+    #[arg(long, value_name = "URL")]
+    redis: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -81,6 +89,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_queue: args.max_queue,
         idle_ttl: Duration::from_secs_f64(args.idle_ttl),
         default_max_tokens: args.default_max_tokens,
+        store: StoreOptions {
+            dir: args.store_dir,
+            redis: args.redis,
+        },
     };
     eprintln!("kvcache-server: loading {}", model.display());
     let state = AppState::load(&model, config)?;

@@ -5,6 +5,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use kvcache_store::StoreStats;
+
 use crate::worker::Gauges;
 
 /// Upper bounds (seconds) of the time-to-first-token histogram's buckets.
@@ -40,8 +42,9 @@ impl Metrics {
             .fetch_add(ttft.as_micros() as u64, Ordering::Relaxed);
     }
 
-    /// The Prometheus text of these counters and the engine's `gauges`.
-    pub fn render(&self, g: &Gauges) -> String {
+    /// The Prometheus text of these counters, the engine's `gauges` and, with a
+    /// prefix store, its counters per tier.
+    pub fn render(&self, g: &Gauges, store: Option<&StoreStats>) -> String {
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
@@ -161,8 +164,51 @@ impl Metrics {
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
         let _ = writeln!(out, "{name}_sum {}", load(&self.ttft_micros) / 1e6);
         let _ = writeln!(out, "{name}_count {count}");
+        if let Some(store) = store {
+            render_store(&mut out, store);
+        }
         out
     }
+}
+
+/// The prefix store's counters, one sample per tier (`tier="memory"`, ...).
+fn render_store(out: &mut String, store: &StoreStats) {
+    type Field = fn(&kvcache_store::TierStats) -> u64;
+    let per_tier: [(&str, &str, Field); 5] = [
+        ("kvcache_store_hits_total", "Blocks found in the tier.", |t| {
+            t.hits
+        }),
+        (
+            "kvcache_store_misses_total",
+            "Blocks looked for in the tier and not found.",
+            |t| t.misses,
+        ),
+        ("kvcache_store_puts_total", "Blocks written to the tier.", |t| {
+            t.puts
+        }),
+        (
+            "kvcache_store_evictions_total",
+            "Entries the tier evicted to stay within its budget.",
+            |t| t.evictions,
+        ),
+        (
+            "kvcache_store_errors_total",
+            "Failed operations of the tier.",
+            |t| t.errors,
+        ),
+    ];
+    for (name, help, field) in per_tier {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for tier in &store.tiers {
+            let _ = writeln!(out, "{name}{{tier=\"{}\"}} {}", tier.name, field(tier));
+        }
+    }
+    let name = "kvcache_store_writes_dropped_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Store writes dropped because the writer's queue was full.\n# TYPE {name} counter\n{name} {}",
+        store.dropped
+    );
 }
 
 #[cfg(test)]
@@ -174,11 +220,33 @@ mod tests {
         let m = Metrics::default();
         m.observe_ttft(Duration::from_millis(30));
         m.observe_ttft(Duration::from_millis(300));
-        let text = m.render(&Gauges::default());
+        let text = m.render(&Gauges::default(), None);
         assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.5\"} 2\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_count 2\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_sum 0.33\n"));
+    }
+    #[test]
+    fn store_counters_come_per_tier() {
+        let tier = |name, hits, puts| kvcache_store::TierStats {
+            name,
+            hits,
+            puts,
+            ..kvcache_store::TierStats::default()
+        };
+        let store = StoreStats {
+            tiers: vec![tier("memory", 3, 5), tier("disk", 2, 4)],
+            dropped: 1,
+            ..StoreStats::default()
+        };
+        let m = Metrics::default();
+        assert!(!m.render(&Gauges::default(), None).contains("kvcache_store_"));
+        let text = m.render(&Gauges::default(), Some(&store));
+        assert!(text.contains("kvcache_store_hits_total{tier=\"memory\"} 3\n"));
+        assert!(text.contains("kvcache_store_hits_total{tier=\"disk\"} 2\n"));
+        assert!(text.contains("kvcache_store_puts_total{tier=\"disk\"} 4\n"));
+        assert!(text.contains("kvcache_store_writes_dropped_total 1\n"));
+        assert_eq!(text.matches("# TYPE kvcache_store_hits_total counter").count(), 1);
     }
 }

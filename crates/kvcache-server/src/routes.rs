@@ -335,7 +335,8 @@ async fn health(State(state): State<AppState>) -> Json<Value> {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let text = state.metrics.render(&state.worker.gauges());
+    let store = state.worker.store_stats();
+    let text = state.metrics.render(&state.worker.gauges(), store.as_ref());
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

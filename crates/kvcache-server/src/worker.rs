@@ -16,11 +16,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use kvcache_api::{CausalConfig, Namespace};
+use kvcache_api::{CausalConfig, Fingerprint, Namespace};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, ReuseStats, Stats};
 use kvcache_engine::sampling::Sampler;
-use kvcache_engine::{Llama, ModelFile, WeightMode};
+use kvcache_engine::{store, Llama, ModelFile, WeightMode};
+use kvcache_store::{StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
 use crate::config::ServerConfig;
@@ -92,6 +93,7 @@ pub struct Worker {
     commands: std_mpsc::Sender<CommandBox>,
     next_id: Arc<AtomicUsize>,
     gauges: Arc<Mutex<Gauges>>,
+    store: Option<Arc<TieredStore>>,
 }
 
 /// `Command` behind a newtype so that `Worker` can derive `Debug`.
@@ -123,20 +125,27 @@ impl Worker {
                     }
                 };
                 let eos = file.tokenizer().ok().map(|t| t.eos_token_id());
-                let engine = match build_engine(&model, &config, eos) {
-                    Ok(engine) => engine,
+                let built = store_fingerprint(&file, &config).and_then(|fingerprint| {
+                    let mut engine = build_engine(&model, &config, eos, fingerprint)?;
+                    let store = open_store(&model, &config, fingerprint, &mut engine)?;
+                    Ok((engine, store))
+                });
+                let engine = match built {
+                    Ok((engine, store)) => {
+                        let _ = ready_tx.send(Ok(store));
+                        engine
+                    }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok(()));
                 if let Err(error) = serve(engine, &config, eos, rx, &thread_gauges) {
                     tracing::error!(%error, "engine thread stopped");
                 }
             })
             .map_err(|e| kvcache_engine::EngineError::io("kvcache-engine thread", e))?;
-        ready_rx.recv().unwrap_or_else(|_| {
+        let store = ready_rx.recv().unwrap_or_else(|_| {
             Err(kvcache_engine::EngineError::InvalidArgument(
                 "engine thread died".into(),
             ))
@@ -145,7 +154,13 @@ impl Worker {
             commands: tx,
             next_id: Arc::new(AtomicUsize::new(0)),
             gauges,
+            store,
         })
+    }
+
+    /// The prefix store's counters, per tier; `None` without a store.
+    pub fn store_stats(&self) -> Option<StoreStats> {
+        self.store.as_ref().map(|s| s.stats())
     }
 
     /// Hands `job` to the engine thread; `false` when the thread has stopped.
@@ -160,15 +175,21 @@ impl Worker {
     }
 }
 
+/// The cache of a server with a prefix store carries the model's fingerprint:
+/// the store's entries belong to that model and no other.
 fn build_engine<'m>(
     model: &'m Llama,
     config: &ServerConfig,
     eos: Option<u32>,
+    fingerprint: Option<Fingerprint>,
 ) -> kvcache_engine::Result<Engine<'m, CausalKvCache>> {
     let c = model.config();
     let shift = RopeShift::new(RopeLayout::Normal, c.head_dim, c.rope_base as f32)?;
     let cache_config = CausalConfig::new(config.max_sequences, config.context, config.max_batch);
-    let cache = CausalKvCache::new(cache_config, Device::Cpu, Some(Box::new(shift)))?;
+    let mut cache = CausalKvCache::new(cache_config, Device::Cpu, Some(Box::new(shift)))?;
+    if let Some(fingerprint) = fingerprint {
+        cache.set_fingerprint(fingerprint);
+    }
     let mut engine = Engine::new(
         model,
         cache,
@@ -182,6 +203,35 @@ fn build_engine<'m>(
     )?;
     engine.set_prefix_reuse(true)?;
     Ok(engine)
+}
+
+/// How long a joining request waits for the store before evaluating its
+/// whole prompt.
+const STORE_DEADLINE: Duration = Duration::from_millis(250);
+
+/// The model's fingerprint when `config` names a prefix store (a tier beside
+/// host memory); `None` without one.
+fn store_fingerprint(file: &ModelFile, config: &ServerConfig) -> kvcache_engine::Result<Option<Fingerprint>> {
+    if config.store.dir.is_none() && config.store.redis.is_none() {
+        return Ok(None);
+    }
+    store::model_fingerprint(file.path(), WeightMode::F32).map(Some)
+}
+
+/// Opens the prefix store of the model `fingerprint` names and links `engine`
+/// to it (nothing without a fingerprint: no store configured).
+fn open_store(
+    model: &Llama,
+    config: &ServerConfig,
+    fingerprint: Option<Fingerprint>,
+    engine: &mut Engine<'_, CausalKvCache>,
+) -> kvcache_engine::Result<Option<Arc<TieredStore>>> {
+    let Some(fingerprint) = fingerprint else {
+        return Ok(None);
+    };
+    let tiers = store::open(fingerprint, store::kv_layout(model), &config.store)?;
+    engine.set_store(tiers.clone(), fingerprint, STORE_DEADLINE);
+    Ok(Some(tiers))
 }
 
 /// The engine loop: runs until every [`Worker`] handle is dropped.
@@ -248,7 +298,7 @@ fn serve(
                 if let Some(tx) = jobs.remove(&f.id) {
                     let eos = f.generated.last().copied() == eos;
                     let _ = tx.send(JobEvent::Finished {
-                        cached_tokens: f.reused,
+                        cached_tokens: f.reused.max(f.restored),
                         eos,
                     });
                 }

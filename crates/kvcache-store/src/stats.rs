@@ -41,7 +41,7 @@ fn load(counter: &AtomicU64) -> u64 {
 }
 
 /// A snapshot of one tier's counters and usage.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TierStats {
     /// The tier's name (`memory`, `disk`, `redis`).
     pub name: &'static str,
@@ -112,7 +112,7 @@ pub(crate) struct StoreCounters {
 }
 
 /// A snapshot of the store's counters and of every tier's.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StoreStats {
     /// One entry per tier, fastest first.
     pub tiers: Vec<TierStats>,

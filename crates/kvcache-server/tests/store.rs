@@ -1,0 +1,99 @@
+//! Conversations that outlive the server: a server with `--store-dir` writes
+//! each evaluated prompt to the disk store; a new server process over the same
+//! directory continues the conversation from it, reports the imported prefix
+//! as `cached_tokens`, answers as the first server did, and counts the hit per
+//! tier in `/metrics`.
+
+mod common;
+
+use common::Server;
+use serde_json::{json, Value};
+
+const MODEL: &str = "SmolLM2-135M-Instruct";
+
+async fn complete(server: &Server, messages: &Value) -> Value {
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0});
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", server.base))
+        .json(&body)
+        .send()
+        .await
+        .expect("POST /v1/chat/completions");
+    assert_eq!(response.status(), 200);
+    response.json().await.expect("JSON body")
+}
+
+fn usage(response: &Value) -> (u64, u64) {
+    let usage = &response["usage"];
+    (
+        usage["prompt_tokens"].as_u64().expect("prompt_tokens"),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("usage.prompt_tokens_details.cached_tokens"),
+    )
+}
+
+fn text(response: &Value) -> String {
+    response["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_continues_the_conversation_from_the_disk_store() {
+    let dir = tempfile::tempdir().expect("temporary store directory");
+    let store = dir.path().to_str().expect("UTF-8 path");
+    let system = "You are a careful assistant for a library. ".repeat(8);
+    let mut messages = json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Which shelf holds the atlases?"}
+    ]);
+
+    let Some(first) = Server::start(&["--store-dir", store]) else {
+        return;
+    };
+    let turn1 = complete(&first, &messages).await;
+    let (prompt1, cached1) = usage(&turn1);
+    assert_eq!(cached1, 0, "an empty store holds nothing");
+    let turns = messages.as_array_mut().expect("messages");
+    turns.push(json!({"role": "assistant", "content": text(&turn1)}));
+    turns.push(json!({"role": "user", "content": "And the maps of rivers?"}));
+    let turn2 = complete(&first, &messages).await;
+    let (prompt2, _) = usage(&turn2);
+    assert!(prompt2 > prompt1 + 5);
+    // The writer thread stores in the background: wait for the disk tier.
+    let puts = "kvcache_store_puts_total{tier=\"disk\"}";
+    for _ in 0..300 {
+        if first.metric(puts).await >= 2.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        first.metric(puts).await >= 2.0,
+        "both prompts reach the disk tier"
+    );
+    assert_eq!(first.metric("kvcache_store_hits_total{tier=\"disk\"}").await, 0.0);
+    drop(first); // killed by pid: only what the disk holds survives
+
+    let Some(second) = Server::start(&["--store-dir", store]) else {
+        return;
+    };
+    let again = complete(&second, &messages).await;
+    assert_eq!(
+        usage(&again),
+        (prompt2, prompt1),
+        "the first turn's prompt comes back from the store"
+    );
+    assert_eq!(
+        text(&again),
+        text(&turn2),
+        "greedy answers equal with and without the store"
+    );
+    assert!(second.metric("kvcache_store_hits_total{tier=\"disk\"}").await >= 1.0);
+    assert_eq!(
+        second.metric("kvcache_prompt_tokens_evaluated_total").await,
+        (prompt2 - prompt1) as f64
+    );
+}
