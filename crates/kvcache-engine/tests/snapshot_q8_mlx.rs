@@ -145,15 +145,15 @@ fn q8_snapshots_evaluate_fewer_tokens_within_the_q8_accuracy() {
         let agree = a.iter().zip(b).take_while(|(x, y)| x == y).count();
         let rows = (agree + 1).min(GENERATE);
         let vocab = c.vocab_size;
-        for row in 0..rows {
+        for (row, &token) in a.iter().enumerate().take(rows) {
             let (fa, qa) = (
                 &f16_run.logits[i][row * vocab..(row + 1) * vocab],
                 &q8_run.logits[i][row * vocab..(row + 1) * vocab],
             );
             max_diff = max_diff.max(max_abs_diff(fa, qa));
             // Score the full-precision run's token under both.
-            nll_full += nll(fa, a[row]);
-            nll_q8 += nll(qa, a[row]);
+            nll_full += nll(fa, token);
+            nll_q8 += nll(qa, token);
             scored += 1;
         }
     }
