@@ -1,6 +1,6 @@
 //! A candle-backed [`LayerCache`]: one layer's keys and values of one live
-//! sequence, pageable to [`Snapshot`]s, so that `kvcache_mlx::trie::PrefixCache`
-//! (written against [`SnapshotCache`] only) can drive the candle model.
+//! sequence, pageable to [`Snapshot`](kvcache_api::Snapshot)s, so that `kvcache_mlx::trie::PrefixCache`
+//! (written against [`SnapshotCache`](kvcache_api::SnapshotCache) only) can drive the candle model.
 //!
 //! Storage per layer: keys and values `[kv_heads, capacity, head_dim]` with the
 //! first `offset` rows along dimension 1 live; capacity doubles as needed.
