@@ -208,15 +208,7 @@ fn decode_group(
     let mut cache = causal_cache(model, config)?;
     let mut out: Vec<Vec<u32>> = Vec::with_capacity(n);
     for (seq, p) in prompts.iter().enumerate() {
-        let batch: Vec<BatchToken> = p
-            .iter()
-            .enumerate()
-            .map(|(i, &token)| BatchToken {
-                seq,
-                pos: i as Pos,
-                token,
-            })
-            .collect();
+        let batch = BatchToken::run(seq, 0, p);
         let hidden = model.hidden(&batch, &mut cache)?;
         let logits = model.logits(&hidden.narrow(0, p.len() - 1, 1)?)?;
         out.push(vec![argmax(&logits.squeeze(0)?.to_vec1::<f32>()?)]);

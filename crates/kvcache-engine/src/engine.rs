@@ -59,15 +59,7 @@ where
     if prompt.is_empty() {
         return Err(EngineError::InvalidArgument("empty prompt".into()));
     }
-    let batch: Vec<BatchToken> = prompt
-        .iter()
-        .enumerate()
-        .map(|(i, &token)| BatchToken {
-            seq,
-            pos: i as Pos,
-            token,
-        })
-        .collect();
+    let batch = BatchToken::run(seq, 0, prompt);
     let mut out = Vec::new();
     let mut next = last_token(model, &batch, cache)?;
     let mut pos = prompt.len() as Pos;

@@ -148,13 +148,7 @@ pub fn perplexity(
     let mut nll = 0f64;
     for start in (0..tokens.len() - 1).step_by(pass_len) {
         let end = (start + pass_len).min(tokens.len() - 1);
-        let batch: Vec<BatchToken> = (start..end)
-            .map(|i| BatchToken {
-                seq: 0,
-                pos: i as Pos,
-                token: tokens[i],
-            })
-            .collect();
+        let batch = BatchToken::run(0, start as Pos, &tokens[start..end]);
         // [n, vocab] -> log-probabilities of each next token.
         let logits = model.forward(&batch, &mut cache)?;
         let log_probs = log_softmax(&logits)?;

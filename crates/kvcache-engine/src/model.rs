@@ -42,6 +42,17 @@ pub struct BatchToken {
     pub token: u32,
 }
 
+impl BatchToken {
+    /// `tokens` of sequence `seq` at consecutive positions from `first`.
+    pub fn run(seq: SeqId, first: Pos, tokens: &[u32]) -> Vec<BatchToken> {
+        tokens
+            .iter()
+            .zip(first..)
+            .map(|(&token, pos)| BatchToken { seq, pos, token })
+            .collect()
+    }
+}
+
 /// A weight matrix `[out, in]` applied as `x @ W^T` (dense: the transposed view
 /// goes to the matmul as is; storing `W^T` contiguous measured no better).
 #[derive(Debug, Clone)]
