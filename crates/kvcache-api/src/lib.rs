@@ -35,6 +35,7 @@ mod config;
 pub mod contract;
 mod error;
 pub mod host;
+mod mixed;
 pub mod paging;
 mod shared;
 mod snapshot;
@@ -47,5 +48,6 @@ pub use host::{
     Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
     PrefixStore, SeqState,
 };
+pub use mixed::MixedLayer;
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};

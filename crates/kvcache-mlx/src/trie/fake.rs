@@ -37,8 +37,8 @@ use std::time::Duration;
 
 use kvcache_api::paging::{Payload, Rewind, RowCache, Rows, RowsSnapshot, State, StateCache, StateSnapshot};
 use kvcache_api::{
-    CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
-    PrefixStore, Result, Snapshot, SnapshotCache,
+    CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, MixedLayer,
+    Namespace, PrefixStore, Result, Snapshot, SnapshotCache,
 };
 
 /// Bytes a [`FakeRecurrent`] snapshot reports: a recurrent state has a fixed size.
@@ -141,6 +141,21 @@ impl<T: FakeLayer + ?Sized> FakeLayer for Box<T> {
     }
     fn holds(&self, tokens: &[u32]) -> bool {
         (**self).holds(tokens)
+    }
+}
+
+impl<G: FakeLayer, W: FakeLayer> FakeLayer for MixedLayer<G, W> {
+    fn feed(&mut self, tokens: &[u32]) {
+        match self {
+            MixedLayer::Global(cache) => cache.feed(tokens),
+            MixedLayer::Window(cache) => cache.feed(tokens),
+        }
+    }
+    fn holds(&self, tokens: &[u32]) -> bool {
+        match self {
+            MixedLayer::Global(cache) => cache.holds(tokens),
+            MixedLayer::Window(cache) => cache.holds(tokens),
+        }
     }
 }
 
