@@ -1,17 +1,22 @@
-//! A candle-backed [`LayerCache`]: one layer's keys and values of one live
+//! Candle-backed [`LayerCache`]s: one layer's keys and values of one live
 //! sequence, pageable to [`Snapshot`](kvcache_api::Snapshot)s, so that `kvcache_mlx::trie::PrefixCache`
 //! (written against [`SnapshotCache`](kvcache_api::SnapshotCache) only) can drive the candle model.
 //!
-//! Storage per layer: keys and values `[kv_heads, capacity, head_dim]` with the
-//! first `offset` rows along dimension 1 live; capacity doubles as needed.
-//! A snapshot owns a compact copy of its range ([`KvRows`]); snapshot,
-//! restore, merge and split are [`kvcache_api::paging`]'s, written once for
-//! every row cache.
+//! - [`CandleKv`], a global layer's cache (a row cache): keys and values
+//!   `[kv_heads, capacity, head_dim]` with the first `offset` rows along
+//!   dimension 1 live; capacity doubles as needed. A snapshot owns a compact
+//!   copy of its range ([`KvRows`]).
+//! - [`CandleWindow`], a sliding-window layer's cache (a state cache): only
+//!   the last `W` positions, in temporal order; a snapshot holds that whole
+//!   window (the same [`KvRows`]).
+//!
+//! Snapshot, restore, merge and split are [`kvcache_api::paging`]'s, written
+//! once for every row cache and every state cache.
 
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use kvcache_api::paging::{Payload, RowCache, Rows, RowsSnapshot};
+use kvcache_api::paging::{Payload, Rewind, RowCache, Rows, RowsSnapshot, State, StateCache, StateSnapshot};
 use kvcache_api::{CacheError, KvLayout, LayerCache, LayerRows, LayerRowsMut, Result};
 
 fn be(e: candle_core::Error) -> CacheError {
@@ -42,8 +47,13 @@ impl KvRows {
 
     /// Compact copies of rows `[from, from + n)` of `keys` and `values`.
     fn copy_of(keys: &Tensor, values: &Tensor, from: usize, n: usize) -> Result<Self> {
-        // `copy` makes compact, owned storage: the rows keep only their range.
-        let part = |t: &Tensor| t.narrow(1, from, n).and_then(|t| t.copy()).map_err(be);
+        // `force_contiguous` makes compact, owned storage: the rows keep only
+        // their range (`copy` would clone the whole buffer on the CPU).
+        let part = |t: &Tensor| {
+            t.narrow(1, from, n)
+                .and_then(|t| t.force_contiguous())
+                .map_err(be)
+        };
         Ok(KvRows {
             keys: part(keys)?,
             values: part(values)?,
@@ -56,6 +66,9 @@ impl Payload for KvRows {
         (self.keys.elem_count() + self.values.elem_count()) * self.keys.dtype().size_in_bytes()
     }
 }
+
+/// A window cache's snapshot holds its whole window as rows.
+impl State for KvRows {}
 
 impl Rows for KvRows {
     fn tokens(&self) -> usize {
@@ -187,18 +200,7 @@ impl RowCache for CandleKv {
     }
 
     fn write_rows(&mut self, at: usize, rows: &KvRows, take: usize) -> Result<()> {
-        for (what, t) in [("keys", &rows.keys), ("values", &rows.values)] {
-            match t.dims() {
-                &[h, _, d] if h == self.kv_heads && d == self.head_dim && t.dtype() == DType::F32 => {}
-                dims => {
-                    return Err(CacheError::ShapeMismatch {
-                        what,
-                        expected: vec![self.kv_heads, 0, self.head_dim],
-                        got: dims.to_vec(),
-                    })
-                }
-            }
-        }
+        expect_rows(rows, self.kv_heads, self.head_dim)?;
         if take == 0 {
             self.offset = at;
             return Ok(());
@@ -289,17 +291,8 @@ impl LayerCache for CandleKv {
     /// `keys`/`values`: `[1, kv_heads, n, head_dim]`; returns everything the new
     /// tokens attend to, `[1, kv_heads, offset + n, head_dim]` each.
     fn update(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
-        let expect = |t: &Tensor, what: &'static str| -> Result<Tensor> {
-            match t.dims() {
-                &[1, h, _, d] if h == self.kv_heads && d == self.head_dim => t.squeeze(0).map_err(be),
-                dims => Err(CacheError::ShapeMismatch {
-                    what,
-                    expected: vec![1, self.kv_heads, 0, self.head_dim],
-                    got: dims.to_vec(),
-                }),
-            }
-        };
-        let (k, v) = (expect(keys, "keys")?, expect(values, "values")?);
+        let k = expect_update(keys, "keys", self.kv_heads, self.head_dim)?;
+        let v = expect_update(values, "values", self.kv_heads, self.head_dim)?;
         self.append(&k, &v)?;
         let (k, v) = self.live().map_err(be)?;
         Ok((k.unsqueeze(0).map_err(be)?, v.unsqueeze(0).map_err(be)?))
@@ -307,6 +300,218 @@ impl LayerCache for CandleKv {
 
     fn state(&self) -> Vec<Tensor> {
         self.live().map(|(k, v)| vec![k, v]).unwrap_or_default()
+    }
+}
+
+/// Checks that `rows` are `[kv_heads, _, head_dim]` f32 keys and values.
+fn expect_rows(rows: &KvRows, kv_heads: usize, head_dim: usize) -> Result<()> {
+    for (what, t) in [("keys", &rows.keys), ("values", &rows.values)] {
+        match t.dims() {
+            &[h, _, d] if h == kv_heads && d == head_dim && t.dtype() == DType::F32 => {}
+            dims => {
+                return Err(CacheError::ShapeMismatch {
+                    what,
+                    expected: vec![kv_heads, 0, head_dim],
+                    got: dims.to_vec(),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks an update's keys or values, `[1, kv_heads, n, head_dim]`, and
+/// drops the batch dimension.
+fn expect_update(t: &Tensor, what: &'static str, kv_heads: usize, head_dim: usize) -> Result<Tensor> {
+    match t.dims() {
+        &[1, h, _, d] if h == kv_heads && d == head_dim => t.squeeze(0).map_err(be),
+        dims => Err(CacheError::ShapeMismatch {
+            what,
+            expected: vec![1, kv_heads, 0, head_dim],
+            got: dims.to_vec(),
+        }),
+    }
+}
+
+/// One sliding-window layer's cache of one live sequence: a query at
+/// position `p` sees keys `p - W + 1 ..= p`, so only the last `W` positions
+/// are kept.
+///
+/// State: keys and values `[kv_heads, n, head_dim]` (f32) of positions
+/// `[offset - n, offset)` in temporal order, `n = min(offset, W)`, each in
+/// compact storage of its own that is never written in place (an update
+/// builds new tensors), so snapshots share it.
+///
+/// # What [`update`](LayerCache::update) returns
+/// Let `o` be the offset before an update of `L` tokens and
+/// `E = min(o, W - 1)` the earlier positions the first new token can see: keys
+/// and values `[1, kv_heads, E + L, head_dim]` of positions `o - E .. o + L`
+/// in temporal order. When `E + L > W` the caller masks the window as well as
+/// causality: query `i` (position `o + i`) sees column `j` (position
+/// `o - E + j`) iff `i + E - W < j <= i + E`.
+///
+/// # Rewind and snapshots
+/// As `kvcache_mlx`'s rotating cache ([`Rewind::Window`]): without a snapshot
+/// the cache rewinds only while nothing has left the window
+/// (`offset <= W`), or to 0; a snapshot holds the whole window and restores
+/// at its end `b`, or at any earlier target when `b <= W`; merging keeps the
+/// child, splitting is refused.
+#[derive(Debug)]
+pub struct CandleWindow {
+    window: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    device: Device,
+    /// The retained positions, `None` when empty.
+    rows: Option<KvRows>,
+    offset: usize,
+}
+
+impl CandleWindow {
+    /// An empty cache with a window of `window` positions for `kv_heads`
+    /// heads of `head_dim` (f32) on `device` (`InvalidArgument` if `window`
+    /// is 0).
+    pub fn new(window: usize, kv_heads: usize, head_dim: usize, device: &Device) -> Result<Self> {
+        if window == 0 {
+            return Err(CacheError::InvalidArgument("a window of 0 positions".into()));
+        }
+        Ok(CandleWindow {
+            window,
+            kv_heads,
+            head_dim,
+            device: device.clone(),
+            rows: None,
+            offset: 0,
+        })
+    }
+
+    /// The window `W`.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Bytes the live window holds.
+    pub fn live_bytes(&self) -> usize {
+        self.rows.as_ref().map_or(0, Payload::size_bytes)
+    }
+
+    /// The device of the cache.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Keeps the last `n` rows of `keys` and `values` (`[kv_heads, m, head_dim]`,
+    /// `n <= m`) as the live window, in storage of their own.
+    fn keep_last(&mut self, keys: &Tensor, values: &Tensor, n: usize) -> Result<()> {
+        let m = keys.dim(1).map_err(be)?;
+        self.rows = if n == 0 {
+            None
+        } else {
+            Some(KvRows::copy_of(keys, values, m - n, n)?)
+        };
+        Ok(())
+    }
+}
+
+impl StateCache for CandleWindow {
+    type State = KvRows;
+
+    fn live_offset(&self) -> usize {
+        self.offset
+    }
+
+    fn rewind(&self) -> Rewind {
+        Rewind::Window(self.window)
+    }
+
+    /// `to < offset <= W`: the window still holds every position.
+    fn truncate(&mut self, to: usize) {
+        if let Some(rows) = self.rows.take() {
+            let kept = KvRows::copy_of(&rows.keys, &rows.values, 0, to);
+            // Narrowing evaluated rows of the cache's own shape cannot fail.
+            self.rows = (to > 0).then(|| kept.expect("rows within the window"));
+        }
+        self.offset = to;
+    }
+
+    fn capture(&self) -> Result<Option<KvRows>> {
+        // The live rows are never written in place: the snapshot shares them.
+        Ok(self.rows.as_ref().map(|r| KvRows {
+            keys: r.keys.clone(),
+            values: r.values.clone(),
+        }))
+    }
+
+    fn load(&mut self, snapshot: &StateSnapshot<KvRows>, target: usize) -> Result<()> {
+        let rows = snapshot.payload();
+        expect_rows(rows, self.kv_heads, self.head_dim)?;
+        let end = kvcache_api::Snapshot::range(snapshot).end;
+        if rows.tokens() != end.min(self.window) {
+            return Err(CacheError::InvalidArgument(format!(
+                "a window snapshot ending at {end} holds {} rows, expected {}",
+                rows.tokens(),
+                end.min(self.window)
+            )));
+        }
+        self.rows = if target == end {
+            Some(KvRows {
+                keys: rows.keys.clone(),
+                values: rows.values.clone(),
+            })
+        } else if target == 0 {
+            None
+        } else {
+            // `target < end <= W`: the snapshot holds positions [0, end).
+            Some(KvRows::copy_of(&rows.keys, &rows.values, 0, target)?)
+        };
+        self.offset = target;
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        self.rows = None;
+        self.offset = 0;
+    }
+}
+
+kvcache_api::snapshot_cache!(state: CandleWindow {});
+
+impl LayerCache for CandleWindow {
+    type Array = Tensor;
+
+    /// `keys`/`values`: `[1, kv_heads, L, head_dim]`; returns the positions the
+    /// new tokens attend to, `[1, kv_heads, E + L, head_dim]` each (see the
+    /// type's docs for `E` and the mask).
+    fn update(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
+        let k = expect_update(keys, "keys", self.kv_heads, self.head_dim)?;
+        let v = expect_update(values, "values", self.kv_heads, self.head_dim)?;
+        let tokens = k.dim(1).map_err(be)?;
+        let o = self.offset;
+        let earlier = o.min(self.window - 1);
+        let (k, v) = match &self.rows {
+            Some(rows) if earlier > 0 => {
+                let held = rows.tokens();
+                let old = |t: &Tensor| t.narrow(1, held - earlier, earlier);
+                let cat = |old: Tensor, new: &Tensor| Tensor::cat(&[&old, new], 1);
+                (
+                    cat(old(&rows.keys).map_err(be)?, &k).map_err(be)?,
+                    cat(old(&rows.values).map_err(be)?, &v).map_err(be)?,
+                )
+            }
+            _ => (k, v),
+        };
+        self.keep_last(&k, &v, (o + tokens).min(self.window))?;
+        self.offset = o + tokens;
+        Ok((k.unsqueeze(0).map_err(be)?, v.unsqueeze(0).map_err(be)?))
+    }
+
+    /// Keys and values `[kv_heads, min(offset, W), head_dim]` of the retained
+    /// positions in temporal order, or nothing when empty.
+    fn state(&self) -> Vec<Tensor> {
+        self.rows
+            .as_ref()
+            .map(|r| vec![r.keys.clone(), r.values.clone()])
+            .unwrap_or_default()
     }
 }
 
