@@ -18,8 +18,11 @@
 //! list of ids (`W1,W1b,W2,W2c,W3,W4,W5,W6,mem`) to run only those, and
 //! `KVCACHE_BENCH_KV` to a storage type (`f16`, `bf16`, `q8_0`; f32 by default)
 //! to store keys and values in (q8_0 with head dim 32, one block).
+//! `KVCACHE_DEVICE=cuda` (built with `--features cuda`) runs the caches on the
+//! first NVIDIA GPU; every timed op then waits for the device to finish.
 
 use std::hint::black_box;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
@@ -38,9 +41,19 @@ fn head_dim() -> usize {
 }
 const MAX_BATCH: usize = 512;
 
+/// The device the caches live on: `KVCACHE_DEVICE` = `cpu` (default) or `cuda`.
+fn device() -> &'static Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE.get_or_init(|| match std::env::var("KVCACHE_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).expect("KVCACHE_DEVICE=cuda needs `--features cuda` and a GPU"),
+        Ok(other) => panic!("KVCACHE_DEVICE must be cpu or cuda, not {other:?}"),
+    })
+}
+
 /// Keys/values `[n, 1, head_dim()]`, made once per batch size outside the timing.
 fn kv(n: usize) -> Tensor {
-    Tensor::ones((n, 1, head_dim()), DType::F32, &Device::Cpu).expect("kv tensor")
+    Tensor::ones((n, 1, head_dim()), DType::F32, device()).expect("kv tensor")
 }
 
 fn identity_shift() -> Option<Box<dyn KeyShift<Tensor>>> {
@@ -60,7 +73,7 @@ fn kv_storage() -> KvStorage {
 
 fn cache(config: CausalConfig) -> CausalKvCache {
     let config = config.with_kv_storage(kv_storage());
-    CausalKvCache::new(config, Device::Cpu, identity_shift()).expect("cache")
+    CausalKvCache::new(config, device().clone(), identity_shift()).expect("cache")
 }
 
 /// One op as the reference timed it.
@@ -114,9 +127,11 @@ where
     median(per_run)
 }
 
+/// Wall time of `f`, including the device work it queued.
 fn timed(f: impl FnOnce()) -> Duration {
     let start = Instant::now();
     f();
+    device().synchronize().expect("device synchronize");
     start.elapsed()
 }
 
@@ -481,7 +496,10 @@ fn main() {
         kv_storage(),
         head_dim()
     );
-    println!("padding 1, f32 mask, CPU; median over {runs} runs of per-run medians\n");
+    println!(
+        "padding 1, f32 mask, {:?}; median over {runs} runs of per-run medians\n",
+        device().location()
+    );
 
     let mut rows = Vec::new();
     let mut builds = Vec::new();
