@@ -139,17 +139,12 @@ impl KvRows {
             quantize_rows(&seq_slice(keys, rows.start, rows.end)?, group_size)?;
         let (values, value_scales, value_biases) =
             quantize_rows(&seq_slice(values, rows.start, rows.end)?, group_size)?;
-        let copy = KvRows {
+        let copy = KvRows::q8(
             keys,
             values,
-            q8: Some(Q8Groups {
-                key_scales,
-                key_biases,
-                value_scales,
-                value_biases,
-                group_size,
-            }),
-        };
+            [key_scales, key_biases, value_scales, value_biases],
+            group_size,
+        );
         eval(copy.arrays())?;
         Ok(copy)
     }
