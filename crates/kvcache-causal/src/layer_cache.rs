@@ -126,6 +126,11 @@ impl CandleKv {
         self.keys.as_ref().map_or(0, |k| k.dim(1).unwrap_or(0))
     }
 
+    /// Bytes the live buffers hold (their whole capacity, live rows or not).
+    pub fn held_bytes(&self) -> usize {
+        2 * self.kv_heads * self.capacity() * self.head_dim * DType::F32.size_in_bytes()
+    }
+
     /// Makes room for `need` tokens, keeping the live ones.
     fn reserve(&mut self, need: usize) -> Result<()> {
         if need <= self.capacity() {
@@ -391,7 +396,7 @@ impl CandleWindow {
     }
 
     /// Bytes the live window holds.
-    pub fn live_bytes(&self) -> usize {
+    pub fn held_bytes(&self) -> usize {
         self.rows.as_ref().map_or(0, Payload::size_bytes)
     }
 

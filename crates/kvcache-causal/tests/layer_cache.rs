@@ -142,7 +142,7 @@ fn a_window_update_returns_what_the_new_tokens_attend_to() {
     let seen = [keys.squeeze(0).unwrap(), values.squeeze(0).unwrap()];
     assert!(state_is(&seen, &[5, 6, 7, 8]));
     assert!(Window(4).holds(&cache, &[1, 2, 3, 4, 5, 6, 7, 8]));
-    assert_eq!(cache.live_bytes(), 2 * 4 * HEADS * HEAD_DIM * 4);
+    assert_eq!(cache.held_bytes(), 2 * 4 * HEADS * HEAD_DIM * 4);
 }
 
 #[test]

@@ -111,7 +111,7 @@ fn rounded(v: &[f64]) -> Vec<f64> {
     v.iter().map(|x| (x * 10.0).round() / 10.0).collect()
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

@@ -42,6 +42,7 @@ pub mod chat;
 pub mod check;
 mod config;
 pub mod conversation;
+pub mod e5;
 pub mod engine;
 mod error;
 pub mod gemma;

@@ -3,14 +3,15 @@
 //!
 //! - [`config`]: the hyper-parameters, the header's and the implicit ones.
 //! - [`tokenizer`]: the SentencePiece-style tokenizer of the GGUF and the turn format.
-//! - [`model`]: the forward pass, full recompute and through a cache.
+//! - [`model`]: the forward pass, full recompute, through a cache, and through
+//!   per-layer caches ([`GemmaLayer`]) for the prefix trie.
 
 pub mod config;
 pub mod model;
 pub mod tokenizer;
 
 pub use config::{Activation, GemmaConfig};
-pub use model::{causal_mask, Attend, Gemma, GemmaFile};
+pub use model::{causal_mask, Attend, Gemma, GemmaFile, GemmaLayer};
 pub use tokenizer::{chat_turn, GemmaTokenizer, TokenKind};
 
 use std::path::PathBuf;

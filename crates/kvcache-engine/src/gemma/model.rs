@@ -1,7 +1,10 @@
 //! The Gemma 3 forward pass on candle: full recompute with per-layer windowed
-//! masks (the reference), and a batch of tokens of many sequences through a
+//! masks (the reference), a batch of tokens of many sequences through a
 //! [`CausalCache`] (a [`LayerGroupCache`] holding the window layers and the
-//! global layers apart: see [`Gemma::new_cache`]).
+//! global layers apart: see [`Gemma::new_cache`]), and one sequence through
+//! per-layer caches ([`GemmaLayer`]s: what `kvcache_mlx::trie::PrefixCache`
+//! drives, see [`Gemma::forward_layers`]). All three share the layer loop
+//! ([`Gemma::hidden_with`]) and the attention.
 //!
 //! One block, `x: [n, dim]`:
 //!
@@ -21,7 +24,11 @@ use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use kvcache_api::{Batch, CausalCache, CausalConfig, ForwardMode, Pos, SlidingWindow, VLayout};
+use kvcache_api::{
+    Batch, CausalCache, CausalConfig, ForwardMode, LayerCache, MixedLayer, Pos, SlidingWindow, SnapshotCache,
+    VLayout,
+};
+use kvcache_causal::layer_cache::{CandleKv, CandleWindow};
 use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
 
 use super::{Activation, GemmaConfig, GemmaTokenizer};
@@ -167,6 +174,11 @@ pub struct Attend {
     /// The values' layout.
     pub permuted: bool,
 }
+
+/// One layer's cache of one live sequence: a global layer keeps every
+/// position's keys and values, a window layer the last
+/// [`GemmaConfig::window`] (one cache type for both, as a prefix trie needs).
+pub type GemmaLayer = MixedLayer<CandleKv, CandleWindow>;
 
 /// The Gemma 3 decoder with its weights.
 #[derive(Debug, Clone)]
@@ -395,6 +407,82 @@ impl Gemma {
         ];
         let layers = (0..c.n_layers).map(|l| usize::from(c.is_global(l))).collect();
         Ok(LayerGroupCache::new(groups, layers)?)
+    }
+
+    /// Empty per-layer caches for one sequence on `device`, in layer order:
+    /// [`MixedLayer::Global`] for the global layers, [`MixedLayer::Window`]
+    /// (window [`GemmaConfig::window`]) for the others.
+    pub fn new_layers(&self, device: &Device) -> Result<Vec<GemmaLayer>> {
+        let c = &self.config;
+        (0..c.n_layers)
+            .map(|l| {
+                Ok(match c.window_of(l) {
+                    None => MixedLayer::Global(CandleKv::new(c.n_kv_heads, c.head_dim, device)),
+                    Some(w) => MixedLayer::Window(CandleWindow::new(w, c.n_kv_heads, c.head_dim, device)?),
+                })
+            })
+            .collect()
+    }
+
+    /// Logits `[n, vocab_size]` for `tokens` appended to the sequence that
+    /// `layers` (one per layer, as [`new_layers`](Self::new_layers) makes
+    /// them) hold: see [`hidden_layers`](Self::hidden_layers).
+    pub fn forward_layers(&self, tokens: &[u32], layers: &mut [GemmaLayer]) -> Result<Tensor> {
+        self.logits(&self.hidden_layers(tokens, layers)?)
+    }
+
+    /// Final normed hidden states `[n, dim]` for `tokens` at positions
+    /// `offset..offset + n` of the sequence `layers` hold, appending them to
+    /// every layer. A window layer's cache returns the last `W - 1` earlier
+    /// positions and the new ones, masked by the window; a global layer's
+    /// every position, masked by causality.
+    ///
+    /// Layers of another number or kind than the model's, or at different
+    /// offsets, are an [`InvalidArgument`](EngineError::InvalidArgument)
+    /// error before any cache changes.
+    pub fn hidden_layers(&self, tokens: &[u32], layers: &mut [GemmaLayer]) -> Result<Tensor> {
+        let c = &self.config;
+        let offset = layers.first().map_or(0, |l| l.offset());
+        let fits = layers.len() == c.n_layers
+            && layers
+                .iter()
+                .enumerate()
+                .all(|(l, cache)| cache.is_window() != c.is_global(l) && cache.offset() == offset);
+        if !fits {
+            return Err(EngineError::InvalidArgument(format!(
+                "{} layer caches (kinds or offsets) do not fit the model's {} layers",
+                layers.len(),
+                c.n_layers
+            )));
+        }
+        let n = tokens.len();
+        let end = offset + n;
+        let positions: Vec<Pos> = (offset as Pos..end as Pos).collect();
+        // Every layer of one kind sees the same columns: one mask per kind.
+        let mut masks: [Option<(usize, Tensor)>; 2] = [None, None];
+        self.hidden_with(tokens, &positions, &mut |layer, k, v| {
+            // [n, kv_heads, head_dim] -> [1, kv_heads, n, head_dim]
+            let as_update = |t: &Tensor| t.transpose(0, 1).and_then(|t| t.unsqueeze(0));
+            let (keys, values) = layers[layer].update(&as_update(k)?, &as_update(v)?)?;
+            let (keys, values) = (keys.squeeze(0)?, values.squeeze(0)?); // [kv_heads, cells, head_dim]
+            let cells = keys.dim(1)?;
+            let window = c.window_of(layer);
+            let mask = match &masks[usize::from(window.is_some())] {
+                Some((m, mask)) if *m == cells => mask.clone(),
+                _ => {
+                    let key_pos: Vec<Pos> = ((end - cells) as Pos..end as Pos).collect();
+                    let mask = causal_mask(&positions, &key_pos, window, &self.device)?;
+                    masks[usize::from(window.is_some())] = Some((cells, mask.clone()));
+                    mask
+                }
+            };
+            Ok(Attend {
+                keys: keys.transpose(0, 1)?,
+                values: values.transpose(1, 2)?,
+                mask,
+                permuted: true,
+            })
+        })
     }
 
     /// Logits `[n, vocab_size]` for `tokens` as one sequence at positions
