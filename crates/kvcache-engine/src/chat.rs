@@ -32,6 +32,44 @@ pub fn trie_turn<C, H>(
     prompt: &[u32],
     n_predict: usize,
     eos: Option<u32>,
+    forward: impl FnMut(&[u32], &mut [C]) -> Result<H>,
+    pick: impl FnMut(&H) -> Result<u32>,
+) -> Result<TurnOutcome>
+where
+    C: SnapshotCache,
+{
+    let tokens = (prompt, n_predict, eos);
+    turn_through(trie, namespace, tokens, false, forward, pick)
+}
+
+/// [`trie_turn`], also keeping a restore point at the end of the prompt (taken
+/// after the first token is chosen, so outside the time to first token): the
+/// next turn of the conversation, which replaces the reply, resumes there. For
+/// models with window layers, whose rotating caches cannot rewind from the
+/// reply's end to the prompt's.
+pub fn trie_turn_resumable<C, H>(
+    trie: &mut PrefixCache<C>,
+    namespace: &Namespace,
+    prompt: &[u32],
+    n_predict: usize,
+    eos: Option<u32>,
+    forward: impl FnMut(&[u32], &mut [C]) -> Result<H>,
+    pick: impl FnMut(&H) -> Result<u32>,
+) -> Result<TurnOutcome>
+where
+    C: SnapshotCache,
+{
+    let tokens = (prompt, n_predict, eos);
+    turn_through(trie, namespace, tokens, true, forward, pick)
+}
+
+/// [`trie_turn`] for `(prompt, n_predict, eos)`, with a user snapshot at the
+/// prompt's end when `snapshot_prompt_end`.
+fn turn_through<C, H>(
+    trie: &mut PrefixCache<C>,
+    namespace: &Namespace,
+    (prompt, n_predict, eos): (&[u32], usize, Option<u32>),
+    snapshot_prompt_end: bool,
     mut forward: impl FnMut(&[u32], &mut [C]) -> Result<H>,
     mut pick: impl FnMut(&H) -> Result<u32>,
 ) -> Result<TurnOutcome>
@@ -58,6 +96,9 @@ where
     let mut token = pick(&last)?;
     drop(last);
     let time_to_first_token = t0.elapsed();
+    if snapshot_prompt_end {
+        session.snapshot(true)?;
+    }
     let mut generated = vec![token];
     session.record(token);
     while !done(&generated) {

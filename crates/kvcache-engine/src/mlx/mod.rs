@@ -9,16 +9,21 @@
 //!   [`kvcache_mlx::layers::KvCache`].
 //! - [`chat`]: [`MlxChatServer`], multi-conversation chat through
 //!   [`kvcache_mlx::trie::PrefixCache`] over mlx `KvCache`s.
+//! - [`gemma`]: [`MlxGemma`], Gemma 3 with its window and global layers
+//!   through the same trie (rotating caches for the window layers), and its
+//!   chat server [`MlxGemmaChatServer`].
 //!
 //! Compiled on macOS, and on Linux with `--cfg kvcache_mlx` (what `cargo xtask`
 //! passes together with the patched mlx-sys), like `kvcache_mlx::layers`.
 //! Arrays live on mlx's default device (the CPU on Linux, the GPU on macOS).
 
 pub mod chat;
+pub mod gemma;
 pub mod model;
 pub mod weights;
 
 pub use chat::MlxChatServer;
+pub use gemma::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
 pub use model::MlxLlama;
 pub use weights::{HostTensor, HostWeights};
 

@@ -26,7 +26,7 @@ use super::weights::{block_shapes, HostTensor, HostWeights};
 use crate::{EngineError, LlamaConfig, LoadProgress, ModelFile, Result};
 
 /// `n` as an mlx dimension.
-fn dim(n: usize) -> Result<i32> {
+pub(crate) fn dim(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| EngineError::InvalidArgument(format!("{n} exceeds mlx's i32 dimensions")))
 }
 
@@ -37,7 +37,7 @@ fn array_of(t: &HostTensor) -> Result<Array> {
 }
 
 /// `x: [n, in]` times `w: [out, in]` transposed: `[n, out]`.
-fn linear(x: &Array, w: &Array) -> Result<Array> {
+pub(crate) fn linear(x: &Array, w: &Array) -> Result<Array> {
     x.matmul(w.t()).map_err(mlx_err)
 }
 
