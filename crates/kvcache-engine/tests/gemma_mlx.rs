@@ -28,10 +28,14 @@
 use candle_core::Device;
 use kvcache_api::{LayerCache, MixedLayer, SnapshotCache};
 use kvcache_engine::engine::argmax;
-use kvcache_engine::gemma::{Gemma, GemmaConfig};
+use std::time::Instant;
+
+use kvcache_engine::gemma::tokenizer::end_of_reply;
+use kvcache_engine::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
 use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
-use kvcache_engine::EngineError;
+use kvcache_engine::trace::Trace;
+use kvcache_engine::{paths, EngineError, WeightMode};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use kvcache_mlx::trie::PrefixCache;
 use mlx_rs::Array;
@@ -371,4 +375,105 @@ fn tiny_chat_server_generates_the_recomputed_tokens() {
         }
     }
     server.trie().check();
+}
+
+/// The E1 trace in Gemma's turn format: its system prompt (after `<bos>`) as
+/// the shared start, conversations 0 and 1 as the two conversations (`turns`
+/// turns each), and conversation 2's first user turn as the fork.
+fn real_schedule(t: &GemmaTokenizer, turns: usize) -> (Vec<u32>, [Turns; 2], Vec<u32>) {
+    let trace = Trace::load(paths::e1_trace_path()).unwrap();
+    let shared = t.encode(&format!("{}\n\n", trace.system), true, false);
+    let conversation = |c: usize| -> Turns {
+        trace.conversations[c][..turns]
+            .iter()
+            .map(|turn| {
+                (
+                    t.encode(&chat_turn(&turn.user), false, true),
+                    t.encode(&end_of_reply(&turn.assistant), false, true),
+                )
+            })
+            .collect()
+    };
+    let fork = t.encode(&chat_turn(&trace.conversations[2][0].user), false, true);
+    (shared, [conversation(0), conversation(1)], fork)
+}
+
+/// The real Gemma 3 270M, f32 weights dequantized from the GGUF: the mlx full
+/// recompute equals the candle model's past the real window (512), and with the
+/// window narrowed to 128 two conversations sharing the trace's system prompt
+/// run through the trie (alternating, a fork, then again under a budget that
+/// evicts) with every compared logit row within 1e-3 of the full recompute.
+#[test]
+fn real_gemma_through_the_trie_equals_recompute() {
+    let Some(path) = gemma_path_for_tests() else {
+        return;
+    };
+    let t0 = Instant::now();
+    let file = GemmaFile::open(&path).unwrap();
+    let t = file.tokenizer().unwrap();
+    let model = MlxGemma::load(&path, &mut |_| {}).unwrap();
+    assert_eq!(model.config().window, 512);
+    println!("loaded in {:.1?}", t0.elapsed());
+
+    // An independent reference: candle's f32 Gemma, 600 tokens, the real window.
+    let (shared, conversations, fork) = real_schedule(&t, 2);
+    let mut text = shared.clone();
+    for (user, reply) in conversations.iter().flatten() {
+        text.extend(user);
+        text.extend(reply);
+    }
+    text.truncate(600);
+    assert_eq!(text.len(), 600, "the trace gives 600 tokens");
+    let rows: Vec<usize> = (0..600).step_by(37).chain([599]).collect();
+    let candle = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}).unwrap();
+    let hidden = candle.hidden_full(&text).unwrap();
+    let picked = candle_core::Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), &Device::Cpu)
+        .and_then(|idx| hidden.index_select(&idx, 0))
+        .unwrap();
+    let want: Vec<f32> = candle
+        .logits(&picked)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    drop(candle);
+    let got = to_host(
+        &model
+            .logits(&rows_of(&model.hidden_full(&text).unwrap(), &rows))
+            .unwrap(),
+    )
+    .unwrap();
+    let diff = max_abs_diff(&got, &want);
+    println!(
+        "mlx vs candle full recompute, 600 tokens, {} rows: {diff:.2e} ({:.1?})",
+        rows.len(),
+        t0.elapsed()
+    );
+    assert!(diff <= TOL, "{diff}");
+
+    let window = 128;
+    let narrow = model
+        .with_choices(GemmaConfig {
+            window,
+            ..model.config().clone()
+        })
+        .unwrap();
+    // Inside conversation 0's first user turn, behind the system prompt.
+    let fork_at = shared.len() + conversations[0][0].0.len() / 2;
+    // 4 MiB: less than one window snapshot of every window layer (15 x 128 x 2 KiB)
+    // plus the global rows of a conversation.
+    for budget in [usize::MAX, 4 << 20] {
+        let mut driver = Driver::new(&narrow, budget, 32);
+        let seen = run_schedule(
+            &mut driver,
+            &shared,
+            [&conversations[0], &conversations[1]],
+            fork_at,
+            &fork,
+            4,
+        );
+        check_schedule(&driver, &seen, budget, window);
+        println!("({:.1?})", t0.elapsed());
+    }
 }
