@@ -53,7 +53,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 fn rows_of(hidden: &Array, rows: &[usize]) -> Array {
     let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
     hidden
-        .take_axis(&Array::from_slice(&idx, &[idx.len() as i32]), 0)
+        .take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0)
         .unwrap()
 }
 
@@ -121,7 +121,7 @@ impl<'m> Driver<'m> {
             let n = tokens.len();
             let h = model.hidden_layers(tokens, caches).unwrap();
             let rows: Vec<usize> = (0..n)
-                .filter(|&i| (start + i) % self.stride == 0 || i + 1 == n)
+                .filter(|&i| (start + i).is_multiple_of(self.stride) || i + 1 == n)
                 .collect();
             got.push((rows.iter().map(|i| start + i).collect(), rows_of(&h, &rows)));
             last = Some(rows_of(&h, &[n - 1]));
@@ -188,8 +188,8 @@ fn run_schedule(
     let mut prompt_end = [0, 0];
     let turns = conversations[0].len().min(conversations[1].len());
     for t in 0..turns {
-        for c in 0..2 {
-            let (user, reply) = &conversations[c][t];
+        for (c, conversation) in conversations.iter().enumerate() {
+            let (user, reply) = &conversation[t];
             let mut prompt = history[c].clone();
             prompt.extend(user);
             let turn = driver.request(&prompt, generate);
@@ -353,8 +353,8 @@ fn tiny_chat_server_generates_the_recomputed_tokens() {
     let mut history = [shared.clone(), shared.clone()];
     let mut prompt_end = [0, 0];
     for t in 0..5 {
-        for c in 0..2 {
-            let (user, reply) = &conversations[c][t];
+        for (c, conversation) in conversations.iter().enumerate() {
+            let (user, reply) = &conversation[t];
             history[c].extend(user);
             let out = server.generate(&history[c], 4, None).unwrap();
             let mut ids = history[c].clone();

@@ -77,6 +77,10 @@ struct Draw {
     offset: f32,
 }
 
+/// `weight(name, shape, draw)` of [`MlxGemma::build`]: the weight called
+/// `name` as host data of `shape`, row-major.
+type WeightSource<'a> = dyn FnMut(&str, &[usize], Draw) -> Result<Vec<f32>> + 'a;
+
 /// The per-block weights in the order the candle [`crate::gemma::Gemma::random`]
 /// draws them, with their GGUF names, shapes and draws.
 fn block_tensors(c: &GemmaConfig) -> [(&'static str, Vec<usize>, Draw); 13] {
@@ -141,10 +145,7 @@ impl MlxGemma {
     /// Builds the model from `weight(name, shape, draw)`, which returns the
     /// weight called `name` (GGUF naming) as host data of `shape`, asked for
     /// in the order of [`block_tensors`] (embedding first, final norm last).
-    fn build(
-        config: GemmaConfig,
-        weight: &mut dyn FnMut(&str, &[usize], Draw) -> Result<Vec<f32>>,
-    ) -> Result<Self> {
+    fn build(config: GemmaConfig, weight: &mut WeightSource<'_>) -> Result<Self> {
         config.validate()?;
         let c = &config;
         let offset = c.norm_offset as f32;
