@@ -12,4 +12,4 @@ pub mod chat;
 pub mod model;
 
 pub use chat::MlxGemmaChatServer;
-pub use model::{attention_mask, MlxGemma, MlxGemmaLayer};
+pub use model::{MlxGemma, MlxGemmaLayer};

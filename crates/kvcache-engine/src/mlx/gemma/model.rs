@@ -357,9 +357,10 @@ impl MlxGemma {
     /// `offset..offset + n`, `offset` being what the caches hold.
     ///
     /// A cache of the wrong kind for its layer, a window other than the
-    /// config's, caches at different offsets, or a cache returning another
-    /// number of positions than its kind promises is an `InvalidArgument`
-    /// error, found before any cache is written except for the last. The
+    /// config's, caches at different offsets, no tokens or a token outside
+    /// the vocabulary is an `InvalidArgument` error that leaves every cache as
+    /// it was. A cache that returns another number of positions than its kind
+    /// promises (a broken cache) is one too, reported after its own write. The
     /// output and every cache write are evaluated before this returns.
     pub fn hidden_layers(&self, tokens: &[u32], caches: &mut [MlxGemmaLayer]) -> Result<Array> {
         let c = &self.config;
@@ -377,12 +378,16 @@ impl MlxGemma {
                 _ => false,
             };
             if !fits {
+                let got = match cache {
+                    MixedLayer::Global(_) => "a KvCache".to_string(),
+                    MixedLayer::Window(r) => format!("a RotatingKvCache of window {}", r.window()),
+                };
+                let needs = match c.window_of(l) {
+                    None => "a KvCache".to_string(),
+                    Some(w) => format!("a RotatingKvCache of window {w}"),
+                };
                 return Err(EngineError::InvalidArgument(format!(
-                    "layer {l} needs {}, got {cache:?}",
-                    match c.window_of(l) {
-                        None => "a global KvCache".to_string(),
-                        Some(w) => format!("a RotatingKvCache of window {w}"),
-                    }
+                    "layer {l} needs {needs}, got {got}"
                 )));
             }
         }
@@ -619,7 +624,7 @@ fn rope_halves(x: &Array, (cos, sin): &(Array, Array)) -> Result<Array> {
 /// queries at positions `offset..offset + n` over keys at `0..offset + n`: a
 /// key is visible when it is not later and, with a window `w`, fewer than `w`
 /// positions earlier (the window holds the query itself).
-pub fn attention_mask(offset: usize, n: usize, window: Option<usize>) -> Result<Array> {
+fn attention_mask(offset: usize, n: usize, window: Option<usize>) -> Result<Array> {
     let total = offset + n;
     let mut mask = vec![f32::NEG_INFINITY; n * total];
     for i in 0..n {
