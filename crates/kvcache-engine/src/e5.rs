@@ -261,6 +261,8 @@ pub struct E5Row {
     pub time_to_first_token: Duration,
     /// From receiving the prompt to the last generated token.
     pub total: Duration,
+    /// The greedy tokens generated (then discarded).
+    pub generated: Vec<u32>,
 }
 
 /// Bytes the caches held at the end of a run, against a full-size cache of the
@@ -459,7 +461,7 @@ pub fn run(
     for req in &trace.requests {
         let t0 = Instant::now();
         let prompt = &req.token_ids;
-        let (evaluated, ttft) = match &mut policy_state {
+        let (evaluated, ttft, generated) = match &mut policy_state {
             Live::Trie(trie) => trie_turn(model, trie, prompt, n_predict, t0)?,
             Live::Slots(slots) => {
                 if slots.len() <= req.conv {
@@ -497,6 +499,7 @@ pub fn run(
             evaluated,
             time_to_first_token: ttft,
             total: t0.elapsed(),
+            generated,
         };
         log(&row);
         rows.push(row);
@@ -529,6 +532,9 @@ enum Live {
     Fresh(Vec<GemmaLayer>),
 }
 
+/// Prompt tokens evaluated, time to first token, tokens generated.
+type Turned = (usize, Duration, Vec<u32>);
+
 /// One sequence's live caches and the tokens they hold.
 struct Slot {
     layers: Vec<GemmaLayer>,
@@ -540,14 +546,8 @@ impl Slot {
     /// window can: it resumes where the prompt parts from what the slot holds
     /// while the slot has rotated nothing out (it holds at most a window) or
     /// when the prompt extends all of it, else evaluates the whole prompt.
-    /// Returns the prompt tokens evaluated and the time to first token.
-    fn turn(
-        &mut self,
-        model: &Gemma,
-        prompt: &[u32],
-        n_predict: usize,
-        t0: Instant,
-    ) -> Result<(usize, Duration)> {
+    /// Returns what [`trie_turn`] does.
+    fn turn(&mut self, model: &Gemma, prompt: &[u32], n_predict: usize, t0: Instant) -> Result<Turned> {
         let held = self.tokens.len();
         let parts = common_prefix(&self.tokens, prompt).min(prompt.len() - 1);
         let resume = if held <= model.config().window || parts == held {
@@ -566,25 +566,27 @@ impl Slot {
         let mut token = next_token(model, &prompt[resume..], &mut self.layers)?;
         self.tokens.extend_from_slice(&prompt[resume..]);
         let ttft = t0.elapsed();
+        let mut generated = vec![token];
         for _ in 1..n_predict {
             self.tokens.push(token);
             token = next_token(model, &[token], &mut self.layers)?;
+            generated.push(token);
         }
-        Ok((prompt.len() - resume, ttft))
+        Ok((prompt.len() - resume, ttft, generated))
     }
 }
 
 /// One request through the trie: evaluate what it did not restore, snapshot
 /// the prompt's end (where the conversation's next turn parts from this
-/// reply), then generate. Returns the prompt tokens evaluated and the time to
-/// first token.
+/// reply), then generate. Returns the prompt tokens evaluated, the time to
+/// first token and the tokens generated.
 fn trie_turn(
     model: &Gemma,
     trie: &mut PrefixCache<GemmaLayer>,
     prompt: &[u32],
     n_predict: usize,
     t0: Instant,
-) -> Result<(usize, Duration)> {
+) -> Result<Turned> {
     let mut session = trie.begin(prompt)?;
     let evaluated = session.remaining().len();
     let mut token = None;
@@ -595,10 +597,12 @@ fn trie_turn(
     let mut token = token.ok_or_else(|| EngineError::InvalidArgument("nothing evaluated".into()))?;
     session.snapshot(false)?;
     let ttft = t0.elapsed();
+    let mut generated = vec![token];
     for _ in 1..n_predict {
         token = session.decode(token, |t, caches| next_token(model, t, caches))?;
+        generated.push(token);
     }
     session.record(token);
     session.close()?;
-    Ok((evaluated, ttft))
+    Ok((evaluated, ttft, generated))
 }

@@ -1,0 +1,95 @@
+//! Benchmark E5 (issue 12): multi-turn chat on a sliding-window model, Gemma 3
+//! 270M (quantized weights, candle's quantized kernels, CPU) through the prefix
+//! trie, a window-only cache and no reuse, over `fixtures/e5_trace.json`.
+//!
+//! ```text
+//! cargo xtask bench -p kvcache-engine --bench e5
+//! ```
+//!
+//! Needs the Gemma file (`$KVCACHE_GEMMA`, which `cargo xtask` sets; skipped
+//! with a printed reason without it). Knobs: `KVCACHE_E5_CONVERSATIONS`
+//! (default 10: the first N conversations of the trace, the minimum computed
+//! over them), `KVCACHE_E5_PREDICT` (default the trace's, 8),
+//! `KVCACHE_E5_POLICIES` (default `trie,window,none`), `KVCACHE_E5_VERBOSE=1`
+//! (a line per request).
+
+use candle_core::Device;
+use kvcache_engine::e5::{self, E5Policy, E5Trace, E5Verdict};
+use kvcache_engine::gemma::{gemma_path_for_tests, GemmaFile};
+use kvcache_engine::WeightMode;
+
+fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn policy(name: &str) -> Option<E5Policy> {
+    match name.trim() {
+        "trie" => Some(E5Policy::Trie),
+        "window" => Some(E5Policy::WindowOnly),
+        "none" => Some(E5Policy::NoReuse),
+        _ => None,
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // `cargo bench` passes `--bench`; a filter argument that is not ours skips.
+    if std::env::args()
+        .skip(1)
+        .any(|a| !a.starts_with('-') && !"e5".contains(&a))
+    {
+        return Ok(());
+    }
+    let Some(path) = gemma_path_for_tests() else {
+        return Ok(());
+    };
+    let full = E5Trace::load(e5::e5_trace_path())?;
+    let conversations = knob("KVCACHE_E5_CONVERSATIONS", full.meta.n_conversations);
+    let trace = full.first_conversations(conversations);
+    let n_predict = knob("KVCACHE_E5_PREDICT", trace.meta.n_predict);
+    let policies: Vec<E5Policy> = std::env::var("KVCACHE_E5_POLICIES")
+        .unwrap_or_else(|_| "trie,window,none".into())
+        .split(',')
+        .map(|p| policy(p).ok_or_else(|| format!("unknown policy {p:?}")))
+        .collect::<Result<_, _>>()?;
+    let verbose = std::env::var("KVCACHE_E5_VERBOSE").is_ok_and(|v| v == "1");
+
+    let device = Device::Cpu;
+    let model = GemmaFile::open(&path)?.load(&device, WeightMode::Quantized, &mut |_| {})?;
+    let c = model.config();
+    println!(
+        "E5: Gemma 3 270M Q4_K_M (candle, quantized kernels, CPU, {} threads), window {}; trace {} conversations x {} turns, {} prompt tokens, minimum {}; {n_predict} tokens generated per request",
+        candle_core::utils::get_num_threads(),
+        c.window,
+        trace.meta.n_conversations,
+        trace.meta.n_turns,
+        trace.meta.total_prompt_tokens,
+        trace.meta.total_min_prefill,
+    );
+    let mut reports = Vec::new();
+    for policy in policies {
+        let report = e5::run(&model, &trace, policy, n_predict, &device, &mut |row| {
+            if verbose {
+                println!(
+                    "  {:<12} #{:<3} conv {} turn {}: {:>5} prompt, evaluated {:>5} (min {:>4}), TTFT {:>6.0} ms",
+                    policy.name(),
+                    row.idx,
+                    row.conv,
+                    row.turn,
+                    row.prompt_tokens,
+                    row.evaluated,
+                    row.min_prefill,
+                    row.time_to_first_token.as_secs_f64() * 1e3
+                );
+            }
+        })?;
+        println!("{report}");
+        reports.push(report);
+    }
+    if let Some(verdict) = E5Verdict::from_reports(&reports) {
+        println!("verdict: {verdict}");
+    }
+    Ok(())
+}
