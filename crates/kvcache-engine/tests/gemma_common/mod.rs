@@ -4,10 +4,10 @@
 //! a context shift) run through a `LayerGroupCache` and the reference side by side.
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use candle_core::{IndexOp, Tensor};
-use kvcache_api::{CausalCache, Pos, PosRange, SeqId};
+use candle_core::{DType, IndexOp, Tensor};
+use kvcache_api::{Batch, CausalCache, ForwardMode, Pos, PosRange, SeqId, VLayout};
 use kvcache_causal::LayerGroupCache;
 use kvcache_engine::gemma::{causal_mask, Attend, Gemma};
 use kvcache_engine::BatchToken;
@@ -96,6 +96,40 @@ impl<'m> Reference<'m> {
         hidden
     }
 
+    /// Starts a teacher-forced pass of `tokens` appended to `seq`: the tokens
+    /// and positions now, each layer's keys and values by [`append`](Self::append).
+    pub fn extend(&mut self, seq: SeqId, tokens: &[u32]) {
+        let layers = self.model.config().n_layers;
+        let s = self.seqs.entry(seq).or_insert_with(|| RefSeq {
+            keys: vec![None; layers],
+            values: vec![None; layers],
+            ..RefSeq::default()
+        });
+        let start = s.tokens.len() as Pos;
+        s.positions.extend(start..start + tokens.len() as Pos);
+        s.tokens.extend_from_slice(tokens);
+    }
+
+    /// Appends roped keys and values `[n, kv_heads, head_dim]` to `seq`'s lists of `layer`.
+    pub fn append(&mut self, seq: SeqId, layer: usize, k: &Tensor, v: &Tensor) {
+        let s = self.seqs.get_mut(&seq).expect("extend before append");
+        let cat = |old: &Option<Tensor>, t: &Tensor| match old {
+            Some(old) => Tensor::cat(&[old, t], 0).unwrap(),
+            None => t.clone(),
+        };
+        s.keys[layer] = Some(cat(&s.keys[layer], k));
+        s.values[layer] = Some(cat(&s.values[layer], v));
+    }
+
+    /// Keys and values `[len, kv_heads, head_dim]` of `seq` in `layer`.
+    pub fn lists(&self, seq: SeqId, layer: usize) -> (Tensor, Tensor) {
+        let s = &self.seqs[&seq];
+        (
+            s.keys[layer].clone().expect("keys"),
+            s.values[layer].clone().expect("values"),
+        )
+    }
+
     pub fn copy_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) {
         let prefix = self.seqs[&src].prefix(len);
         self.seqs.insert(dst, prefix);
@@ -136,6 +170,14 @@ impl<'m> Reference<'m> {
     }
 }
 
+/// The columns of one sequence's cells that some query of a pass sees.
+struct Seen {
+    /// By column: already in `seen`.
+    taken: Vec<bool>,
+    /// (position, column), in the order first seen.
+    seen: Vec<(Pos, u32)>,
+}
+
 /// Largest absolute difference between two tensors of the same shape.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
@@ -161,6 +203,23 @@ pub struct Pair<'m> {
     pub row_stride: usize,
     pub max_diff: f32,
     pub rows: usize,
+    /// Teacher-forced (see [`Pair::teacher_forced`]): each layer's view is
+    /// compared instead of the logits.
+    pub forced: Option<ViewStats>,
+}
+
+/// What the teacher-forced comparison of the views found.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ViewStats {
+    /// Largest difference between a visible cached key and the reference's
+    /// key of the same position (0 until a context shift re-rotates keys).
+    pub key_diff: f32,
+    /// Largest difference between a visible cached value and the reference's.
+    pub value_diff: f32,
+    /// (layer, query) views compared, each position by position.
+    pub views: usize,
+    /// Keys and values compared.
+    pub cells: usize,
 }
 
 impl<'m> Pair<'m> {
@@ -172,6 +231,21 @@ impl<'m> Pair<'m> {
             row_stride,
             max_diff: 0.0,
             rows: 0,
+            forced: None,
+        }
+    }
+
+    /// The cache and the reference driven along one trajectory: every pass
+    /// runs the model once, through the cache, and at every layer the
+    /// reference appends the same keys and values (the same layer input
+    /// through the same weights) and the cache's view is checked against it:
+    /// each query sees exactly the positions the from-scratch rule gives it
+    /// (window or causal), holding the reference's keys and values. The
+    /// logits are not compared (see the quantized test for why).
+    pub fn teacher_forced(model: &'m Gemma, cache: LayerGroupCache) -> Self {
+        Pair {
+            forced: Some(ViewStats::default()),
+            ..Pair::new(model, cache, usize::MAX)
         }
     }
 
@@ -188,6 +262,10 @@ impl<'m> Pair<'m> {
                     batch.push(BatchToken { seq, pos, token });
                 }
             }
+        }
+        if self.forced.is_some() {
+            self.forced_pass(parts, &batch, &rows_of);
+            return;
         }
         let cached = self.model.hidden(&batch, &mut self.cache).unwrap();
         self.cache.check();
@@ -211,6 +289,109 @@ impl<'m> Pair<'m> {
             self.max_diff = self.max_diff.max(max_abs_diff(&ours, &theirs));
             self.rows += picked.len();
         }
+    }
+
+    /// One teacher-forced pass (see [`teacher_forced`](Self::teacher_forced)):
+    /// `rows_of[k]` are the batch rows of `parts[k]`.
+    fn forced_pass(&mut self, parts: &[(SeqId, &[u32])], batch: &[BatchToken], rows_of: &[Vec<usize>]) {
+        let model = self.model;
+        let (cache, reference) = (&mut self.cache, &mut self.reference);
+        let mut stats = self.forced.expect("a teacher-forced pair");
+        for &(seq, tokens) in parts {
+            reference.extend(seq, tokens);
+        }
+        let b = Batch::from_tokens(batch.iter().map(|t| (t.seq, t.pos))).unwrap();
+        let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
+        let n = tokens.len();
+        cache.start_forward(&b, ForwardMode::Compute).unwrap();
+        let device = model.device().clone();
+        model
+            .hidden_with(&tokens, b.positions(), &mut |layer, k, v| {
+                cache.set_layer(layer);
+                let permuted = cache.config().v_layout == VLayout::Permuted;
+                cache.put(k, v)?;
+                let view = cache.get()?;
+                let keys = view.keys.to_dtype(DType::F32)?;
+                let values = view.values.to_dtype(DType::F32)?;
+                let mask = view.mask.narrow(0, 0, n)?.to_dtype(DType::F32)?;
+                // The reference's lists grow by this pass's rows of each sequence.
+                for (part, &(seq, _)) in parts.iter().enumerate() {
+                    let rows: Vec<u32> = rows_of[part].iter().map(|&r| r as u32).collect();
+                    let rows = Tensor::new(rows.as_slice(), &device)?;
+                    reference.append(seq, layer, &k.index_select(&rows, 0)?, &v.index_select(&rows, 0)?);
+                }
+                let group = &cache.groups()[usize::from(model.config().is_global(layer))];
+                let first_cell = group.pass_range().expect("a pass in progress").start;
+                let cell_values = if permuted {
+                    values.permute((2, 0, 1))?
+                } else {
+                    values.clone()
+                };
+                let cells = mask.dim(1)?;
+                let flat = mask.flatten_all()?.to_vec1::<f32>()?;
+                let window = model.config().window_of(layer);
+                // Each column's position and sequences, read once.
+                let mut cell_of: Vec<Option<(Pos, Vec<SeqId>)>> = vec![None; cells];
+                // Every position some query of a sequence sees, with its column.
+                let mut columns: BTreeMap<SeqId, Seen> = BTreeMap::new();
+                for (row, token) in batch.iter().enumerate() {
+                    let Seen { taken, seen } = columns.entry(token.seq).or_insert_with(|| Seen {
+                        taken: vec![false; cells],
+                        seen: Vec::new(),
+                    });
+                    let (mut lo, mut hi, mut count) = (Pos::MAX, Pos::MIN, 0);
+                    for (col, &m) in flat[row * cells..(row + 1) * cells].iter().enumerate() {
+                        if m != 0.0 {
+                            continue;
+                        }
+                        let (pos, seqs) = cell_of[col].get_or_insert_with(|| {
+                            let info = group.cell(first_cell + col).expect("a visible cell is used");
+                            (info.pos, info.sequences)
+                        });
+                        assert!(seqs.contains(&token.seq), "a cell of another sequence");
+                        (lo, hi, count) = (lo.min(*pos), hi.max(*pos), count + 1);
+                        if !taken[col] {
+                            taken[col] = true;
+                            seen.push((*pos, col as u32));
+                        }
+                    }
+                    // A sequence's cells hold distinct positions (`check`), so
+                    // this is the set of positions the from-scratch rule gives.
+                    let from = window.map_or(0, |w| (token.pos - w as Pos + 1).max(0));
+                    assert_eq!(
+                        (lo, hi, count),
+                        (from, token.pos, (token.pos - from + 1) as usize),
+                        "layer {layer}, seq {} at {}: positions seen (first, last, count)",
+                        token.seq,
+                        token.pos
+                    );
+                    stats.views += 1;
+                }
+                for (seq, Seen { seen, .. }) in columns {
+                    let cols: Vec<u32> = seen.iter().map(|s| s.1).collect();
+                    let idx: Vec<u32> = seen.iter().map(|s| s.0 as u32).collect();
+                    let cols = Tensor::new(cols.as_slice(), &device)?;
+                    let idx = Tensor::new(idx.as_slice(), &device)?;
+                    let (ref_k, ref_v) = reference.lists(seq, layer);
+                    let dk = max_abs_diff(&keys.index_select(&cols, 0)?, &ref_k.index_select(&idx, 0)?);
+                    let dv = max_abs_diff(
+                        &cell_values.index_select(&cols, 0)?,
+                        &ref_v.index_select(&idx, 0)?,
+                    );
+                    stats.key_diff = stats.key_diff.max(dk);
+                    stats.value_diff = stats.value_diff.max(dv);
+                    stats.cells += seen.len();
+                }
+                Ok(Attend {
+                    keys,
+                    values,
+                    mask,
+                    permuted,
+                })
+            })
+            .unwrap();
+        self.cache.check();
+        self.forced = Some(stats);
     }
 
     /// `tokens` through `seq` in passes of at most `chunk`.
@@ -269,7 +450,8 @@ impl<'m> Pair<'m> {
 /// `3.5 w` tokens) is the conversation, `other` (at least `w`) the tokens of
 /// a branch. The branch switch is also checked against a full recompute of
 /// the original (and of the fork, with `full_fork`). Returns `(max logit
-/// difference, rows compared, full-recompute difference)`.
+/// difference, rows compared, full-recompute difference)`; a teacher-forced
+/// pair checks views instead (its `forced` stats) and returns zeros.
 pub fn conversation(
     pair: &mut Pair,
     w: usize,
@@ -305,8 +487,12 @@ pub fn conversation(
     pair.feed(0, &other[w / 2..w / 2 + 6], chunk);
     // Both cached branches agree with a full recompute of their tokens.
     lap("fork and switch");
-    let mut full = pair.full_recompute_diff(0, 3);
-    if full_fork {
+    // (A teacher-forced pair has no trajectory of its own to recompute.)
+    let mut full = 0.0;
+    if pair.forced.is_none() {
+        full = pair.full_recompute_diff(0, 3);
+    }
+    if full_fork && pair.forced.is_none() {
         full = full.max(pair.full_recompute_diff(1, 3));
     }
     lap("full recompute");
