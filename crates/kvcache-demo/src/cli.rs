@@ -11,12 +11,14 @@ const EXAMPLES: &str = "\
 Examples:
   cargo xtask demo                                  every part of the demo on the CPU
   cargo xtask demo -- --backend mlx --skip store    the prefix-trie chat on mlx-rs
+  cargo xtask demo --model gemma3                   the windowed parts on Gemma 3 270M
   kvcache-demo --prompt 'Why is the sky blue?' --turns 2 --skip batching,window,shift
   kvcache-demo --bench-e1 --e1-policies trie,none --e1-predict 8
   kvcache-demo --bench-e3 --e3-restart 40           restart over a disk store
   kvcache-demo --bench-e4                           two replicas over one Redis (needs redis-server)
 
-Without --model the model is $KVCACHE_MODEL, else the file `cargo xtask prepare` cached.";
+Without --model the model is $KVCACHE_MODEL, else the file `cargo xtask prepare` cached;
+--model gemma3 is $KVCACHE_GEMMA (which `cargo xtask demo` sets when it can fetch Gemma).";
 
 /// SmolLM2-135M-Instruct served through the kvcache-rs caches.
 ///
@@ -44,9 +46,13 @@ pub struct Cli {
 /// The model and where it runs.
 #[derive(Debug, Args)]
 pub struct ModelArgs {
-    /// GGUF model file [default: $KVCACHE_MODEL, else the `cargo xtask prepare` cache]
-    #[arg(long, value_name = "PATH")]
-    pub model: Option<PathBuf>,
+    /// gemma3, or a GGUF model file [default: $KVCACHE_MODEL, else the `cargo xtask prepare` cache]
+    ///
+    /// gemma3 (or a Gemma 3 GGUF file) runs the demo's windowed parts on
+    /// Gemma 3 270M, a sliding-window model: chat past the window and a
+    /// context shift ($KVCACHE_GEMMA, set by `cargo xtask demo`).
+    #[arg(long, value_name = "NAME|PATH", value_parser = model_choice)]
+    pub model: Option<ModelChoice>,
 
     /// Caches the prefix-trie chat drives
     ///
@@ -185,6 +191,15 @@ pub struct StoreArgs {
     /// answer a line on stdout; see kvcache_engine::replica.
     #[arg(long)]
     pub replica: bool,
+}
+
+/// What `--model` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelChoice {
+    /// `gemma3`: Gemma 3 270M at $KVCACHE_GEMMA.
+    Gemma3,
+    /// A GGUF file.
+    File(PathBuf),
 }
 
 /// The caches of the prefix-trie chat.
@@ -331,6 +346,14 @@ impl Cli {
     }
 }
 
+fn model_choice(s: &str) -> Result<ModelChoice, String> {
+    match s {
+        "" => Err("a model name (gemma3) or a GGUF file".into()),
+        "gemma3" | "gemma" => Ok(ModelChoice::Gemma3),
+        path => Ok(ModelChoice::File(PathBuf::from(path))),
+    }
+}
+
 fn positive(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
@@ -410,7 +433,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.mode(), Mode::Replica);
-        assert_eq!(cli.model.model, Some(PathBuf::from("m.gguf")));
+        assert_eq!(cli.model.model, Some(ModelChoice::File(PathBuf::from("m.gguf"))));
         assert_eq!(cli.trace_path(), PathBuf::from("t.json"));
         assert_eq!(cli.bench.e1_predict, 8);
         assert_eq!(cli.store.store_dir, Some(PathBuf::from("/tmp/s")));
@@ -444,6 +467,24 @@ mod tests {
         assert_eq!(cli.model.backend, Backend::Mlx);
         assert_eq!(cli.questions(), ["a", "b"]);
         assert_eq!(Reuse::from(Policy::Single), Reuse::SingleEntry);
+    }
+
+    #[test]
+    fn gemma3_names_the_sliding_window_model() {
+        for name in ["gemma3", "gemma"] {
+            let cli = parse(&["--model", name, "--skip", "shift"]).unwrap();
+            assert_eq!(cli.model.model, Some(ModelChoice::Gemma3));
+            assert_eq!(cli.mode(), Mode::Demo);
+            assert!(cli.skips(Part::Shift) && !cli.skips(Part::Chat));
+        }
+        // Anything else is a file, relative or not.
+        let cli = parse(&["--model", "./gemma3"]).unwrap();
+        assert_eq!(
+            cli.model.model,
+            Some(ModelChoice::File(PathBuf::from("./gemma3")))
+        );
+        assert_eq!(parse(&[]).unwrap().model.model, None);
+        assert!(parse(&["--model", ""]).is_err());
     }
 
     #[test]

@@ -6,22 +6,24 @@
 
 mod benchmarks;
 mod cli;
+mod gemma_parts;
 mod mlx_chat;
 mod parts;
 mod progress;
 mod report;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
+use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use clap::Parser;
 use kvcache_engine::replica::{self, ReplicaOptions, ReplicaSetup};
 use kvcache_engine::store::StoreOptions;
-use kvcache_engine::{paths, ChatTokenizer, EngineError, Llama, ModelFile, Result, WeightMode};
+use kvcache_engine::{gemma, paths, ChatTokenizer, EngineError, Llama, ModelFile, Result, WeightMode};
 
-use crate::cli::{Backend, Cli, DeviceName, Mode, Part};
+use crate::cli::{Backend, Cli, DeviceName, Mode, ModelChoice, Part};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -45,19 +47,21 @@ fn run(cli: &Cli) -> Result<()> {
         ));
     }
     let device = device(cli.model.device)?;
-    let path = cli
-        .model
-        .model
-        .clone()
-        .or_else(paths::model_path)
-        .ok_or_else(|| {
-            EngineError::InvalidArgument(format!(
-                "no model: pass --model, set {}, or run `cargo xtask prepare`",
-                paths::MODEL_ENV
-            ))
-        })?;
+    let path = model_path(cli)?;
     let weights = WeightMode::from(cli.model.weights);
     let mode = cli.mode();
+    if is_gemma(&path)? {
+        if mode != Mode::Demo || mlx {
+            return Err(EngineError::InvalidArgument(
+                "Gemma 3 runs the demo's windowed parts on candle; the benchmarks, --replica and \
+                 --backend mlx run on SmolLM2"
+                    .into(),
+            ));
+        }
+        gemma_parts::run(&path, &device, weights, cli)?;
+        println!("\ndone in {:.1} s", start.elapsed().as_secs_f64());
+        return Ok(());
+    }
     match mode {
         Mode::Replica => return serve_replica(&path, device, weights, cli),
         Mode::StoreBench => {
@@ -110,6 +114,38 @@ fn demo(path: &Path, model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Res
         parts::shift(model, tokenizer, cli)?;
     }
     Ok(())
+}
+
+/// The file `--model` names, else the prepared SmolLM2.
+fn model_path(cli: &Cli) -> Result<PathBuf> {
+    match &cli.model.model {
+        Some(ModelChoice::File(path)) => Ok(path.clone()),
+        Some(ModelChoice::Gemma3) => std::env::var_os(gemma::GEMMA_ENV)
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .ok_or_else(|| {
+                EngineError::InvalidArgument(format!(
+                    "--model gemma3: {} is unset; run through `cargo xtask demo --model gemma3`, which \
+                     fetches Gemma 3 270M and sets it",
+                    gemma::GEMMA_ENV
+                ))
+            }),
+        None => paths::model_path().ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "no model: pass --model, set {}, or run `cargo xtask prepare`",
+                paths::MODEL_ENV
+            ))
+        }),
+    }
+}
+
+/// Whether the GGUF at `path` holds a Gemma 3 model (its header's architecture).
+fn is_gemma(path: &Path) -> Result<bool> {
+    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))?;
+    let architecture = content.metadata.get("general.architecture");
+    Ok(architecture.and_then(|a| a.to_string().ok()).map(String::as_str) == Some("gemma3"))
 }
 
 fn device(name: DeviceName) -> Result<Device> {
