@@ -10,8 +10,10 @@
 //! with a printed reason without it). Knobs: `KVCACHE_E5_CONVERSATIONS`
 //! (default 10: the first N conversations of the trace, the minimum computed
 //! over them), `KVCACHE_E5_PREDICT` (default the trace's, 8),
-//! `KVCACHE_E5_POLICIES` (default `trie,window,none`), `KVCACHE_E5_VERBOSE=1`
-//! (a line per request).
+//! `KVCACHE_E5_POLICIES` (default `trie,window,none`), `KVCACHE_E5_WEIGHTS`
+//! (`quantized`, the default, or `f32`: the weights dequantized, candle's
+//! dense kernels), `KVCACHE_E5_BUDGET_MIB` (the trie's snapshot budget,
+//! default unlimited), `KVCACHE_E5_VERBOSE=1` (a line per request).
 
 use candle_core::Device;
 use kvcache_engine::e5::{self, E5Policy, E5Trace, E5Verdict};
@@ -55,12 +57,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| policy(p).ok_or_else(|| format!("unknown policy {p:?}")))
         .collect::<Result<_, _>>()?;
     let verbose = std::env::var("KVCACHE_E5_VERBOSE").is_ok_and(|v| v == "1");
+    let budget = knob("KVCACHE_E5_BUDGET_MIB", usize::MAX >> 20) << 20;
+    let weights = std::env::var("KVCACHE_E5_WEIGHTS").unwrap_or_else(|_| "quantized".into());
+    let (mode, kernels) = match weights.as_str() {
+        "quantized" => (
+            WeightMode::Quantized,
+            "Q4_K_M weights, candle's quantized kernels",
+        ),
+        "f32" => (
+            WeightMode::F32,
+            "Q4_K_M weights dequantized to f32, candle's dense kernels",
+        ),
+        other => return Err(format!("KVCACHE_E5_WEIGHTS={other:?}: quantized or f32").into()),
+    };
 
     let device = Device::Cpu;
-    let model = GemmaFile::open(&path)?.load(&device, WeightMode::Quantized, &mut |_| {})?;
+    let model = GemmaFile::open(&path)?.load(&device, mode, &mut |_| {})?;
     let c = model.config();
     println!(
-        "E5: Gemma 3 270M Q4_K_M (candle, quantized kernels, CPU, {} threads), window {}; trace {} conversations x {} turns, {} prompt tokens, minimum {}; {n_predict} tokens generated per request",
+        "E5: Gemma 3 270M ({kernels}, CPU, {} threads), window {}; trace {} conversations x {} turns, {} prompt tokens, minimum {}; {n_predict} tokens generated per request",
         candle_core::utils::get_num_threads(),
         c.window,
         trace.meta.n_conversations,
@@ -70,7 +85,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut reports = Vec::new();
     for policy in policies {
-        let report = e5::run(&model, &trace, policy, n_predict, &device, &mut |row| {
+        let report = e5::run(&model, &trace, policy, n_predict, budget, &device, &mut |row| {
             if verbose {
                 println!(
                     "  {:<12} #{:<3} conv {} turn {}: {:>5} prompt, evaluated {:>5} (min {:>4}), TTFT {:>6.0} ms",

@@ -278,6 +278,8 @@ pub struct E5Memory {
     /// Bytes a full-size cache (every layer keeps every position, f32) holds
     /// for every conversation's context at its end (last prompt and reply).
     pub full_size_bytes: usize,
+    /// Trie nodes evicted to keep the budget (0 for the other policies).
+    pub evictions: u64,
 }
 
 impl E5Memory {
@@ -371,12 +373,13 @@ impl fmt::Display for E5Report {
         )?;
         write!(
             f,
-            "             held {:.1} MiB per conversation ({:.1} MiB snapshots + {:.1} MiB live caches, {} conversations); full-size cache {:.1} MiB per conversation",
+            "             held {:.1} MiB per conversation ({:.1} MiB snapshots + {:.1} MiB live caches, {} conversations); full-size cache {:.1} MiB per conversation; {} evictions",
             mib(self.memory.per_conversation()),
             mib(self.memory.snapshot_bytes as f64),
             mib(self.memory.live_bytes as f64),
             self.memory.conversations,
-            mib(self.memory.full_size_per_conversation())
+            mib(self.memory.full_size_per_conversation()),
+            self.memory.evictions
         )
     }
 }
@@ -437,12 +440,15 @@ fn held_bytes(layers: &[GemmaLayer]) -> usize {
 
 /// Runs the requests of `trace` with `policy` on `model` (caches on
 /// `device`), generating `n_predict` tokens greedily for each and discarding
-/// them; `log` sees each row as it completes.
+/// them; the trie keeps at most `trie_budget` bytes of snapshots (evicting
+/// the least recently used first, above it). `log` sees each row as it
+/// completes.
 pub fn run(
     model: &Gemma,
     trace: &E5Trace,
     policy: E5Policy,
     n_predict: usize,
+    trie_budget: usize,
     device: &Device,
     log: &mut dyn FnMut(&E5Row),
 ) -> Result<E5Report> {
@@ -452,7 +458,10 @@ pub fn run(
     let c = model.config();
     let start = Instant::now();
     let mut policy_state = match policy {
-        E5Policy::Trie => Live::Trie(Box::new(PrefixCache::new(model.new_layers(device)?, usize::MAX)?)),
+        E5Policy::Trie => Live::Trie(Box::new(PrefixCache::new(
+            model.new_layers(device)?,
+            trie_budget,
+        )?)),
         E5Policy::WindowOnly => Live::Slots(Vec::new()),
         E5Policy::NoReuse => Live::Fresh(model.new_layers(device)?),
     };
@@ -505,10 +514,13 @@ pub fn run(
         rows.push(row);
     }
     let full_size_per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4;
-    let (snapshot_bytes, live_bytes) = match &policy_state {
-        Live::Trie(trie) => (trie.stats().paged_out_bytes, held_bytes(trie.caches())),
-        Live::Slots(slots) => (0, slots.iter().flatten().map(|s| held_bytes(&s.layers)).sum()),
-        Live::Fresh(layers) => (0, held_bytes(layers)),
+    let (snapshot_bytes, live_bytes, evictions) = match &policy_state {
+        Live::Trie(trie) => {
+            let stats = trie.stats();
+            (stats.paged_out_bytes, held_bytes(trie.caches()), stats.evictions)
+        }
+        Live::Slots(slots) => (0, slots.iter().flatten().map(|s| held_bytes(&s.layers)).sum(), 0),
+        Live::Fresh(layers) => (0, held_bytes(layers), 0),
     };
     Ok(E5Report {
         policy,
@@ -518,6 +530,7 @@ pub fn run(
             snapshot_bytes,
             live_bytes,
             full_size_bytes: context.iter().map(|n| n * full_size_per_token).sum(),
+            evictions,
         },
         total: start.elapsed(),
     })
