@@ -55,6 +55,11 @@ impl Cargo {
         self.envs.push((key.to_owned(), value.into()));
     }
 
+    /// The value [`set_env`](Self::set_env) gave `key`, if any.
+    pub fn env(&self, key: &str) -> Option<&OsString> {
+        self.envs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
     /// `cargo ARGS` with the build flags.
     pub fn run(&self, args: &[String]) -> Result<()> {
         self.run_with_rustdocflags(args, &[])

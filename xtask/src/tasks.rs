@@ -70,9 +70,24 @@ pub fn demo(layout: &Layout, args: &[String]) -> Result<()> {
         bail!("the demo is not built yet: crates/{DEMO} has no binary");
     }
     let cargo = prepare(layout, Model::Needed)?;
+    if asks_for_gemma(args) && cargo.env(crate::model::GEMMA_ENV).is_none() {
+        bail!("demo --model gemma3: Gemma 3 270M could not be prepared (the reason is above)");
+    }
     let mut run = strings(&["run", "--release", "-p", DEMO, "--"]);
     run.extend_from_slice(args);
     cargo.run(&run)
+}
+
+/// Whether the demo's arguments name Gemma 3 (`--model gemma3`), which it
+/// then needs rather than merely gets when it can be fetched.
+fn asks_for_gemma(args: &[String]) -> bool {
+    let gemma = |name: &str| matches!(name, "gemma3" | "gemma");
+    args.iter()
+        .enumerate()
+        .any(|(i, arg)| match arg.strip_prefix("--model=") {
+            Some(name) => gemma(name),
+            None => arg == "--model" && args.get(i + 1).is_some_and(|name| gemma(name)),
+        })
 }
 
 /// The OpenAI-compatible server (crates/kvcache-server) in release mode on the
@@ -186,5 +201,15 @@ mod tests {
         assert_eq!(scan(&["--package=kvcache-api"]), (true, false));
         assert_eq!(scan(&["--release", "--", "--test", "-p"]), (false, false));
         assert_eq!(scan(&["--doc"]), (false, true));
+    }
+
+    #[test]
+    fn the_demo_asks_for_gemma_by_name_only() {
+        let asks = |args: &[&str]| asks_for_gemma(&strings(args));
+        assert!(asks(&["--model", "gemma3"]));
+        assert!(asks(&["--skip", "shift", "--model=gemma"]));
+        assert!(!asks(&[]));
+        assert!(!asks(&["--model", "gemma3.gguf"]));
+        assert!(!asks(&["--prompt", "gemma3", "--model"]));
     }
 }
