@@ -555,6 +555,7 @@ impl CausalCache for CausalKvCache {
     }
 
     fn start_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()> {
+        self.storage.bind_to_thread()?;
         self.prepare_forward(batch, mode)?;
         self.commit_forward(batch, mode)
     }
@@ -564,6 +565,7 @@ impl CausalCache for CausalKvCache {
     }
 
     fn set_causal(&mut self, except: &[usize]) -> Result<()> {
+        self.storage.bind_to_thread()?;
         let changed = self.prepare_set_causal(except)?;
         self.commit_set_causal(except, changed)
     }
@@ -574,6 +576,7 @@ impl CausalCache for CausalKvCache {
                 "put needs a forward pass in progress: call start_forward first".into(),
             ));
         };
+        self.storage.bind_to_thread()?;
         let dims = self
             .storage
             .check_put(self.layer, keys, values, self.book.pass().len())?;
@@ -591,6 +594,7 @@ impl CausalCache for CausalKvCache {
                 "get needs a forward pass in progress: call start_forward first".into(),
             ));
         };
+        self.storage.bind_to_thread()?;
         let store = self.storage.layer(self.layer).ok_or_else(|| {
             CacheError::InvalidState(format!(
                 "layer {} has no keys or values yet: put them before get",
@@ -606,6 +610,7 @@ impl CausalCache for CausalKvCache {
     }
 
     fn copy_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) -> Result<()> {
+        self.storage.bind_to_thread()?;
         self.prepare_copy_prefix(src, dst, len)?;
         self.commit_copy_prefix(src, dst, len);
         Ok(())
@@ -616,15 +621,18 @@ impl CausalCache for CausalKvCache {
     }
 
     fn remove(&mut self, seq: SeqId, range: PosRange) -> Result<()> {
+        self.storage.bind_to_thread()?;
         let prepared = self.prepare_remove(seq, range)?;
         self.commit_remove(prepared)
     }
 
     fn export_seq(&self, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqState> {
+        self.storage.bind_to_thread()?;
         CausalKvCache::export_seq(self, seq, range)
     }
 
     fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+        self.storage.bind_to_thread()?;
         CausalKvCache::import_seq(self, seq, state)
     }
 }

@@ -84,6 +84,21 @@ impl Storage {
     }
 
     /// The device tensors live on.
+    /// Makes the device's context current on the calling thread. CUDA runs
+    /// work in a context each thread must bind first, and candle binds it only
+    /// where the device was made; a cache handed between threads (through
+    /// `kvcache_api::Shared`, say) binds it on every entry that touches the
+    /// device. Nothing to do elsewhere.
+    pub(crate) fn bind_to_thread(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            cuda.cuda_stream().context().bind_to_thread().map_err(|e| {
+                CacheError::Backend(format!("binding the CUDA context to this thread: {e:?}"))
+            })?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn device(&self) -> &Device {
         &self.device
     }
@@ -168,10 +183,15 @@ impl Storage {
                 });
             }
             if !t.device().same_device(&self.device) {
+                let (theirs, ours) = (t.device().location(), self.device.location());
+                let hint = if theirs == ours {
+                    " (another handle of the same GPU: each `Device::new_cuda` call makes a new \
+                     device whose tensors do not mix with others'; clone one device instead)"
+                } else {
+                    ""
+                };
                 return Err(CacheError::InvalidArgument(format!(
-                    "{what} are on {:?} but the cache lives on {:?}",
-                    t.device().location(),
-                    self.device.location()
+                    "{what} are on {theirs:?} but the cache lives on {ours:?}{hint}"
                 )));
             }
         }

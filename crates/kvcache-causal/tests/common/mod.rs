@@ -5,18 +5,27 @@
 pub mod fixture;
 pub mod reference;
 
+use std::sync::OnceLock;
+
 use candle_core::{DType as CandleDType, Device, Tensor};
 use kvcache_api::{CacheError, CausalCache, DType, Pos, Result, SeqId, VLayout};
 use kvcache_causal::CausalKvCache;
 
 /// The device tests run on: `KVCACHE_DEVICE` = `cpu` (default), `cuda` or `metal`.
+///
+/// One device for the whole test binary: candle's `Device::new_cuda(0)` makes a
+/// new device (its own context and stream) each call, and tensors of two such
+/// devices do not mix, although both are GPU 0.
 pub fn device() -> Device {
-    match std::env::var("KVCACHE_DEVICE").as_deref() {
-        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
-        Ok("cuda") => Device::new_cuda(0).expect("KVCACHE_DEVICE=cuda needs `--features cuda` and a GPU"),
-        Ok("metal") => Device::new_metal(0).expect("KVCACHE_DEVICE=metal needs macOS with Metal"),
-        Ok(other) => panic!("KVCACHE_DEVICE must be cpu, cuda or metal, not {other:?}"),
-    }
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| match std::env::var("KVCACHE_DEVICE").as_deref() {
+            Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+            Ok("cuda") => Device::new_cuda(0).expect("KVCACHE_DEVICE=cuda needs `--features cuda` and a GPU"),
+            Ok("metal") => Device::new_metal(0).expect("KVCACHE_DEVICE=metal needs macOS with Metal"),
+            Ok(other) => panic!("KVCACHE_DEVICE must be cpu, cuda or metal, not {other:?}"),
+        })
+        .clone()
 }
 
 /// The candle dtype of a kvcache dtype.
