@@ -209,6 +209,10 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             let t = chat.turn(c as SeqId, &prompt, cli.demo.max_new)?;
             totals.add(&t);
             report_turn(tokenizer, c, turn, edit, question, &t, window)?;
+            if edit && c == 0 {
+                let quantized = WeightMode::from(cli.model.weights) == WeightMode::Quantized;
+                verify(model, &prompt, &t.first_logits, quantized)?;
+            }
             *history = prompt;
             history.extend(&t.reply);
             history.extend(tokenizer.encode(&end_of_reply(""), false, true));
@@ -284,6 +288,30 @@ fn report_turn(
     Ok(())
 }
 
+/// Compares the first reply token's logits through the cache with a full
+/// recompute of `prompt` (windowed attention from scratch, no cache). With
+/// `quantized` weights the kernels round activations to 8 bits, which turns
+/// differences in summation order into whole steps: two recomputes without a
+/// cache differ too (see the quantized test in kvcache-engine's tests/gemma.rs).
+fn verify(model: &Gemma, prompt: &[u32], cached: &Tensor, quantized: bool) -> Result<()> {
+    let t0 = Instant::now();
+    let hidden = model.hidden_full(prompt)?;
+    let n = prompt.len();
+    let full = model.logits(&hidden.i(n - 1..n)?)?.squeeze(0)?;
+    let diff = (cached - &full)?.abs()?.max(0)?.to_scalar::<f32>()?;
+    println!(
+        "      (check: these logits through the cache against a full recompute of the {n} tokens in \
+         {:.1} s: max difference {diff:.1e}{})",
+        t0.elapsed().as_secs_f64(),
+        if quantized {
+            "; the quantized kernels round activations to 8 bits, so two recomputes differ as much"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1 << 20) as f64
 }
@@ -355,6 +383,8 @@ struct Turn {
     behind: usize,
     reply: Vec<u32>,
     time_to_first_token: Duration,
+    /// The logits `[vocab_size]` the first reply token was chosen from.
+    first_logits: Tensor,
 }
 
 #[derive(Default)]
@@ -434,6 +464,7 @@ impl<'m> Chat<'m> {
         let mut logits = self.eval(seq, &prompt[start..], start)?;
         let mut next = argmax(&logits)?;
         let time_to_first_token = t0.elapsed();
+        let first_logits = logits.clone();
         let mut reply = Vec::new();
         let stop = [self.tokenizer.end_of_turn_id(), self.tokenizer.eos_token_id()];
         while reply.len() < max_new && !stop.contains(&next) {
@@ -451,6 +482,7 @@ impl<'m> Chat<'m> {
             behind,
             reply,
             time_to_first_token,
+            first_logits,
         })
     }
 
