@@ -179,41 +179,19 @@ impl MlxLlama {
     where
         L: LayerCache<Array = Array>,
     {
-        let c = &self.config;
-        if caches.len() != c.n_layers {
-            return Err(EngineError::InvalidArgument(format!(
-                "{} layer caches for {} layers",
-                caches.len(),
-                c.n_layers
-            )));
-        }
-        let offset = caches[0].offset();
-        if caches.iter().any(|l| l.offset() != offset) {
-            return Err(EngineError::InvalidArgument(
-                "layer caches hold different offsets".into(),
-            ));
-        }
+        let offset = common_offset(caches, self.config.n_layers)?;
         let out = self.run(tokens, offset, &mut |layer, k, v| Ok(caches[layer].update(k, v)?))?;
-        let mut outputs = vec![out];
-        for cache in caches.iter() {
-            outputs.extend(cache.state());
-        }
-        mlx_rs::transforms::eval(&outputs).map_err(mlx_err)?;
-        Ok(outputs.swap_remove(0))
+        eval_pass(out, caches)
     }
 
     /// Logits `[n, vocab_size]` from final hidden states `[n, dim]`, evaluated.
     pub fn logits(&self, hidden: &Array) -> Result<Array> {
-        let out = linear(hidden, &self.output)?;
-        out.eval().map_err(mlx_err)?;
-        Ok(out)
+        logits(hidden, &self.output)
     }
 
     /// Logits of the last row of hidden states `[n, dim]`, as host data.
     pub fn last_logits(&self, hidden: &Array) -> Result<Vec<f32>> {
-        let n = hidden.dim(0);
-        let last = hidden.try_index(n - 1..n).map_err(mlx_err)?;
-        to_host(&self.logits(&last)?)
+        last_logits(hidden, &self.output)
     }
 
     /// The greedy next token after hidden states `[n, dim]` (from the last
@@ -229,15 +207,7 @@ impl MlxLlama {
     fn run(&self, tokens: &[u32], offset: usize, attend: &mut Attend<'_>) -> Result<Array> {
         let c = &self.config;
         let n = tokens.len();
-        if n == 0 {
-            return Err(EngineError::InvalidArgument("no tokens".into()));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::InvalidArgument(format!(
-                "token {t} outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
+        check_tokens(tokens, c.vocab_size)?;
         let (ni, heads, kv_heads, hd) = (dim(n)?, dim(c.n_heads)?, dim(c.n_kv_heads)?, dim(c.head_dim)?);
         let total = offset + n;
         let ids = Array::from_slice(tokens, &[ni]);
@@ -365,6 +335,63 @@ fn causal_mask(offset: usize, n: usize) -> Result<Option<Array>> {
         mask[i * total + offset + i + 1..(i + 1) * total].fill(f32::NEG_INFINITY);
     }
     Ok(Some(Array::from_slice(&mask, &[dim(n)?, dim(total)?])))
+}
+
+/// `caches` (one per layer) checked for a model of `n_layers` layers: their
+/// common offset, or an `InvalidArgument` error naming what is wrong.
+pub(crate) fn common_offset<L: LayerCache>(caches: &[L], n_layers: usize) -> Result<usize> {
+    if caches.len() != n_layers {
+        return Err(EngineError::InvalidArgument(format!(
+            "{} layer caches for {n_layers} layers",
+            caches.len()
+        )));
+    }
+    let offset = caches[0].offset();
+    if caches.iter().any(|l| l.offset() != offset) {
+        return Err(EngineError::InvalidArgument(
+            "layer caches hold different offsets".into(),
+        ));
+    }
+    Ok(offset)
+}
+
+/// `tokens` checked for a vocabulary of `vocab_size`: not empty, every id inside.
+pub(crate) fn check_tokens(tokens: &[u32], vocab_size: usize) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(EngineError::InvalidArgument("no tokens".into()));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(EngineError::InvalidArgument(format!(
+            "token {t} outside the vocabulary of {vocab_size}"
+        )));
+    }
+    Ok(())
+}
+
+/// Evaluates a pass's output `out` together with every cache's writes, and
+/// returns the output.
+pub(crate) fn eval_pass<L: LayerCache<Array = Array>>(out: Array, caches: &[L]) -> Result<Array> {
+    let mut outputs = vec![out];
+    for cache in caches {
+        outputs.extend(cache.state());
+    }
+    mlx_rs::transforms::eval(&outputs).map_err(mlx_err)?;
+    Ok(outputs.swap_remove(0))
+}
+
+/// Logits `[n, vocab]` from final hidden states `[n, dim]` and the output
+/// projection `[vocab, dim]`, evaluated.
+pub(crate) fn logits(hidden: &Array, output: &Array) -> Result<Array> {
+    let out = linear(hidden, output)?;
+    out.eval().map_err(mlx_err)?;
+    Ok(out)
+}
+
+/// Logits of the last row of hidden states `[n, dim]`, as host data.
+pub(crate) fn last_logits(hidden: &Array, output: &Array) -> Result<Vec<f32>> {
+    let n = hidden.dim(0);
+    let last = hidden.try_index(n - 1..n).map_err(mlx_err)?;
+    to_host(&logits(&last, output)?)
 }
 
 /// The values of an f32 array, row-major, as host data.

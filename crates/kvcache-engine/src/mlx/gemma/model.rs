@@ -34,14 +34,14 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use kvcache_api::{LayerCache, MixedLayer, Pos, SnapshotCache};
+use kvcache_api::{LayerCache, MixedLayer, Pos};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, sigmoid, softmax_axis, tanh};
 use mlx_rs::{fast, Array};
 
 use super::super::mlx_err;
-use super::super::model::{dim, linear, to_host};
+use super::super::model::{self, dim, linear};
 use crate::gemma::{Activation, GemmaConfig};
 use crate::model::SplitMix64;
 use crate::{EngineError, LoadProgress, Result};
@@ -364,13 +364,7 @@ impl MlxGemma {
     /// output and every cache write are evaluated before this returns.
     pub fn hidden_layers(&self, tokens: &[u32], caches: &mut [MlxGemmaLayer]) -> Result<Array> {
         let c = &self.config;
-        if caches.len() != c.n_layers {
-            return Err(EngineError::InvalidArgument(format!(
-                "{} layer caches for {} layers",
-                caches.len(),
-                c.n_layers
-            )));
-        }
+        let offset = model::common_offset(caches, c.n_layers)?;
         for (l, cache) in caches.iter().enumerate() {
             let fits = match (cache, c.window_of(l)) {
                 (MixedLayer::Global(_), None) => true,
@@ -390,12 +384,6 @@ impl MlxGemma {
                     "layer {l} needs {needs}, got {got}"
                 )));
             }
-        }
-        let offset = caches[0].offset();
-        if caches.iter().any(|l| l.offset() != offset) {
-            return Err(EngineError::InvalidArgument(
-                "layer caches hold different offsets".into(),
-            ));
         }
         let n = tokens.len();
         let global = attention_mask(offset, n, None)?;
@@ -427,26 +415,18 @@ impl MlxGemma {
             }
             Ok((keys, values, mask))
         })?;
-        let mut outputs = vec![out];
-        for cache in caches.iter() {
-            outputs.extend(cache.state());
-        }
-        mlx_rs::transforms::eval(&outputs).map_err(mlx_err)?;
-        Ok(outputs.swap_remove(0))
+        model::eval_pass(out, caches)
     }
 
-    /// Logits `[n, vocab_size]` from final hidden states `[n, dim]`, evaluated.
+    /// Logits `[n, vocab_size]` from final hidden states `[n, dim]` (the output
+    /// projection is the embedding), evaluated.
     pub fn logits(&self, hidden: &Array) -> Result<Array> {
-        let out = linear(hidden, &self.embed)?;
-        out.eval().map_err(mlx_err)?;
-        Ok(out)
+        model::logits(hidden, &self.embed)
     }
 
     /// Logits of the last row of hidden states `[n, dim]`, as host data.
     pub fn last_logits(&self, hidden: &Array) -> Result<Vec<f32>> {
-        let n = hidden.dim(0);
-        let last = hidden.try_index(n - 1..n).map_err(mlx_err)?;
-        to_host(&self.logits(&last)?)
+        model::last_logits(hidden, &self.embed)
     }
 
     /// The greedy next token after hidden states `[n, dim]` (from the last
@@ -463,15 +443,7 @@ impl MlxGemma {
     fn run(&self, tokens: &[u32], offset: usize, attend: &mut Attend<'_>) -> Result<Array> {
         let c = &self.config;
         let n = tokens.len();
-        if n == 0 {
-            return Err(EngineError::InvalidArgument("no tokens".into()));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::InvalidArgument(format!(
-                "token {t} outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
+        model::check_tokens(tokens, c.vocab_size)?;
         let e = mlx_err;
         let (ni, heads, kv_heads, hd) = (dim(n)?, dim(c.n_heads)?, dim(c.n_kv_heads)?, dim(c.head_dim)?);
         let ids = Array::from_slice(tokens, &[ni]);
