@@ -20,27 +20,10 @@ const FILE_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea37
 /// fetched and verified on first use.
 pub fn ensure(cache: &Path) -> Result<PathBuf> {
     const STEP: &str = "prepare: model";
-    if let Some(path) = std::env::var_os(MODEL_ENV).filter(|path| !path.is_empty()) {
-        let path = PathBuf::from(path);
-        if !path.is_file() {
-            bail!(
-                "{MODEL_ENV} is set to {}, which is not a file: unset it to use the cached model",
-                path.display()
-            );
-        }
-        println!("{STEP}: using {MODEL_ENV}={}", path.display());
-        return Ok(path);
-    }
-
     let dir = cache.join("models");
     let model = dir.join(FILE_NAME);
-    if model.is_file() {
-        if files::sha256_file(&model)? == FILE_SHA256 {
-            println!("{STEP}: already done ({})", model.display());
-            return Ok(model);
-        }
-        println!("{STEP}: {} is corrupt, fetching it again", model.display());
-        files::remove_all(&model)?;
+    if let Some(ready) = ready(STEP, MODEL_ENV, &model, FILE_SHA256)? {
+        return Ok(ready);
     }
 
     let download = dir.join("download");
@@ -57,6 +40,32 @@ pub fn ensure(cache: &Path) -> Result<PathBuf> {
     Ok(model)
 }
 
+/// The model a step needs when it is already there: the file `$env` names
+/// (an error if it is not a file), else `cached` when its sha256 is
+/// `sha256`. A corrupt cached copy is removed; `None` means fetch it.
+fn ready(step: &str, env: &str, cached: &Path, sha256: &str) -> Result<Option<PathBuf>> {
+    if let Some(path) = std::env::var_os(env).filter(|path| !path.is_empty()) {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!(
+                "{env} is set to {}, which is not a file: unset it to use the cached model",
+                path.display()
+            );
+        }
+        println!("{step}: using {env}={}", path.display());
+        return Ok(Some(path));
+    }
+    if cached.is_file() {
+        if files::sha256_file(cached)? == sha256 {
+            println!("{step}: already done ({})", cached.display());
+            return Ok(Some(cached.to_path_buf()));
+        }
+        println!("{step}: {} is corrupt, fetching it again", cached.display());
+        files::remove_all(cached)?;
+    }
+    Ok(None)
+}
+
 /// Environment variable through which tests, benchmarks and demos get Gemma 3.
 pub const GEMMA_ENV: &str = "KVCACHE_GEMMA";
 
@@ -68,7 +77,7 @@ pub mod gemma {
     use std::io;
     use std::path::{Path, PathBuf};
 
-    use crate::error::{bail, Context, Result};
+    use crate::error::{Context, Result};
     use crate::{files, python};
 
     use super::GEMMA_ENV;
@@ -112,27 +121,10 @@ pub mod gemma {
     /// copy, fetched, assembled and verified on first use.
     pub fn ensure(cache: &Path) -> Result<PathBuf> {
         const STEP: &str = "prepare: gemma";
-        if let Some(path) = std::env::var_os(GEMMA_ENV).filter(|path| !path.is_empty()) {
-            let path = PathBuf::from(path);
-            if !path.is_file() {
-                bail!(
-                    "{GEMMA_ENV} is set to {}, which is not a file: unset it to use the cached model",
-                    path.display()
-                );
-            }
-            println!("{STEP}: using {GEMMA_ENV}={}", path.display());
-            return Ok(path);
-        }
-
         let dir = cache.join("models");
         let model = dir.join(FILE_NAME);
-        if model.is_file() {
-            if files::sha256_file(&model)? == FILE_SHA256 {
-                println!("{STEP}: already done ({})", model.display());
-                return Ok(model);
-            }
-            println!("{STEP}: {} is corrupt, fetching it again", model.display());
-            files::remove_all(&model)?;
+        if let Some(ready) = super::ready(STEP, GEMMA_ENV, &model, FILE_SHA256)? {
+            return Ok(ready);
         }
 
         let work = dir.join("gemma.tmp");
