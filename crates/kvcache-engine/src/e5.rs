@@ -589,10 +589,10 @@ impl Slot {
     }
 }
 
-/// One request through the trie: evaluate what it did not restore, snapshot
-/// the prompt's end (where the conversation's next turn parts from this
-/// reply), then generate. Returns the prompt tokens evaluated, the time to
-/// first token and the tokens generated.
+/// One request through the trie: evaluate what it did not restore, choose
+/// the first token, snapshot the prompt's end (where the conversation's next
+/// turn parts from this reply), then generate. Returns the prompt tokens
+/// evaluated, the time to first token and the tokens generated.
 fn trie_turn(
     model: &Gemma,
     trie: &mut PrefixCache<GemmaLayer>,
@@ -602,14 +602,19 @@ fn trie_turn(
 ) -> Result<Turned> {
     let mut session = trie.begin(prompt)?;
     let evaluated = session.remaining().len();
-    let mut token = None;
+    // Prefill may stop at pending snapshots: only its last chunk's last row
+    // needs logits.
+    let mut last = None;
     session.prefill(|tokens, caches| -> Result<()> {
-        token = Some(next_token(model, tokens, caches)?);
+        let hidden = model.hidden_layers(tokens, caches)?;
+        last = Some(hidden.narrow(0, hidden.dim(0)? - 1, 1)?);
         Ok(())
     })?;
-    let mut token = token.ok_or_else(|| EngineError::InvalidArgument("nothing evaluated".into()))?;
-    session.snapshot(false)?;
+    let last = last.ok_or_else(|| EngineError::InvalidArgument("nothing evaluated".into()))?;
+    let mut token = argmax(&model.logits(&last)?.squeeze(0)?.to_vec1::<f32>()?);
     let ttft = t0.elapsed();
+    // The restore point is bookkeeping the first token does not wait for.
+    session.snapshot(false)?;
     let mut generated = vec![token];
     for _ in 1..n_predict {
         token = session.decode(token, |t, caches| next_token(model, t, caches))?;
