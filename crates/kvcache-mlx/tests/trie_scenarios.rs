@@ -372,6 +372,91 @@ fn eviction_order_oldest_then_deepest() {
     assert_eq!(request(&mut c, &n, &range(1, 7), &[]).cached, 6);
 }
 
+/// Two conversations, each with a snapshot at its prompt's end and a reply
+/// of two evaluated tokens below it; then a third request, so that the
+/// second reply is paged out too.
+fn two_conversations_with_replies() -> (PrefixCache<trie_support::Layer>, Counters) {
+    let (mut c, n) = cache("k", NO_LIMIT);
+    let end_snapshot = Options {
+        end_snapshot: true,
+        ..Options::default()
+    };
+    request_with(&mut c, &n, &range(1, 6), &[100, 101, 102], end_snapshot);
+    request_with(&mut c, &n, &range(20, 25), &[200, 201, 202], end_snapshot);
+    request(&mut c, &n, &[30, 31], &[]);
+    (c, n)
+}
+
+#[test]
+fn generated_replies_are_evicted_before_requested_prompts() {
+    let (mut c, n) = two_conversations_with_replies();
+    assert_eq!(
+        c.dump(),
+        "root\n  [1, 2, 3, 4, 5, 6] [0,6) snaps 1/1 24B\n    [100, 101] [6,8) snaps 1/1 8B generated\n  \
+         [20, 21, 22, 23, 24, 25] [0,6) snaps 1/1 24B\n    [200, 201] [6,8) snaps 1/1 8B generated\n  \
+         [30, 31] [0,2) active\n"
+    );
+    // 64 bytes. Evict to 48: least recently used first would take the first
+    // conversation whole (its reply, then its prompt); the replies, which no
+    // prompt has asked for, go first instead, the older one first.
+    c.set_budget(48);
+    c.check();
+    assert_eq!(c.stats().evictions, 2);
+    assert_eq!(
+        c.dump(),
+        "root\n  [1, 2, 3, 4, 5, 6] [0,6) snaps 1/1 24B\n  [20, 21, 22, 23, 24, 25] [0,6) snaps 1/1 24B\n  \
+         [30, 31] [0,2) active\n"
+    );
+    // Both conversations' next turns (which do not echo the reply) resume.
+    c.set_budget(NO_LIMIT);
+    let first = [range(1, 6), vec![7, 8]].concat();
+    let second = [range(20, 25), vec![26, 27]].concat();
+    assert_eq!(request(&mut c, &n, &first, &[]).cached, 6);
+    assert_eq!(request(&mut c, &n, &second, &[]).cached, 6);
+}
+
+#[test]
+fn a_prompt_through_a_generated_reply_makes_it_requested() {
+    let (mut c, n) = two_conversations_with_replies();
+    // The first conversation's next turn sends its reply back.
+    let echoed = [range(1, 6), vec![100, 101, 9]].concat();
+    assert_eq!(request(&mut c, &n, &echoed, &[]).cached, 8);
+    // The second's next turn does not, and gets a reply of its own.
+    let second = [range(20, 25), vec![26]].concat();
+    let end_snapshot = Options {
+        end_snapshot: true,
+        ..Options::default()
+    };
+    assert_eq!(
+        request_with(&mut c, &n, &second, &[210, 211, 212], end_snapshot).cached,
+        6
+    );
+    request(&mut c, &n, &[30, 31], &[]);
+    let dump = c.dump();
+    assert!(
+        dump.contains("    [100, 101] [6,8) snaps 1/1 8B\n      [9] [8,9) snaps 1/1 4B\n"),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("    [200, 201] [6,8) snaps 1/1 8B generated\n"),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("      [210, 211] [7,9) snaps 1/1 8B generated\n"),
+        "{dump}"
+    );
+    // Evicting 9 bytes or more takes both generated replies, the newer one
+    // too, before the first conversation's older path (least recently used
+    // alone would take the old reply, then the echoed turn's [9]).
+    let bytes = c.stats().paged_out_bytes;
+    c.set_budget(bytes - 9);
+    c.check();
+    assert_eq!(c.stats().evictions, 2);
+    assert_eq!(c.lookup(&echoed), 9);
+    assert_eq!(c.lookup(&[range(20, 25), vec![200, 201]].concat()), 6);
+    assert_eq!(c.lookup(&[second.clone(), vec![210, 211]].concat()), 7);
+}
+
 #[test]
 fn leaf_eviction_merges_an_ordinary_parent_but_not_a_user_one() {
     for user in [false, true] {

@@ -21,9 +21,11 @@ pub(crate) const ROOT: NodeId = 0;
 /// "No node" (the root's parent).
 pub(crate) const NONE: NodeId = NodeId::MAX;
 
-/// Ordering key of an eviction candidate: user nodes last, then oldest first,
-/// deepest (largest end offset) first, largest first; the id breaks ties.
-pub(crate) type EvictKey = (bool, u64, Reverse<usize>, Reverse<usize>, NodeId);
+/// Ordering key of an eviction candidate: user nodes last; before them,
+/// generated nodes no prompt has asked for yet (`!generated` is false) ahead
+/// of requested ones; then oldest first, deepest (largest end offset) first,
+/// largest first; the id breaks ties.
+pub(crate) type EvictKey = (bool, bool, u64, Reverse<usize>, Reverse<usize>, NodeId);
 
 /// One trie node: the edge `tokens` leading to it covers offsets `[start, end)`.
 pub(crate) struct Node {
@@ -41,6 +43,9 @@ pub(crate) struct Node {
     pub bytes: usize,
     /// An explicit restore point: never auto-merged, evicted after every other node.
     pub user: bool,
+    /// The edge holds only generated tokens that no prompt has matched yet (a
+    /// reply the client may never send back): evicted before requested nodes.
+    pub generated: bool,
     /// Logical time of the last use.
     pub stamp: u64,
     /// On the active path (backed by the live caches).
@@ -64,6 +69,7 @@ impl Node {
             n_snaps: 0,
             bytes: 0,
             user: false,
+            generated: false,
             stamp,
             active: false,
             live: true,

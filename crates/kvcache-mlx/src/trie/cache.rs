@@ -161,6 +161,13 @@ impl<C: SnapshotCache> PrefixCache<C> {
         let mut m = self.find_from(root, prompt);
         let structural = m.matched;
         self.leave_one(&mut m, prompt.len());
+        // A prompt asked for these: generated or not, they are requested now.
+        for &id in m.path.iter().chain(&m.partial) {
+            if self.arena.get(id).generated {
+                self.arena.get_mut(id).generated = false;
+                self.refresh(id);
+            }
+        }
         let partial = m.partial.map(|p| (p, m.matched));
         let cached = match self.switch_to(&m.path, partial) {
             Ok(cached) => cached,
@@ -311,7 +318,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
     }
 
     /// The trie as indented text, one node per line: edge tokens, offsets,
-    /// snapshots held, and the `user` / `active` flags. The shared namespace
+    /// snapshots held, and the `user` / `generated` / `active` flags. The shared namespace
     /// comes first (as `root`), then every other one (as `root "name"`).
     pub fn dump(&self) -> String {
         let mut out = String::new();
@@ -334,6 +341,9 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
             if n.user {
                 out.push_str(" user");
+            }
+            if n.generated {
+                out.push_str(" generated");
             }
             if n.active && !n.is_root() {
                 out.push_str(" active");
@@ -550,7 +560,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
             return cached;
         }
-        self.advance(&prompt[cached..end]);
+        self.advance(&prompt[cached..end], false);
         let restored = (end - cached) as u64;
         self.counters.store_hits += 1;
         self.counters.store_tokens += restored;
@@ -861,8 +871,10 @@ impl<C: SnapshotCache> PrefixCache<C> {
 
     /// Extends the active path from its end along `tokens`, the tokens that
     /// follow it, through existing nodes (splitting an edge where they part)
-    /// and then a new or extended leaf. Returns the new end of the path.
-    pub(super) fn advance(&mut self, tokens: &[u32]) -> NodeId {
+    /// and then a new or extended leaf, which counts as generated when
+    /// `generated` says all of `tokens` were (and the leaf it extends was).
+    /// Returns the new end of the path.
+    pub(super) fn advance(&mut self, tokens: &[u32], generated: bool) -> NodeId {
         let mut cur = *self.active.last().expect("root");
         let mut pos = 0;
         while pos < tokens.len() {
@@ -889,10 +901,11 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 let node = self.arena.get_mut(cur);
                 node.tokens.extend_from_slice(rest);
                 node.end += rest.len();
+                node.generated &= generated;
             } else {
-                let leaf = self
-                    .arena
-                    .alloc(Node::new(rest.to_vec(), node.end, cur, self.clock));
+                let mut leaf = Node::new(rest.to_vec(), node.end, cur, self.clock);
+                leaf.generated = generated;
+                let leaf = self.arena.alloc(leaf);
                 self.arena.add_child(cur, rest[0], leaf);
                 self.push_active(leaf);
                 cur = leaf;
@@ -907,12 +920,14 @@ impl<C: SnapshotCache> PrefixCache<C> {
     fn split(&mut self, id: NodeId, at: usize) -> NodeId {
         let node = self.arena.get_mut(id);
         debug_assert!(node.start < at && at < node.end, "split point outside the edge");
-        let (start, parent, stamp) = (node.start, node.parent, node.stamp);
+        let (start, parent, stamp, generated) = (node.start, node.parent, node.stamp, node.generated);
         let lower = node.tokens.split_off(at - start);
         let upper_tokens = std::mem::replace(&mut node.tokens, lower);
         node.start = at;
         let (first_upper, first_lower) = (upper_tokens[0], node.tokens[0]);
-        let upper = self.arena.alloc(Node::new(upper_tokens, start, parent, stamp));
+        let mut upper = Node::new(upper_tokens, start, parent, stamp);
+        upper.generated = generated;
+        let upper = self.arena.alloc(upper);
         self.arena.get_mut(id).parent = upper;
         self.arena.get_mut(upper).children.push((first_lower, id));
         self.arena.replace_child(parent, first_upper, upper);
@@ -1024,7 +1039,14 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// The eviction key `node` must be indexed under, or `None` if it is protected.
     pub(super) fn candidate_key(id: NodeId, node: &Node) -> Option<EvictKey> {
         let candidate = !node.is_root() && node.live && !node.active && node.n_snaps > 0;
-        candidate.then_some((node.user, node.stamp, Reverse(node.end), Reverse(node.bytes), id))
+        candidate.then_some((
+            node.user,
+            !node.generated,
+            node.stamp,
+            Reverse(node.end),
+            Reverse(node.bytes),
+            id,
+        ))
     }
 
     fn unindex(&mut self, id: NodeId) {
@@ -1116,6 +1138,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
         node.start = upper.start;
         node.parent = upper.parent;
         node.stamp = node.stamp.max(upper.stamp);
+        node.generated &= upper.generated;
         self.arena.replace_child(upper.parent, first, child);
 
         for i in 0..self.caches.len() {
@@ -1176,8 +1199,12 @@ mod tests {
     }
 
     #[test]
-    fn eviction_order_user_last_then_oldest_deepest_largest() {
+    fn eviction_order_generated_first_user_last_then_oldest_deepest_largest() {
         let key = |id, n: &Node| PrefixCache::<FakeKv>::candidate_key(id, n).unwrap();
+        let generated = |mut n: Node| {
+            n.generated = true;
+            n
+        };
         let mut keys = [
             key(1, &node(5, 10, 100, true)),
             key(2, &node(6, 10, 100, false)),
@@ -1185,12 +1212,15 @@ mod tests {
             key(4, &node(5, 20, 100, false)),
             key(5, &node(5, 20, 300, false)),
             key(6, &node(1, 1, 1, true)),
+            key(7, &generated(node(9, 4, 10, false))),
+            key(8, &generated(node(8, 4, 10, false))),
         ];
         keys.sort();
-        let order: Vec<NodeId> = keys.iter().map(|k| k.4).collect();
-        // Oldest (stamp 5) first; among them the deepest (end 20), the larger of
+        let order: Vec<NodeId> = keys.iter().map(|k| k.5).collect();
+        // Generated nodes no prompt asked for first (the older one first); then
+        // the oldest (stamp 5); among them the deepest (end 20), the larger of
         // those first; then stamp 6; user nodes after every ordinary one.
-        assert_eq!(order, vec![5, 4, 3, 2, 6, 1]);
+        assert_eq!(order, vec![8, 7, 5, 4, 3, 2, 6, 1]);
     }
 
     #[test]

@@ -73,9 +73,13 @@
 //!   backend error frees the live caches and falls back to the root.
 //! - Paging out snapshots only what a node lacks; a conversation that goes on
 //!   from a paged-in leaf grows a child node rather than re-copying the leaf.
-//! - Eviction above the byte budget takes the least recently used node (a
-//!   logical clock), then the deepest, then the largest, never the active path
-//!   or a root; user snapshots go only after every ordinary node. A leaf is
+//! - Eviction above the byte budget takes first the nodes holding only
+//!   generated tokens that no prompt has matched yet (a reply the client may
+//!   never send back: rebuilding one costs at most its own tokens), then the
+//!   requested ones; within each, the least recently used node (a logical
+//!   clock), then the deepest, then the largest; never the active path or a
+//!   root; user snapshots go only after every ordinary node. A prompt that
+//!   matches into a generated node makes it requested. A leaf is
 //!   removed, a node with one child merged into it, and a branch point with
 //!   several children drops its snapshots but stays in the trie (Ollama's
 //!   way): paths through it then page in up to its start, evaluate its edge,

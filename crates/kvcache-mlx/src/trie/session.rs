@@ -226,7 +226,8 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
                 self.tokens.len()
             )));
         }
-        let node = self.cache.advance(&self.tokens[frontier_end..offset]);
+        let generated = frontier_end >= self.prompt_len;
+        let node = self.cache.advance(&self.tokens[frontier_end..offset], generated);
         if user {
             self.cache.mark_user(node);
         }
@@ -317,7 +318,10 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         }
         let frontier_end = cache.arena.get(cache.frontier()).end;
         if offset > frontier_end {
-            cache.advance(&self.tokens[frontier_end..offset]);
+            cache.advance(
+                &self.tokens[frontier_end..offset],
+                frontier_end >= self.prompt_len,
+            );
         }
         if problem.is_none() && !self.stored {
             let held = offset.min(self.prompt_len);

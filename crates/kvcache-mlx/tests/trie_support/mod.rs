@@ -59,6 +59,9 @@ pub struct Outcome {
 pub struct Options {
     /// Take a user snapshot at the end of the prompt.
     pub user_snapshot: bool,
+    /// Take an ordinary snapshot at the end of the prompt (as an engine that
+    /// resumes conversations there does).
+    pub end_snapshot: bool,
     /// Evaluate only this many prompt tokens (ignoring pending snapshots),
     /// then drop the session.
     pub abandon_after: Option<usize>,
@@ -129,8 +132,8 @@ pub fn request_full<C: FakeLayer>(
         };
     }
     let stops = prefill(&mut s, prompt);
-    if options.user_snapshot {
-        s.snapshot(true).unwrap();
+    if options.user_snapshot || options.end_snapshot {
+        s.snapshot(options.user_snapshot).unwrap();
         s.check();
     }
     for (i, &t) in generated.iter().enumerate() {
