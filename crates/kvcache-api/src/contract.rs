@@ -173,6 +173,7 @@ pub fn row_cache<S: Subject>(s: &S) {
     let a = ids(1..11);
     let mut cache = holding(s, &a);
     let per_token = s.bytes_per_token();
+    assert!(!cache.holds_whole_state(), "a row cache's snapshots hold rows");
 
     // Live rewinds.
     assert!(!cache.restore(None, 11).unwrap(), "a rewind cannot go forward");
@@ -268,6 +269,10 @@ pub fn state_cache<S: Subject>(s: &S, rewind: Rewind) {
     common(s);
     let a = ids(1..4);
     let mut cache = holding(s, &a);
+    assert!(
+        cache.holds_whole_state(),
+        "a state cache's snapshots hold its whole state"
+    );
     let parent = snap(&mut cache, 0);
     let b = ids(4..12);
     s.feed(&mut cache, &b);

@@ -65,6 +65,9 @@ impl<G: SnapshotCache, W: SnapshotCache> SnapshotCache for MixedLayer<G, W> {
     fn free(&mut self) {
         either!(self, cache => cache.free())
     }
+    fn holds_whole_state(&self) -> bool {
+        either!(self, cache => cache.holds_whole_state())
+    }
     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
         either!(self, cache => cache.read_rows(rows, out))
     }

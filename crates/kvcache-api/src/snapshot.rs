@@ -77,6 +77,15 @@ pub trait SnapshotCache: Send {
     /// Drops all live state; the offset becomes 0.
     fn free(&mut self);
 
+    /// Whether this cache's snapshots hold its whole state at their end (a
+    /// rotating window, a recurrent state) rather than their range's rows (a
+    /// KV cache: the default). A snapshot of such a cache is superseded by a
+    /// later one of the same path (see [`merge`](Self::merge)), which is what
+    /// lets a prefix cache drop it cheaply.
+    fn holds_whole_state(&self) -> bool {
+        false
+    }
+
     /// Copies the live rows `rows` (token offsets, `rows.end <= offset`) into
     /// `out`, one layer of a [`HostKv`](crate::HostKv) holding `rows.len()` tokens.
     ///
@@ -151,6 +160,9 @@ impl<C: SnapshotCache + ?Sized> SnapshotCache for Box<C> {
     }
     fn free(&mut self) {
         (**self).free()
+    }
+    fn holds_whole_state(&self) -> bool {
+        (**self).holds_whole_state()
     }
     fn read_rows(&self, rows: Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
         (**self).read_rows(rows, out)

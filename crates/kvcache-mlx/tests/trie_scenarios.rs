@@ -458,6 +458,55 @@ fn a_prompt_through_a_generated_reply_makes_it_requested() {
 }
 
 #[test]
+fn a_superseded_window_is_merged_away_before_any_reply_goes() {
+    // A KV layer (4 bytes a token) and a window of 4 tokens (16 bytes).
+    let (mut c, n) = cache("kw", NO_LIMIT);
+    let end_snapshot = Options {
+        end_snapshot: true,
+        ..Options::default()
+    };
+    request_with(&mut c, &n, &range(1, 6), &[100, 101, 102], end_snapshot);
+    request_with(&mut c, &n, &range(20, 25), &[200, 201, 202], end_snapshot);
+    // Pressure takes the first reply before the first conversation goes on...
+    let bytes = c.stats().paged_out_bytes;
+    c.set_budget(bytes - 1);
+    c.check();
+    assert_eq!(c.lookup(&[range(1, 6), vec![100, 101]].concat()), 6);
+    c.set_budget(NO_LIMIT);
+    // ...so its prompt end is left with one requested child when it does.
+    let second_turn = [range(1, 6), vec![7, 8]].concat();
+    assert_eq!(
+        request_with(&mut c, &n, &second_turn, &[110, 111, 112], end_snapshot).cached,
+        6
+    );
+    request(&mut c, &n, &[30, 31], &[]);
+    assert_eq!(
+        c.dump(),
+        "root\n  [1, 2, 3, 4, 5, 6] [0,6) snaps 2/2 40B\n    [7, 8] [6,8) snaps 2/2 24B\n      \
+         [110, 111] [8,10) snaps 2/2 24B generated\n  [20, 21, 22, 23, 24, 25] [0,6) snaps 2/2 40B\n    \
+         [200, 201] [6,8) snaps 2/2 24B generated\n  [30, 31] [0,2) active\n"
+    );
+    // Its window at offset 6 is superseded by the one at 8: merging the node
+    // into its child frees it without losing a path, before any reply goes.
+    let bytes = c.stats().paged_out_bytes;
+    c.set_budget(bytes - 1);
+    c.check();
+    assert_eq!(c.stats().evictions, 2);
+    assert_eq!(c.stats().paged_out_bytes, bytes - 16);
+    assert!(
+        c.dump().starts_with(
+            "root\n  [1, 2, 3, 4, 5, 6, 7, 8] [0,8) snaps 2/2 48B\n    [110, 111] [8,10) snaps 2/2 24B generated\n"
+        ),
+        "{}",
+        c.dump()
+    );
+    assert_eq!(c.lookup(&[range(20, 25), vec![200, 201]].concat()), 8);
+    // The third turn resumes where the second's prompt ended.
+    let third_turn = [second_turn, vec![9]].concat();
+    assert_eq!(request(&mut c, &n, &third_turn, &[]).cached, 8);
+}
+
+#[test]
 fn leaf_eviction_merges_an_ordinary_parent_but_not_a_user_one() {
     for user in [false, true] {
         let (mut c, n) = cache("k", NO_LIMIT);

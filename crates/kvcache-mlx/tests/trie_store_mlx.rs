@@ -486,6 +486,9 @@ impl SnapshotCache for Mixed {
     fn free(&mut self) {
         self.inner_mut().free()
     }
+    fn holds_whole_state(&self) -> bool {
+        self.inner().holds_whole_state()
+    }
     fn read_rows(
         &self,
         rows: std::ops::Range<usize>,

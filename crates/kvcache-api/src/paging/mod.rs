@@ -218,6 +218,9 @@ macro_rules! snapshot_cache {
             fn free(&mut self) {
                 $crate::paging::$kind::free(self)
             }
+            fn holds_whole_state(&self) -> bool {
+                $crate::paging::$kind::HOLDS_WHOLE_STATE
+            }
             $($extra)*
         }
     };

@@ -132,6 +132,10 @@ pub fn split<C: RowCache>(snapshot: BoxedSnapshot, at: usize) -> Result<Halves> 
     ))
 }
 
+/// [`SnapshotCache::holds_whole_state`](crate::SnapshotCache::holds_whole_state) of
+/// row caches: their snapshots hold rows.
+pub const HOLDS_WHOLE_STATE: bool = false;
+
 /// [`SnapshotCache::offset`](crate::SnapshotCache::offset) of a row cache.
 pub fn offset<C: RowCache>(cache: &C) -> usize {
     cache.live_offset()

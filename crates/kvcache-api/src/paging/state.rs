@@ -138,6 +138,10 @@ pub fn split<C: StateCache>(snapshot: BoxedSnapshot, _at: usize) -> Result<Halve
     Ok((None, Some(snap)))
 }
 
+/// [`SnapshotCache::holds_whole_state`](crate::SnapshotCache::holds_whole_state) of
+/// state caches: their snapshots hold the whole state at their end.
+pub const HOLDS_WHOLE_STATE: bool = true;
+
 /// [`SnapshotCache::offset`](crate::SnapshotCache::offset) of a state cache.
 pub fn offset<C: StateCache>(cache: &C) -> usize {
     cache.live_offset()

@@ -21,11 +21,26 @@ pub(crate) const ROOT: NodeId = 0;
 /// "No node" (the root's parent).
 pub(crate) const NONE: NodeId = NodeId::MAX;
 
-/// Ordering key of an eviction candidate: user nodes last; before them,
-/// generated nodes no prompt has asked for yet (`!generated` is false) ahead
-/// of requested ones; then oldest first, deepest (largest end offset) first,
-/// largest first; the id breaks ties.
-pub(crate) type EvictKey = (bool, bool, u64, Reverse<usize>, Reverse<usize>, NodeId);
+/// What evicting a candidate costs, cheapest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Cost {
+    /// An ordinary node with one requested child, holding whole-state
+    /// snapshots (a window, a recurrent state): merging it into the child
+    /// frees those and loses no path (the child's state supersedes them, and
+    /// the rows of the other layers move down with it).
+    Superseded,
+    /// A node of generated tokens that no prompt has asked for yet (a reply
+    /// the client may never send back): rebuilding it costs at most its own
+    /// tokens.
+    Generated,
+    /// Anything else.
+    Requested,
+}
+
+/// Ordering key of an eviction candidate: user nodes last; before them, the
+/// cheapest [`Cost`] first; then oldest first, deepest (largest end offset)
+/// first, largest first; the id breaks ties.
+pub(crate) type EvictKey = (bool, Cost, u64, Reverse<usize>, Reverse<usize>, NodeId);
 
 /// One trie node: the edge `tokens` leading to it covers offsets `[start, end)`.
 pub(crate) struct Node {

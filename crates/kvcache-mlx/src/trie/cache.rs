@@ -20,7 +20,7 @@ use kvcache_api::{
     BoxedSnapshot, CacheError, HostKv, HostState, Namespace, PrefixStore, Result, SnapshotCache,
 };
 
-use super::arena::{common_prefix, Arena, EvictKey, Node, NodeId, NONE, ROOT};
+use super::arena::{common_prefix, Arena, Cost, EvictKey, Node, NodeId, NONE, ROOT};
 use super::session::Session;
 use super::stats::Stats;
 
@@ -163,9 +163,12 @@ impl<C: SnapshotCache> PrefixCache<C> {
         self.leave_one(&mut m, prompt.len());
         // A prompt asked for these: generated or not, they are requested now.
         for &id in m.path.iter().chain(&m.partial) {
-            if self.arena.get(id).generated {
-                self.arena.get_mut(id).generated = false;
+            let node = self.arena.get_mut(id);
+            if node.generated {
+                node.generated = false;
+                let parent = node.parent;
                 self.refresh(id);
+                self.refresh(parent);
             }
         }
         let partial = m.partial.map(|p| (p, m.matched));
@@ -902,11 +905,14 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 node.tokens.extend_from_slice(rest);
                 node.end += rest.len();
                 node.generated &= generated;
+                let parent = node.parent;
+                self.refresh(parent);
             } else {
                 let mut leaf = Node::new(rest.to_vec(), node.end, cur, self.clock);
                 leaf.generated = generated;
                 let leaf = self.arena.alloc(leaf);
                 self.arena.add_child(cur, rest[0], leaf);
+                self.refresh(cur);
                 self.push_active(leaf);
                 cur = leaf;
             }
@@ -1023,8 +1029,8 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// Puts node `id` in the eviction index under its current key if it is a
     /// candidate, and takes it out otherwise.
     pub(super) fn refresh(&mut self, id: NodeId) {
+        let want = self.candidate_key(id);
         let node = self.arena.get(id);
-        let want = Self::candidate_key(id, node);
         if node.key != want {
             if let Some(old) = node.key {
                 self.index.remove(&old);
@@ -1036,17 +1042,45 @@ impl<C: SnapshotCache> PrefixCache<C> {
         }
     }
 
-    /// The eviction key `node` must be indexed under, or `None` if it is protected.
-    pub(super) fn candidate_key(id: NodeId, node: &Node) -> Option<EvictKey> {
+    /// The eviction key node `id` must be indexed under, or `None` if it is
+    /// protected.
+    pub(super) fn candidate_key(&self, id: NodeId) -> Option<EvictKey> {
+        let node = self.arena.get(id);
+        Self::key_of(id, node, self.cost(node))
+    }
+
+    /// The eviction key of `node` (slot `id`) at `cost`, or `None` if it is
+    /// protected.
+    pub(super) fn key_of(id: NodeId, node: &Node, cost: Cost) -> Option<EvictKey> {
         let candidate = !node.is_root() && node.live && !node.active && node.n_snaps > 0;
         candidate.then_some((
             node.user,
-            !node.generated,
+            cost,
             node.stamp,
             Reverse(node.end),
             Reverse(node.bytes),
             id,
         ))
+    }
+
+    /// What evicting `node` costs (see [`Cost`]).
+    fn cost(&self, node: &Node) -> Cost {
+        let superseded = match node.children[..] {
+            [(_, child)] => {
+                !node.user
+                    && !self.arena.get(child).generated
+                    && (node.snaps.iter().zip(&self.caches))
+                        .any(|(snap, cache)| snap.is_some() && cache.holds_whole_state())
+            }
+            _ => false,
+        };
+        if superseded {
+            Cost::Superseded
+        } else if node.generated {
+            Cost::Generated
+        } else {
+            Cost::Requested
+        }
     }
 
     fn unindex(&mut self, id: NodeId) {
@@ -1140,6 +1174,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
         node.stamp = node.stamp.max(upper.stamp);
         node.generated &= upper.generated;
         self.arena.replace_child(upper.parent, first, child);
+        self.refresh(upper.parent);
 
         for i in 0..self.caches.len() {
             let a = upper_snaps.get_mut(i).and_then(Option::take);
@@ -1199,8 +1234,15 @@ mod tests {
     }
 
     #[test]
-    fn eviction_order_generated_first_user_last_then_oldest_deepest_largest() {
-        let key = |id, n: &Node| PrefixCache::<FakeKv>::candidate_key(id, n).unwrap();
+    fn eviction_order_cheapest_first_user_last_then_oldest_deepest_largest() {
+        let key = |id, n: &Node| {
+            let cost = if n.generated {
+                Cost::Generated
+            } else {
+                Cost::Requested
+            };
+            PrefixCache::<FakeKv>::key_of(id, n, cost).unwrap()
+        };
         let generated = |mut n: Node| {
             n.generated = true;
             n
@@ -1214,18 +1256,20 @@ mod tests {
             key(6, &node(1, 1, 1, true)),
             key(7, &generated(node(9, 4, 10, false))),
             key(8, &generated(node(8, 4, 10, false))),
+            PrefixCache::<FakeKv>::key_of(9, &node(9, 4, 10, false), Cost::Superseded).unwrap(),
         ];
         keys.sort();
         let order: Vec<NodeId> = keys.iter().map(|k| k.5).collect();
-        // Generated nodes no prompt asked for first (the older one first); then
-        // the oldest (stamp 5); among them the deepest (end 20), the larger of
-        // those first; then stamp 6; user nodes after every ordinary one.
-        assert_eq!(order, vec![8, 7, 5, 4, 3, 2, 6, 1]);
+        // Superseded whole states first; then generated nodes no prompt asked
+        // for (the older one first); then the oldest (stamp 5); among them the
+        // deepest (end 20), the larger of those first; then stamp 6; user
+        // nodes after every ordinary one.
+        assert_eq!(order, vec![9, 8, 7, 5, 4, 3, 2, 6, 1]);
     }
 
     #[test]
     fn protected_nodes_are_not_candidates() {
-        let c = |id, n: &Node| PrefixCache::<FakeKv>::candidate_key(id, n);
+        let c = |id, n: &Node| PrefixCache::<FakeKv>::key_of(id, n, Cost::Requested);
         let mut n = node(1, 4, 16, false);
         assert!(c(3, &n).is_some());
         let mut root = node(1, 0, 16, false);

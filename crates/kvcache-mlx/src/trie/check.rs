@@ -282,7 +282,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
 
             // Eviction index.
-            let want = Self::candidate_key(id, n);
+            let want = self.candidate_key(id);
             ensure_eq!(
                 n.key,
                 want,

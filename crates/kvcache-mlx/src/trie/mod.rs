@@ -73,10 +73,14 @@
 //!   backend error frees the live caches and falls back to the root.
 //! - Paging out snapshots only what a node lacks; a conversation that goes on
 //!   from a paged-in leaf grows a child node rather than re-copying the leaf.
-//! - Eviction above the byte budget takes first the nodes holding only
-//!   generated tokens that no prompt has matched yet (a reply the client may
-//!   never send back: rebuilding one costs at most its own tokens), then the
-//!   requested ones; within each, the least recently used node (a logical
+//! - Eviction above the byte budget takes the cheapest nodes first: an
+//!   ordinary node with one requested child whose whole-state snapshots (a
+//!   window, a recurrent state:
+//!   [`holds_whole_state`](kvcache_api::SnapshotCache::holds_whole_state)) the
+//!   child's supersede, merged into it without losing a path; then nodes
+//!   holding only generated tokens that no prompt has matched yet (a reply the
+//!   client may never send back: rebuilding one costs at most its own
+//!   tokens); then the requested ones. Within each, the least recently used node (a logical
 //!   clock), then the deepest, then the largest; never the active path or a
 //!   root; user snapshots go only after every ordinary node. A prompt that
 //!   matches into a generated node makes it requested. A leaf is
