@@ -6,7 +6,7 @@
 use candle_core::{Device, Tensor};
 use kvcache_api::contract::{row_cache, state_cache, Subject};
 use kvcache_api::paging::Rewind;
-use kvcache_api::{DType, KvLayout, LayerCache, SnapshotCache};
+use kvcache_api::{DType, KvLayout, LayerCache, MixedLayer, SnapshotCache};
 use kvcache_causal::layer_cache::{CandleKv, CandleWindow};
 
 const HEADS: usize = 2;
@@ -121,6 +121,17 @@ fn candle_window_keeps_the_state_cache_contract() {
     for window in [4, 16] {
         state_cache(&Window(window), Rewind::Window(window));
     }
+}
+
+#[test]
+fn a_mixed_layer_answers_for_the_cache_it_holds() {
+    // What a prefix trie over Gemma's layers asks to know which snapshots a
+    // child's supersede.
+    type Layer = MixedLayer<CandleKv, CandleWindow>;
+    let global: Layer = MixedLayer::Global(Candle.cache());
+    let window: Layer = MixedLayer::Window(Window(4).cache());
+    assert!(!global.holds_whole_state());
+    assert!(window.holds_whole_state());
 }
 
 #[test]
