@@ -30,6 +30,13 @@ enum Op {
     Repeat { conv: usize, generated: Vec<u32> },
     /// The next turn, with a user snapshot at the end of the prompt.
     User { conv: usize, extra: Vec<u32> },
+    /// The next turn, with an ordinary snapshot at the end of the prompt
+    /// and a reply below it (an engine resuming conversations there).
+    Chat {
+        conv: usize,
+        extra: Vec<u32>,
+        generated: Vec<u32>,
+    },
     /// `begin`, evaluate `keep` prompt tokens at most (passing pending
     /// snapshots by), drop the session.
     Abandon {
@@ -55,6 +62,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(conv, cut, extra, generated)| Op::Branch { conv, cut, extra, generated }),
         2 => (any::<usize>(), tokens(3)).prop_map(|(conv, generated)| Op::Repeat { conv, generated }),
         1 => (any::<usize>(), tokens(4)).prop_map(|(conv, extra)| Op::User { conv, extra }),
+        3 => (any::<usize>(), tokens(6), tokens(5))
+            .prop_map(|(conv, extra, generated)| Op::Chat { conv, extra, generated }),
         1 => (any::<usize>(), tokens(4), 0usize..8).prop_map(|(conv, extra, keep)| Op::Abandon { conv, extra, keep }),
         1 => prop_oneof![Just(0usize), Just(24), Just(96), Just(400), Just(usize::MAX)].prop_map(Op::Budget),
     ]
@@ -117,6 +126,18 @@ fn run(kinds: &str, budget: usize, ops: Vec<Op>) {
                 vec![1],
                 Options {
                     user_snapshot: true,
+                    ..Options::default()
+                },
+            ),
+            Op::Chat {
+                conv,
+                extra,
+                generated,
+            } => (
+                [pick(&transcripts, conv), extra].concat(),
+                generated,
+                Options {
+                    end_snapshot: true,
                     ..Options::default()
                 },
             ),
