@@ -215,6 +215,7 @@ impl MlxLlama {
         let tables = self.rope_tables(offset, n)?;
         let mask = causal_mask(offset, n)?;
         let eps = c.rms_eps as f32;
+        let scale = (1.0 / (c.head_dim as f64).sqrt()) as f32;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = fast::rms_norm(&x, Some(&b.attn_norm), eps).map_err(mlx_err)?;
             let q = linear(&h, &b.wq)?.reshape(&[ni, heads, hd]).map_err(mlx_err)?;
@@ -234,7 +235,7 @@ impl MlxLlama {
                     )));
                 }
             }
-            let attn = self.attention(&q, &keys, &values, mask.as_ref())?;
+            let attn = attention(&q, &keys, &values, mask.as_ref(), c.n_kv_heads, scale)?;
             x = x.add(linear(&attn, &b.wo)?).map_err(mlx_err)?;
             let h = fast::rms_norm(&x, Some(&b.ffn_norm), eps).map_err(mlx_err)?;
             let g = linear(&h, &b.gate)?;
@@ -244,41 +245,6 @@ impl MlxLlama {
             x = x.add(d).map_err(mlx_err)?;
         }
         fast::rms_norm(&x, Some(&self.norm), eps).map_err(mlx_err)
-    }
-
-    /// `q: [n, heads, hd]` attending over keys/values `[1, kv_heads, total, hd]`
-    /// under the additive `mask` `[n, total]` (none for one token); returns
-    /// `[n, heads * hd]`. Query head `j * g + i` uses key/value head `j`.
-    fn attention(&self, q: &Array, keys: &Array, values: &Array, mask: Option<&Array>) -> Result<Array> {
-        let c = &self.config;
-        let (n, heads, hd) = (q.dim(0), q.dim(1), q.dim(2));
-        let (kvh, g) = (dim(c.n_kv_heads)?, dim(c.group_size())?);
-        let scale = Array::from_f32((1.0 / (c.head_dim as f64).sqrt()) as f32);
-        let e = mlx_err;
-        // [n, heads, hd] -> [heads, n, hd] -> [kvh, g, n, hd]
-        let q = q
-            .transpose_axes(&[1, 0, 2])
-            .map_err(e)?
-            .reshape(&[kvh, g, n, hd])
-            .map_err(e)?;
-        // [1, kvh, total, hd] -> [kvh, 1, total, hd], broadcast over the group.
-        let k = keys.squeeze_axes(&[0]).map_err(e)?.expand_dims(1).map_err(e)?;
-        let v = values.squeeze_axes(&[0]).map_err(e)?.expand_dims(1).map_err(e)?;
-        let scores = q
-            .matmul(k.swap_axes(2, 3).map_err(e)?)
-            .map_err(e)?
-            .multiply(&scale)
-            .map_err(e)?;
-        let scores = match mask {
-            Some(m) => scores.add(m).map_err(e)?,
-            None => scores,
-        };
-        let probs = softmax_axis(&scores, -1, None).map_err(e)?;
-        let out = probs.matmul(&v).map_err(e)?; // [kvh, g, n, hd]
-        out.reshape(&[heads, n, hd])
-            .and_then(|o| o.transpose_axes(&[1, 0, 2]))
-            .and_then(|o| o.reshape(&[n, heads * hd]))
-            .map_err(e)
     }
 
     /// `cos` and `sin` of every (position, frequency) pair for positions
@@ -299,6 +265,53 @@ impl MlxLlama {
         let shape = [dim(n)?, 1, dim(half)?, 1];
         Ok((Array::from_slice(&cos, &shape), Array::from_slice(&sin, &shape)))
     }
+}
+
+/// `q: [n, heads, hd]` attending over keys/values `[1, kv_heads, m, hd]`
+/// under the additive `mask` `[n, m]` (none for one token), scores scaled by
+/// `scale`; returns `[n, heads * hd]`. Query head `j * g + i` uses key/value
+/// head `j` (`g = heads / kv_heads`).
+pub(crate) fn attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    mask: Option<&Array>,
+    kv_heads: usize,
+    scale: f32,
+) -> Result<Array> {
+    let (n, heads, hd) = (q.dim(0), q.dim(1), q.dim(2));
+    let kvh = dim(kv_heads)?;
+    let g = heads / kvh;
+    let scale = Array::from_f32(scale);
+    let e = mlx_err;
+    // [n, heads, hd] -> [heads, n, hd] -> [kvh, g, n, hd]
+    let q = q
+        .transpose_axes(&[1, 0, 2])
+        .and_then(|q| q.reshape(&[kvh, g, n, hd]))
+        .map_err(e)?;
+    // [1, kvh, m, hd] -> [kvh, 1, m, hd], broadcast over the group.
+    let k = keys
+        .squeeze_axes(&[0])
+        .and_then(|k| k.expand_dims(1))
+        .map_err(e)?;
+    let v = values
+        .squeeze_axes(&[0])
+        .and_then(|v| v.expand_dims(1))
+        .map_err(e)?;
+    let scores = q
+        .matmul(k.swap_axes(2, 3).map_err(e)?)
+        .and_then(|s| s.multiply(&scale))
+        .map_err(e)?;
+    let scores = match mask {
+        Some(m) => scores.add(m).map_err(e)?,
+        None => scores,
+    };
+    let probs = softmax_axis(&scores, -1, None).map_err(e)?;
+    let out = probs.matmul(&v).map_err(e)?; // [kvh, g, n, hd]
+    out.reshape(&[heads, n, hd])
+        .and_then(|o| o.transpose_axes(&[1, 0, 2]))
+        .and_then(|o| o.reshape(&[n, heads * hd]))
+        .map_err(e)
 }
 
 /// RoPE in GGUF's interleaved layout on `x: [n, heads, hd]`: dimensions

@@ -37,7 +37,7 @@ use candle_core::Device;
 use kvcache_api::{LayerCache, MixedLayer, Pos};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{concatenate, sigmoid, softmax_axis, tanh};
+use mlx_rs::ops::{concatenate, sigmoid, tanh};
 use mlx_rs::{fast, Array};
 
 use super::super::mlx_err;
@@ -477,7 +477,14 @@ impl MlxGemma {
             let k = to_cache(&rope_halves(&k, tables)?).map_err(e)?;
             let v = to_cache(&v).map_err(e)?;
             let (keys, values, mask) = attend(l, &k, &v)?;
-            let attn = self.attention(&q, &keys, &values, mask.as_ref())?;
+            let attn = model::attention(
+                &q,
+                &keys,
+                &values,
+                mask.as_ref(),
+                c.n_kv_heads,
+                c.attn_scale as f32,
+            )?;
             x = x
                 .add(norm(&linear(&attn, &b.wo)?, &b.post_attn_norm)?)
                 .map_err(e)?;
@@ -492,45 +499,6 @@ impl MlxGemma {
             x = x.add(norm(&f, &b.post_ffw_norm)?).map_err(e)?;
         }
         norm(&x, &self.norm)
-    }
-
-    /// `q: [n, heads, hd]` attending over keys/values `[1, kv_heads, m, hd]`
-    /// under the additive `mask` `[n, m]`; returns `[n, heads * hd]`. Query
-    /// head `j * g + i` uses key/value head `j`.
-    fn attention(&self, q: &Array, keys: &Array, values: &Array, mask: Option<&Array>) -> Result<Array> {
-        let c = &self.config;
-        let (n, heads, hd) = (q.dim(0), q.dim(1), q.dim(2));
-        let (kvh, g) = (dim(c.n_kv_heads)?, dim(c.group_size())?);
-        let scale = Array::from_f32(c.attn_scale as f32);
-        let e = mlx_err;
-        // [n, heads, hd] -> [heads, n, hd] -> [kvh, g, n, hd]
-        let q = q
-            .transpose_axes(&[1, 0, 2])
-            .and_then(|q| q.reshape(&[kvh, g, n, hd]))
-            .map_err(e)?;
-        // [1, kvh, m, hd] -> [kvh, 1, m, hd], broadcast over the group.
-        let k = keys
-            .squeeze_axes(&[0])
-            .and_then(|k| k.expand_dims(1))
-            .map_err(e)?;
-        let v = values
-            .squeeze_axes(&[0])
-            .and_then(|v| v.expand_dims(1))
-            .map_err(e)?;
-        let scores = q
-            .matmul(k.swap_axes(2, 3).map_err(e)?)
-            .and_then(|s| s.multiply(&scale))
-            .map_err(e)?;
-        let scores = match mask {
-            Some(m) => scores.add(m).map_err(e)?,
-            None => scores,
-        };
-        let probs = softmax_axis(&scores, -1, None).map_err(e)?;
-        let out = probs.matmul(&v).map_err(e)?; // [kvh, g, n, hd]
-        out.reshape(&[heads, n, hd])
-            .and_then(|o| o.transpose_axes(&[1, 0, 2]))
-            .and_then(|o| o.reshape(&[n, heads * hd]))
-            .map_err(e)
     }
 }
 
