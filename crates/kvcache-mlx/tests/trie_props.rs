@@ -13,11 +13,14 @@ use trie_support::{cache, request_with, Options};
 enum Op {
     /// A fresh prompt.
     New { prompt: Vec<u32>, generated: Vec<u32> },
-    /// The next turn of a conversation: its transcript and new tokens.
+    /// The next turn of a conversation: its transcript and new tokens; with
+    /// `end_snapshot`, an ordinary snapshot at the end of the prompt (an
+    /// engine resuming conversations there), so the reply is a node of its own.
     Extend {
         conv: usize,
         extra: Vec<u32>,
         generated: Vec<u32>,
+        end_snapshot: bool,
     },
     /// A conversation edited at `cut`, then new tokens.
     Branch {
@@ -30,13 +33,6 @@ enum Op {
     Repeat { conv: usize, generated: Vec<u32> },
     /// The next turn, with a user snapshot at the end of the prompt.
     User { conv: usize, extra: Vec<u32> },
-    /// The next turn, with an ordinary snapshot at the end of the prompt
-    /// and a reply below it (an engine resuming conversations there).
-    Chat {
-        conv: usize,
-        extra: Vec<u32>,
-        generated: Vec<u32>,
-    },
     /// `begin`, evaluate `keep` prompt tokens at most (passing pending
     /// snapshots by), drop the session.
     Abandon {
@@ -57,13 +53,13 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => (tokens(10), tokens(4)).prop_map(|(prompt, generated)| Op::New { prompt, generated }),
         4 => (any::<usize>(), tokens(6), tokens(4))
-            .prop_map(|(conv, extra, generated)| Op::Extend { conv, extra, generated }),
+            .prop_map(|(conv, extra, generated)| Op::Extend { conv, extra, generated, end_snapshot: false }),
+        3 => (any::<usize>(), tokens(6), tokens(5))
+            .prop_map(|(conv, extra, generated)| Op::Extend { conv, extra, generated, end_snapshot: true }),
         4 => (any::<usize>(), any::<usize>(), tokens(6), tokens(4))
             .prop_map(|(conv, cut, extra, generated)| Op::Branch { conv, cut, extra, generated }),
         2 => (any::<usize>(), tokens(3)).prop_map(|(conv, generated)| Op::Repeat { conv, generated }),
         1 => (any::<usize>(), tokens(4)).prop_map(|(conv, extra)| Op::User { conv, extra }),
-        3 => (any::<usize>(), tokens(6), tokens(5))
-            .prop_map(|(conv, extra, generated)| Op::Chat { conv, extra, generated }),
         1 => (any::<usize>(), tokens(4), 0usize..8).prop_map(|(conv, extra, keep)| Op::Abandon { conv, extra, keep }),
         1 => prop_oneof![Just(0usize), Just(24), Just(96), Just(400), Just(usize::MAX)].prop_map(Op::Budget),
     ]
@@ -105,10 +101,14 @@ fn run(kinds: &str, budget: usize, ops: Vec<Op>) {
                 conv,
                 extra,
                 generated,
+                end_snapshot,
             } => (
                 [pick(&transcripts, conv), extra].concat(),
                 generated,
-                Options::default(),
+                Options {
+                    end_snapshot,
+                    ..Options::default()
+                },
             ),
             Op::Branch {
                 conv,
@@ -126,18 +126,6 @@ fn run(kinds: &str, budget: usize, ops: Vec<Op>) {
                 vec![1],
                 Options {
                     user_snapshot: true,
-                    ..Options::default()
-                },
-            ),
-            Op::Chat {
-                conv,
-                extra,
-                generated,
-            } => (
-                [pick(&transcripts, conv), extra].concat(),
-                generated,
-                Options {
-                    end_snapshot: true,
                     ..Options::default()
                 },
             ),

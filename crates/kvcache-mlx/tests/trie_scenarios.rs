@@ -372,17 +372,21 @@ fn eviction_order_oldest_then_deepest() {
     assert_eq!(request(&mut c, &n, &range(1, 7), &[]).cached, 6);
 }
 
+/// An ordinary snapshot at the end of the prompt, as an engine resuming
+/// conversations there takes.
+const END_SNAPSHOT: Options = Options {
+    user_snapshot: false,
+    end_snapshot: true,
+    abandon_after: None,
+};
+
 /// Two conversations, each with a snapshot at its prompt's end and a reply
 /// of two evaluated tokens below it; then a third request, so that the
 /// second reply is paged out too.
 fn two_conversations_with_replies() -> (PrefixCache<trie_support::Layer>, Counters) {
     let (mut c, n) = cache("k", NO_LIMIT);
-    let end_snapshot = Options {
-        end_snapshot: true,
-        ..Options::default()
-    };
-    request_with(&mut c, &n, &range(1, 6), &[100, 101, 102], end_snapshot);
-    request_with(&mut c, &n, &range(20, 25), &[200, 201, 202], end_snapshot);
+    request_with(&mut c, &n, &range(1, 6), &[100, 101, 102], END_SNAPSHOT);
+    request_with(&mut c, &n, &range(20, 25), &[200, 201, 202], END_SNAPSHOT);
     request(&mut c, &n, &[30, 31], &[]);
     (c, n)
 }
@@ -423,12 +427,8 @@ fn a_prompt_through_a_generated_reply_makes_it_requested() {
     assert_eq!(request(&mut c, &n, &echoed, &[]).cached, 8);
     // The second's next turn does not, and gets a reply of its own.
     let second = [range(20, 25), vec![26]].concat();
-    let end_snapshot = Options {
-        end_snapshot: true,
-        ..Options::default()
-    };
     assert_eq!(
-        request_with(&mut c, &n, &second, &[210, 211, 212], end_snapshot).cached,
+        request_with(&mut c, &n, &second, &[210, 211, 212], END_SNAPSHOT).cached,
         6
     );
     request(&mut c, &n, &[30, 31], &[]);
@@ -461,12 +461,8 @@ fn a_prompt_through_a_generated_reply_makes_it_requested() {
 fn a_superseded_window_is_merged_away_before_any_reply_goes() {
     // A KV layer (4 bytes a token) and a window of 4 tokens (16 bytes).
     let (mut c, n) = cache("kw", NO_LIMIT);
-    let end_snapshot = Options {
-        end_snapshot: true,
-        ..Options::default()
-    };
-    request_with(&mut c, &n, &range(1, 6), &[100, 101, 102], end_snapshot);
-    request_with(&mut c, &n, &range(20, 25), &[200, 201, 202], end_snapshot);
+    request_with(&mut c, &n, &range(1, 6), &[100, 101, 102], END_SNAPSHOT);
+    request_with(&mut c, &n, &range(20, 25), &[200, 201, 202], END_SNAPSHOT);
     // Pressure takes the first reply before the first conversation goes on...
     let bytes = c.stats().paged_out_bytes;
     c.set_budget(bytes - 1);
@@ -476,7 +472,7 @@ fn a_superseded_window_is_merged_away_before_any_reply_goes() {
     // ...so its prompt end is left with one requested child when it does.
     let second_turn = [range(1, 6), vec![7, 8]].concat();
     assert_eq!(
-        request_with(&mut c, &n, &second_turn, &[110, 111, 112], end_snapshot).cached,
+        request_with(&mut c, &n, &second_turn, &[110, 111, 112], END_SNAPSHOT).cached,
         6
     );
     request(&mut c, &n, &[30, 31], &[]);
