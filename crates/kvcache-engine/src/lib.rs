@@ -46,11 +46,13 @@ pub mod e5;
 pub mod engine;
 mod error;
 pub mod gemma;
+mod kernels;
 pub mod kv_accuracy;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
 pub mod model;
 pub mod paths;
+mod q8;
 pub mod replica;
 pub mod sampling;
 pub mod store;

@@ -17,6 +17,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use kvcache_api::{Batch, CausalCache, ForwardMode, KeyShift, LayerCache, Pos, SeqId, VLayout};
 
 use crate::error::to_cache_err;
+use crate::kernels::{self, Activation};
 use crate::{ChatTokenizer, EngineError, LlamaConfig, Result};
 
 /// How the weights are held in memory.
@@ -605,9 +606,12 @@ impl Llama {
             let attn = self.attention(&q, &ctx)?;
             x = (x + block.wo.forward(&attn)?)?;
             let h = rms_norm(&x, &block.ffn_norm, c.rms_eps)?;
-            let g = block.gate.forward(&h)?.silu()?;
-            let u = block.up.forward(&h)?;
-            x = (x + block.down.forward(&(g * u)?)?)?;
+            let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
+            let f = match kernels::gated(&g, &u, Activation::Silu)? {
+                Some(f) => f,
+                None => (g.silu()? * u)?,
+            };
+            x = (x + block.down.forward(&f)?)?;
         }
         rms_norm(&x, &self.norm, c.rms_eps)
     }
@@ -629,7 +633,7 @@ impl Llama {
         let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
-        let probs = match masked_softmax_cpu(&scores, &ctx.mask, scale as f32)? {
+        let probs = match kernels::masked_softmax(&scores, &ctx.mask, scale as f32)? {
             Some(p) => p,
             None => {
                 let scores = (scores * scale)?.reshape((kvh, g, n, cells))?;
@@ -647,62 +651,6 @@ impl Llama {
             .permute((2, 0, 1, 3))?
             .reshape((n, h * hd))?)
     }
-}
-
-/// `softmax(scores * scale + mask)` over the last dimension in one pass per row, for
-/// f32 on the CPU (`None` otherwise): `scores: [heads, rows, cells]` whose row `r`
-/// takes mask row `r % n` of `mask: [n, cells]`.
-///
-/// The same as candle's scale, broadcast add, max, subtract, exp, sum and divide, but
-/// without their seven tensors the size of `scores` (fresh, page-faulted memory at
-/// prefill sizes: it cost more than the products at a few hundred cached tokens).
-fn masked_softmax_cpu(scores: &Tensor, mask: &Tensor, scale: f32) -> Result<Option<Tensor>> {
-    use candle_core::Storage;
-    let (heads, rows, cells) = scores.dims3()?;
-    let (n, mcells) = mask.dims2()?;
-    if !scores.device().is_cpu()
-        || scores.dtype() != DType::F32
-        || mask.dtype() != DType::F32
-        || mcells != cells
-        || n == 0
-        || rows % n != 0
-    {
-        return Ok(None);
-    }
-    let (scores, mask) = (scores.contiguous()?, mask.contiguous()?);
-    let (ss, sl) = scores.storage_and_layout();
-    let (ms, ml) = mask.storage_and_layout();
-    let (Storage::Cpu(ss), Storage::Cpu(ms)) = (&*ss, &*ms) else {
-        return Ok(None);
-    };
-    let sv = &ss.as_slice::<f32>()?[sl.start_offset()..][..heads * rows * cells];
-    let mv = &ms.as_slice::<f32>()?[ml.start_offset()..][..n * cells];
-    let mut out = vec![0f32; sv.len()];
-    for (r, (src, dst)) in sv
-        .chunks_exact(cells)
-        .zip(out.chunks_exact_mut(cells))
-        .enumerate()
-    {
-        let m = &mv[(r % n) * cells..(r % n + 1) * cells];
-        let mut max = f32::NEG_INFINITY;
-        for ((d, &s), &mk) in dst.iter_mut().zip(src).zip(m) {
-            *d = s * scale + mk;
-            max = max.max(*d);
-        }
-        let mut sum = 0f32;
-        for d in dst.iter_mut() {
-            *d = (*d - max).exp();
-            sum += *d;
-        }
-        for d in dst.iter_mut() {
-            *d /= sum;
-        }
-    }
-    Ok(Some(Tensor::from_vec(
-        out,
-        (heads, rows, cells),
-        scores.device(),
-    )?))
 }
 
 /// `x * w / sqrt(mean(x^2) + eps)` over the last dimension.

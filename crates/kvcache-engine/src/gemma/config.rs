@@ -7,14 +7,7 @@ use candle_core::quantized::gguf_file::Value;
 
 use crate::{EngineError, Result};
 
-/// The feed-forward activation of `down(act(gate(x)) * up(x))`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`).
-    GeluTanh,
-    /// SiLU (the Llama's; only to show that it is the wrong choice here).
-    Silu,
-}
+pub use crate::kernels::Activation;
 
 /// The shape of a Gemma 3 text model. Window layers attend to the last
 /// [`window`](Self::window) positions with RoPE base

@@ -32,15 +32,17 @@ use kvcache_causal::layer_cache::{CandleKv, CandleWindow};
 use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
 
 use super::{Activation, GemmaConfig, GemmaTokenizer};
+use crate::kernels;
 use crate::model::{softmax_last, SplitMix64};
+use crate::q8::Q8Matrix;
 use crate::{BatchToken, EngineError, LoadProgress, Result, WeightMode};
 
 /// A weight matrix `[out, in]` applied as `x @ W^T`.
 ///
-/// Not the Llama's `Linear`: its few-row kernel made Gemma slower (the tied
-/// 262,144 x 640 output head streams 671 MB per decode step; E5 on two
+/// Not the Llama's `Linear`: its few-row kernel made Gemma slower (E5 on two
 /// conversations: time to first token on later turns 558 -> 623 ms, whole run
-/// 15.0 -> 20.3 s), where gemm's matrix-vector path does better.
+/// 15.0 -> 20.3 s), where gemm's matrix-vector path does better. (The tied
+/// output head's few-row products go to [`Q8Matrix`] instead.)
 #[derive(Debug, Clone)]
 enum Linear {
     Dense(Tensor),
@@ -197,6 +199,10 @@ pub struct Gemma {
     norm: Tensor,
     /// The tied embedding as the output projection.
     output: Linear,
+    /// With f32 weights from a Q8_0 embedding, the same projection read from
+    /// its Q8_0 blocks for the few-row products of decoding and first tokens
+    /// (the same values, a quarter of the bytes).
+    output_q8: Option<Q8Matrix>,
     rope_window: Rope,
     rope_global: Rope,
 }
@@ -273,9 +279,9 @@ impl Gemma {
             });
         }
         let norm = get("output_norm.weight", &[dim])?.dequantize(device)?;
-        let output = match mode {
-            WeightMode::F32 => Linear::Dense(embed.clone()),
-            WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(embed_q)?),
+        let (output, output_q8) = match mode {
+            WeightMode::F32 => (Linear::Dense(embed.clone()), Q8Matrix::from_qtensor(&embed_q)?),
+            WeightMode::Quantized => (Linear::Quant(QMatMul::from_qtensor(embed_q)?), None),
         };
         Ok(Gemma {
             rope_window: Rope::new(config.head_dim, config.rope_base_window),
@@ -286,6 +292,7 @@ impl Gemma {
             blocks,
             norm,
             output,
+            output_q8,
         })
     }
 
@@ -334,6 +341,7 @@ impl Gemma {
             rope_window: Rope::new(c.head_dim, c.rope_base_window),
             rope_global: Rope::new(c.head_dim, c.rope_base_global),
             output: Linear::Dense(embed.clone()),
+            output_q8: None,
             config,
             device: device.clone(),
             embed,
@@ -598,12 +606,15 @@ impl Gemma {
             let attn = self.attention(&q, &ctx)?;
             x = (x + self.norm(&block.wo.forward(&attn)?, &block.post_attn_norm)?)?;
             let h = self.norm(&x, &block.ffn_norm)?;
-            let g = block.gate.forward(&h)?;
-            let g = match c.activation {
-                Activation::GeluTanh => g.gelu()?,
-                Activation::Silu => g.silu()?,
+            let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
+            let f = match kernels::gated(&g, &u, c.activation)? {
+                Some(f) => f,
+                None => match c.activation {
+                    Activation::GeluTanh => (g.gelu()? * u)?,
+                    Activation::Silu => (g.silu()? * u)?,
+                },
             };
-            let f = block.down.forward(&(g * block.up.forward(&h)?)?)?;
+            let f = block.down.forward(&f)?;
             x = (x + self.norm(&f, &block.post_ffw_norm)?)?;
         }
         self.norm(&x, &self.norm)
@@ -630,6 +641,13 @@ impl Gemma {
 
     /// Logits `[n, vocab_size]` from final hidden states `[n, dim]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        if let Some(q8) = &self.output_q8 {
+            if hidden.dim(0)? <= Q8Matrix::MAX_ROWS {
+                if let Some(logits) = q8.matmul_t(hidden)? {
+                    return Ok(logits);
+                }
+            }
+        }
         self.output.forward(hidden)
     }
 
@@ -663,8 +681,14 @@ impl Gemma {
             .permute((1, 2, 0, 3))?
             .reshape((kvh, g * n, hd))?;
         let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
-        let scores = (q.matmul(&kt)? * c.attn_scale)?.reshape((kvh, g, n, cells))?;
-        let probs = softmax_last(&scores.broadcast_add(&ctx.mask)?)?.reshape((kvh, g * n, cells))?;
+        let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
+        let probs = match kernels::masked_softmax(&scores, &ctx.mask, c.attn_scale as f32)? {
+            Some(p) => p,
+            None => {
+                let scores = (scores * c.attn_scale)?.reshape((kvh, g, n, cells))?;
+                softmax_last(&scores.broadcast_add(&ctx.mask)?)?.reshape((kvh, g * n, cells))?
+            }
+        };
         let v = if ctx.permuted {
             ctx.values.transpose(1, 2)?
         } else {
