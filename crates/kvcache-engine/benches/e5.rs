@@ -1,6 +1,7 @@
 //! Benchmark E5 (issue 12): multi-turn chat on a sliding-window model, Gemma 3
 //! 270M (quantized weights, candle's quantized kernels, CPU) through the prefix
-//! trie, a window-only cache and no reuse, over `fixtures/e5_trace.json`.
+//! trie, a window-only cache and no reuse, over `fixtures/e5_trace.json`,
+//! the policies alternating request by request.
 //!
 //! ```text
 //! cargo xtask bench -p kvcache-engine --bench e5
@@ -83,25 +84,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         trace.meta.total_prompt_tokens,
         trace.meta.total_min_prefill,
     );
-    let mut reports = Vec::new();
-    for policy in policies {
-        let report = e5::run(&model, &trace, policy, n_predict, budget, &device, &mut |row| {
+    let reports = e5::run(
+        &model,
+        &trace,
+        &policies,
+        n_predict,
+        budget,
+        &device,
+        &mut |policy, row| {
             if verbose {
                 println!(
-                    "  {:<12} #{:<3} conv {} turn {}: {:>5} prompt, evaluated {:>5} (min {:>4}), TTFT {:>6.0} ms",
-                    policy.name(),
-                    row.idx,
-                    row.conv,
-                    row.turn,
-                    row.prompt_tokens,
-                    row.evaluated,
-                    row.min_prefill,
-                    row.time_to_first_token.as_secs_f64() * 1e3
-                );
+                "  {:<12} #{:<3} conv {} turn {}: {:>5} prompt, evaluated {:>5} (min {:>4}), TTFT {:>6.0} ms",
+                policy.name(),
+                row.idx,
+                row.conv,
+                row.turn,
+                row.prompt_tokens,
+                row.evaluated,
+                row.min_prefill,
+                row.time_to_first_token.as_secs_f64() * 1e3
+            );
             }
-        })?;
+        },
+    )?;
+    for report in &reports {
         println!("{report}");
-        reports.push(report);
     }
     if let Some(verdict) = E5Verdict::from_reports(&reports) {
         println!("verdict: {verdict}");

@@ -308,7 +308,7 @@ pub struct E5Report {
     pub rows: Vec<E5Row>,
     /// What the caches held at the end.
     pub memory: E5Memory,
-    /// Wall time of the whole run.
+    /// Time spent answering the requests (the sum of the rows' totals).
     pub total: Duration,
 }
 
@@ -438,39 +438,82 @@ fn held_bytes(layers: &[GemmaLayer]) -> usize {
         .sum()
 }
 
-/// Runs the requests of `trace` with `policy` on `model` (caches on
-/// `device`), generating `n_predict` tokens greedily for each and discarding
-/// them; the trie keeps at most `trie_budget` bytes of snapshots (evicting
-/// the least recently used first, above it). `log` sees each row as it
-/// completes.
+/// Runs the requests of `trace` under every policy of `policies`, alternating
+/// request by request (request 1 under each policy, then request 2, ...), so
+/// that drift on a shared machine hits every policy alike. Each generates
+/// `n_predict` tokens greedily per request and discards them; the trie keeps
+/// at most `trie_budget` bytes of snapshots (evicting above it). `log` sees
+/// each row as it completes. Returns one report per policy, in the order of
+/// `policies`.
 pub fn run(
     model: &Gemma,
     trace: &E5Trace,
-    policy: E5Policy,
+    policies: &[E5Policy],
     n_predict: usize,
     trie_budget: usize,
     device: &Device,
-    log: &mut dyn FnMut(&E5Row),
-) -> Result<E5Report> {
+    log: &mut dyn FnMut(E5Policy, &E5Row),
+) -> Result<Vec<E5Report>> {
     if n_predict == 0 {
         return Err(EngineError::InvalidArgument("nothing to generate".into()));
     }
-    let c = model.config();
-    let start = Instant::now();
-    let mut policy_state = match policy {
-        E5Policy::Trie => Live::Trie(Box::new(PrefixCache::new(
-            model.new_layers(device)?,
-            trie_budget,
-        )?)),
-        E5Policy::WindowOnly => Live::Slots(Vec::new()),
-        E5Policy::NoReuse => Live::Fresh(model.new_layers(device)?),
-    };
-    let mut rows = Vec::with_capacity(trace.requests.len());
-    let mut context = vec![0usize; trace.meta.n_conversations];
+    let mut runners = policies
+        .iter()
+        .map(|&policy| Runner::new(model, policy, trie_budget, trace.meta.n_conversations, device))
+        .collect::<Result<Vec<_>>>()?;
     for req in &trace.requests {
+        for runner in &mut runners {
+            let policy = runner.policy;
+            log(policy, runner.answer(model, req, n_predict, device)?);
+        }
+    }
+    Ok(runners.into_iter().map(|r| r.report(model)).collect())
+}
+
+/// One policy's live caches and the rows it has answered.
+struct Runner {
+    policy: E5Policy,
+    live: Live,
+    rows: Vec<E5Row>,
+    /// Each conversation's context at its latest request (prompt and reply).
+    context: Vec<usize>,
+}
+
+impl Runner {
+    fn new(
+        model: &Gemma,
+        policy: E5Policy,
+        trie_budget: usize,
+        conversations: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let live = match policy {
+            E5Policy::Trie => Live::Trie(Box::new(PrefixCache::new(
+                model.new_layers(device)?,
+                trie_budget,
+            )?)),
+            E5Policy::WindowOnly => Live::Slots(Vec::new()),
+            E5Policy::NoReuse => Live::Fresh(model.new_layers(device)?),
+        };
+        Ok(Runner {
+            policy,
+            live,
+            rows: Vec::new(),
+            context: vec![0; conversations],
+        })
+    }
+
+    /// Answers one request, timed from its arrival.
+    fn answer(
+        &mut self,
+        model: &Gemma,
+        req: &E5Request,
+        n_predict: usize,
+        device: &Device,
+    ) -> Result<&E5Row> {
         let t0 = Instant::now();
         let prompt = &req.token_ids;
-        let (evaluated, ttft, generated) = match &mut policy_state {
+        let (evaluated, ttft, generated) = match &mut self.live {
             Live::Trie(trie) => trie_turn(model, trie, prompt, n_predict, t0)?,
             Live::Slots(slots) => {
                 if slots.len() <= req.conv {
@@ -496,10 +539,10 @@ pub fn run(
                 out?
             }
         };
-        if let Some(len) = context.get_mut(req.conv) {
+        if let Some(len) = self.context.get_mut(req.conv) {
             *len = prompt.len() + n_predict;
         }
-        let row = E5Row {
+        self.rows.push(E5Row {
             idx: req.idx,
             conv: req.conv,
             turn: req.turn,
@@ -509,31 +552,35 @@ pub fn run(
             time_to_first_token: ttft,
             total: t0.elapsed(),
             generated,
-        };
-        log(&row);
-        rows.push(row);
+        });
+        Ok(self.rows.last().expect("a row was just pushed"))
     }
-    let full_size_per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4;
-    let (snapshot_bytes, live_bytes, evictions) = match &policy_state {
-        Live::Trie(trie) => {
-            let stats = trie.stats();
-            (stats.paged_out_bytes, held_bytes(trie.caches()), stats.evictions)
+
+    /// The report: rows, the bytes held now, the time spent answering.
+    fn report(self, model: &Gemma) -> E5Report {
+        let c = model.config();
+        let full_size_per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4;
+        let (snapshot_bytes, live_bytes, evictions) = match &self.live {
+            Live::Trie(trie) => {
+                let stats = trie.stats();
+                (stats.paged_out_bytes, held_bytes(trie.caches()), stats.evictions)
+            }
+            Live::Slots(slots) => (0, slots.iter().flatten().map(|s| held_bytes(&s.layers)).sum(), 0),
+            Live::Fresh(layers) => (0, held_bytes(layers), 0),
+        };
+        E5Report {
+            policy: self.policy,
+            memory: E5Memory {
+                conversations: self.context.iter().filter(|&&n| n > 0).count(),
+                snapshot_bytes,
+                live_bytes,
+                full_size_bytes: self.context.iter().map(|n| n * full_size_per_token).sum(),
+                evictions,
+            },
+            total: self.rows.iter().map(|r| r.total).sum(),
+            rows: self.rows,
         }
-        Live::Slots(slots) => (0, slots.iter().flatten().map(|s| held_bytes(&s.layers)).sum(), 0),
-        Live::Fresh(layers) => (0, held_bytes(layers), 0),
-    };
-    Ok(E5Report {
-        policy,
-        rows,
-        memory: E5Memory {
-            conversations: context.iter().filter(|&&n| n > 0).count(),
-            snapshot_bytes,
-            live_bytes,
-            full_size_bytes: context.iter().map(|n| n * full_size_per_token).sum(),
-            evictions,
-        },
-        total: start.elapsed(),
-    })
+    }
 }
 
 /// The live state of a policy between requests.
