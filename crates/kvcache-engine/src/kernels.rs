@@ -12,7 +12,8 @@
 //!
 //! Both kernels answer `None` for what they do not handle (another device, a
 //! dtype other than f32, shapes that do not fit), and the callers fall back
-//! to candle's operations: same values within float rounding.
+//! to candle's operations: same values within float rounding. The helpers
+//! that spread rows or columns over the pool serve [`crate::q8`] as well.
 
 use std::ops::Range;
 
