@@ -30,6 +30,8 @@ fn knob(name: &str, default: usize) -> usize {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { kvcache_engine::threads::tune_cpu_threads() };
     let Some(path) = paths::model_path() else {
         println!(
             "end_to_end: skipped (no model: set {} or run `cargo xtask prepare`)",

@@ -26,6 +26,8 @@ use kvcache_engine::{gemma, paths, ChatTokenizer, EngineError, Llama, ModelFile,
 use crate::cli::{Backend, Cli, DeviceName, Mode, ModelChoice, Part};
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { kvcache_engine::threads::tune_cpu_threads() };
     let cli = Cli::parse();
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,

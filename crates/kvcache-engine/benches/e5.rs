@@ -38,6 +38,8 @@ fn policy(name: &str) -> Option<E5Policy> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { kvcache_engine::threads::tune_cpu_threads() };
     // `cargo bench` passes `--bench`; a filter argument that is not ours skips.
     if std::env::args()
         .skip(1)

@@ -32,6 +32,8 @@
 //!   replicas over Redis).
 //! - [`check`]: runs cache schedules and compares with full recompute.
 //! - [`paths`]: where the model and fixtures live.
+//! - [`threads`]: candle's CPU threads set for a small machine (programs call
+//!   [`threads::tune_cpu_threads`] first thing).
 //!
 //! Errors are one [`EngineError`]; bad input is an
 //! [`EngineError::InvalidArgument`] returned before anything changes.
@@ -57,6 +59,7 @@ pub mod replica;
 pub mod sampling;
 pub mod store;
 pub mod store_bench;
+pub mod threads;
 pub mod tokenizer;
 pub mod trace;
 pub mod workloads;

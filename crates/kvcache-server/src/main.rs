@@ -61,6 +61,8 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { kvcache_engine::threads::tune_cpu_threads() };
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
