@@ -17,9 +17,9 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Storage, Tensor};
+use candle_core::{DType, Storage, Tensor, D};
 
-use crate::Result;
+use crate::{EngineError, Result};
 
 /// The activation of a gated feed-forward `down(act(gate(x)) * up(x))`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,11 +34,59 @@ pub enum Activation {
 /// pool costs more than it saves (decode steps).
 const PARALLEL_FROM: usize = 32 * 1024;
 
-/// `softmax(scores * scale + mask)` over the last dimension, for f32 tensors
-/// on the CPU (`None` otherwise): `scores: [heads, rows, cells]`, whose row `r`
-/// takes mask row `r % n` of `mask: [n, cells]` (0 visible, `-inf` hidden);
-/// every row needs a visible cell. Returns `[heads, rows, cells]`.
-pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f32) -> Result<Option<Tensor>> {
+/// `softmax(scores * scale + mask)` over the last dimension: `scores: [heads,
+/// rows, cells]`, whose row `r` takes mask row `r % n` of `mask: [n, cells]`
+/// (0 visible, `-inf` hidden); every row needs a visible cell. Returns
+/// `[heads, rows, cells]`: one pass per row for f32 on the CPU, candle's
+/// operations otherwise.
+pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f32) -> Result<Tensor> {
+    match masked_softmax_cpu(scores, mask, scale)? {
+        Some(probs) => Ok(probs),
+        None => candle_masked_softmax(scores, mask, scale),
+    }
+}
+
+/// `act(gate) * up` element by element (`gate` and `up` of one shape): one
+/// pass per row for f32 on the CPU, candle's operations otherwise.
+pub(crate) fn gated(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+    match gated_cpu(gate, up, act)? {
+        Some(out) => Ok(out),
+        None => candle_gated(gate, up, act),
+    }
+}
+
+/// [`masked_softmax`] as candle's passes.
+fn candle_masked_softmax(scores: &Tensor, mask: &Tensor, scale: f32) -> Result<Tensor> {
+    let (heads, rows, cells) = scores.dims3()?;
+    let n = mask.dim(0)?;
+    if n == 0 || rows % n != 0 {
+        return Err(EngineError::InvalidArgument(format!(
+            "{rows} score rows do not take a mask of {n} rows"
+        )));
+    }
+    let scores = (scores * f64::from(scale))?.reshape((heads, rows / n, n, cells))?;
+    Ok(softmax_last(&scores.broadcast_add(mask)?)?.reshape((heads, rows, cells))?)
+}
+
+/// Softmax over the last dimension; rows need at least one finite entry.
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// [`gated`] as candle's operations.
+fn candle_gated(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+    let activated = match act {
+        Activation::GeluTanh => gate.gelu()?,
+        Activation::Silu => gate.silu()?,
+    };
+    Ok((activated * up)?)
+}
+
+/// [`masked_softmax`] in one pass per row, for f32 tensors on the CPU (`None`
+/// otherwise).
+fn masked_softmax_cpu(scores: &Tensor, mask: &Tensor, scale: f32) -> Result<Option<Tensor>> {
     let (heads, rows, cells) = scores.dims3()?;
     let (n, mask_cells) = mask.dims2()?;
     if !scores.device().is_cpu()
@@ -70,9 +118,9 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f32) -> Resu
     )?))
 }
 
-/// `act(gate) * up` element by element, for f32 tensors of one shape on the
-/// CPU (`None` otherwise).
-pub(crate) fn gated(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Option<Tensor>> {
+/// [`gated`] in one pass per row, for f32 tensors of one shape on the CPU
+/// (`None` otherwise).
+fn gated_cpu(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Option<Tensor>> {
     if !gate.device().is_cpu()
         || gate.dtype() != DType::F32
         || up.dtype() != DType::F32
@@ -132,11 +180,18 @@ impl std::ops::Deref for CpuSlice<'_> {
     }
 }
 
+/// Whether `elements` of work are enough to wake candle's thread pool, and
+/// the pool has threads to wake. (Asks the pool itself: candle's
+/// `get_num_threads` may re-read `/proc/cpuinfo` on each call.)
+fn worth_the_pool(elements: usize) -> bool {
+    elements >= PARALLEL_FROM && candle_core::utils::barrier_pool().n_workers() > 0
+}
+
 /// Calls `f(r, row)` for every row `r` of `out` (rows of `len` elements), on
 /// candle's thread pool when there is enough work.
 fn for_rows(out: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     let rows = out.len() / len;
-    if out.len() < PARALLEL_FROM || candle_core::utils::get_num_threads() < 2 {
+    if !worth_the_pool(out.len()) {
         out.chunks_exact_mut(len)
             .enumerate()
             .for_each(|(r, row)| f(r, row));
@@ -170,7 +225,7 @@ pub(crate) fn for_columns(out: &mut [f32], width: usize, f: impl Fn(Range<usize>
         };
         f(columns, &mut writer);
     };
-    if len < PARALLEL_FROM || candle_core::utils::get_num_threads() < 2 {
+    if !worth_the_pool(len) {
         run(0..width);
         return;
     }
@@ -391,16 +446,7 @@ mod tests {
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
+        crate::check::max_abs_diff(a, b).unwrap()
     }
 
     #[test]
@@ -416,18 +462,8 @@ mod tests {
                 &Device::Cpu,
             )
             .unwrap();
-            let got = masked_softmax(&scores, &mask, 0.3).unwrap().unwrap();
-            let want = crate::model::softmax_last(
-                &(&scores * 0.3)
-                    .unwrap()
-                    .reshape((heads, 2, n, cells))
-                    .unwrap()
-                    .broadcast_add(&mask)
-                    .unwrap(),
-            )
-            .unwrap()
-            .reshape((heads, 2 * n, cells))
-            .unwrap();
+            let got = masked_softmax_cpu(&scores, &mask, 0.3).unwrap().unwrap();
+            let want = candle_masked_softmax(&scores, &mask, 0.3).unwrap();
             assert!(
                 max_diff(&got, &want) < 1e-6,
                 "{heads}x{n}x{cells}: {}",
@@ -458,11 +494,11 @@ mod tests {
         let scores = random(&[2, 6, 4], 2);
         let mask = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
         // 6 rows are not a whole number of 4-row masks.
-        assert!(masked_softmax(&scores, &mask, 1.0).unwrap().is_none());
+        assert!(masked_softmax_cpu(&scores, &mask, 1.0).unwrap().is_none());
         let f64_scores = scores.to_dtype(DType::F64).unwrap();
         let mask3 = Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap();
-        assert!(masked_softmax(&f64_scores, &mask3, 1.0).unwrap().is_none());
-        assert!(masked_softmax(&scores, &mask3, 1.0).unwrap().is_some());
+        assert!(masked_softmax_cpu(&f64_scores, &mask3, 1.0).unwrap().is_none());
+        assert!(masked_softmax_cpu(&scores, &mask3, 1.0).unwrap().is_some());
     }
 
     #[test]
@@ -470,14 +506,14 @@ mod tests {
         for shape in [vec![3, 5], vec![40, 2048]] {
             let gate = random(&shape, 3);
             let up = random(&shape, 4);
-            let silu = gated(&gate, &up, Activation::Silu).unwrap().unwrap();
+            let silu = gated_cpu(&gate, &up, Activation::Silu).unwrap().unwrap();
             let want = (gate.silu().unwrap() * &up).unwrap();
             assert!(
                 max_diff(&silu, &want) < 1e-5,
                 "silu {shape:?}: {}",
                 max_diff(&silu, &want)
             );
-            let gelu = gated(&gate, &up, Activation::GeluTanh).unwrap().unwrap();
+            let gelu = gated_cpu(&gate, &up, Activation::GeluTanh).unwrap().unwrap();
             let want = (gate.gelu().unwrap() * &up).unwrap();
             assert!(
                 max_diff(&gelu, &want) < 1e-5,
@@ -487,6 +523,6 @@ mod tests {
         }
         // Shapes that differ: declined.
         let (a, b) = (random(&[2, 3], 5), random(&[3, 2], 6));
-        assert!(gated(&a, &b, Activation::Silu).unwrap().is_none());
+        assert!(gated_cpu(&a, &b, Activation::Silu).unwrap().is_none());
     }
 }

@@ -607,10 +607,7 @@ impl Llama {
             x = (x + block.wo.forward(&attn)?)?;
             let h = rms_norm(&x, &block.ffn_norm, c.rms_eps)?;
             let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
-            let f = match kernels::gated(&g, &u, Activation::Silu)? {
-                Some(f) => f,
-                None => (g.silu()? * u)?,
-            };
+            let f = kernels::gated(&g, &u, Activation::Silu)?;
             x = (x + block.down.forward(&f)?)?;
         }
         rms_norm(&x, &self.norm, c.rms_eps)
@@ -622,7 +619,6 @@ impl Llama {
         let c = &self.config;
         let (n, h, hd) = q.dims3()?;
         let (kvh, g) = (c.n_kv_heads, c.group_size());
-        let cells = ctx.keys.dim(0)?;
         // Query head j * g + i uses key/value head j.
         let q = q
             .reshape((n, kvh, g, hd))?
@@ -633,13 +629,7 @@ impl Llama {
         let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
-        let probs = match kernels::masked_softmax(&scores, &ctx.mask, scale as f32)? {
-            Some(p) => p,
-            None => {
-                let scores = (scores * scale)?.reshape((kvh, g, n, cells))?;
-                softmax_last(&scores.broadcast_add(&ctx.mask)?)?.reshape((kvh, g * n, cells))?
-            }
-        };
+        let probs = kernels::masked_softmax(&scores, &ctx.mask, scale as f32)?;
         let v = if ctx.permuted {
             ctx.values.transpose(1, 2)? // [kvh, hd, cells] -> [kvh, cells, hd]
         } else {
@@ -657,13 +647,6 @@ impl Llama {
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
-}
-
-/// Softmax over the last dimension; rows need at least one finite entry.
-pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
 /// `y = x @ w^T` for a few rows of `x` (decode steps), streaming `w` from memory once.

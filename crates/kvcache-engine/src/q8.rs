@@ -158,16 +158,7 @@ mod tests {
             let got = q8.matmul_t(&x).unwrap().unwrap();
             let want = x.matmul(&dense.t().unwrap()).unwrap();
             assert_eq!(got.dims(), &[m, rows]);
-            let diff: f32 = (got - want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let diff = crate::check::max_abs_diff(&got, &want).unwrap();
             // Summation order only: the weights are the same f32 values.
             assert!(diff < 1e-5, "m = {m}: {diff}");
         }

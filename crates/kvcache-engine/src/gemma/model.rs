@@ -31,9 +31,9 @@ use kvcache_api::{
 use kvcache_causal::layer_cache::{CandleKv, CandleWindow};
 use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
 
-use super::{Activation, GemmaConfig, GemmaTokenizer};
+use super::{GemmaConfig, GemmaTokenizer};
 use crate::kernels;
-use crate::model::{softmax_last, SplitMix64};
+use crate::model::SplitMix64;
 use crate::q8::Q8Matrix;
 use crate::{BatchToken, EngineError, LoadProgress, Result, WeightMode};
 
@@ -607,13 +607,7 @@ impl Gemma {
             x = (x + self.norm(&block.wo.forward(&attn)?, &block.post_attn_norm)?)?;
             let h = self.norm(&x, &block.ffn_norm)?;
             let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
-            let f = match kernels::gated(&g, &u, c.activation)? {
-                Some(f) => f,
-                None => match c.activation {
-                    Activation::GeluTanh => (g.gelu()? * u)?,
-                    Activation::Silu => (g.silu()? * u)?,
-                },
-            };
+            let f = kernels::gated(&g, &u, c.activation)?;
             let f = block.down.forward(&f)?;
             x = (x + self.norm(&f, &block.post_ffw_norm)?)?;
         }
@@ -674,7 +668,6 @@ impl Gemma {
         let c = &self.config;
         let (n, h, hd) = q.dims3()?;
         let (kvh, g) = (c.n_kv_heads, c.group_size());
-        let cells = ctx.keys.dim(0)?;
         // Query head j * g + i uses key/value head j.
         let q = q
             .reshape((n, kvh, g, hd))?
@@ -682,13 +675,7 @@ impl Gemma {
             .reshape((kvh, g * n, hd))?;
         let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
         let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
-        let probs = match kernels::masked_softmax(&scores, &ctx.mask, c.attn_scale as f32)? {
-            Some(p) => p,
-            None => {
-                let scores = (scores * c.attn_scale)?.reshape((kvh, g, n, cells))?;
-                softmax_last(&scores.broadcast_add(&ctx.mask)?)?.reshape((kvh, g * n, cells))?
-            }
-        };
+        let probs = kernels::masked_softmax(&scores, &ctx.mask, c.attn_scale as f32)?;
         let v = if ctx.permuted {
             ctx.values.transpose(1, 2)?
         } else {
