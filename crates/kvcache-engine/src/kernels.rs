@@ -10,9 +10,9 @@
 //! at run time), rows spread over candle's thread pool, `e^x` from a
 //! polynomial instead of libm.
 //!
-//! Both kernels answer `None` for what they do not handle (another device, a
-//! dtype other than f32, shapes that do not fit), and the callers fall back
-//! to candle's operations: same values within float rounding. The helpers
+//! What the passes do not handle (another device, a dtype other than f32,
+//! shapes that do not fit) goes to candle's operations instead: the same
+//! values within float rounding. The helpers
 //! that spread rows or columns over the pool serve [`crate::q8`] as well.
 
 use std::ops::Range;
