@@ -3,7 +3,7 @@
 
 use std::ops::{Range, RangeFrom, RangeFull};
 
-use crate::{Batch, CausalConfig, Pos, Result, SeqId, SeqState};
+use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqState};
 
 /// Whether a forward pass computes or only sizes the graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -189,6 +189,20 @@ pub trait CausalCache {
 
     /// Keys, values and mask of the current layer for this pass.
     fn get(&self) -> Result<KvView<Self::Tensor>>;
+
+    /// The paged view of the current layer for this pass: each batch row's
+    /// visible cells as sorted runs ([`crate::RowRuns`]) and the layer's keys and
+    /// values as stored ([`crate::StoredKv`]), for kernels whose cost follows
+    /// what each row sees rather than the pass's whole cell range. Row `r` sees
+    /// cell `c` exactly where [`get`](Self::get)'s mask is `0` at
+    /// `[r, c - range.start]`.
+    ///
+    /// Errors as `get` does (no pass in progress, a layer with nothing `put`);
+    /// changes nothing. The default answers
+    /// [`NotSupported`](crate::CacheError::NotSupported): use `get`.
+    fn get_paged(&self) -> Result<PagedKv<'_, Self::Tensor>> {
+        Err(crate::CacheError::NotSupported("paged view".into()))
+    }
 
     /// Makes `dst` share the first `len` positions of `src` (metadata only, no
     /// tensor copy); `dst`'s previous tokens are dropped.

@@ -36,6 +36,7 @@ pub mod contract;
 mod error;
 pub mod host;
 mod mixed;
+mod paged;
 pub mod paging;
 mod shared;
 mod snapshot;
@@ -49,5 +50,6 @@ pub use host::{
     PrefixStore, SeqState,
 };
 pub use mixed::MixedLayer;
+pub use paged::{CellRun, PagedKv, RowRuns, StoredKv};
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};

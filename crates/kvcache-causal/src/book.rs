@@ -9,7 +9,9 @@
 
 use std::ops::Range;
 
-use kvcache_api::{Batch, CacheError, CausalConfig, ForwardMode, Placement, Pos, PosRange, Result, SeqId};
+use kvcache_api::{
+    Batch, CacheError, CausalConfig, ForwardMode, Placement, Pos, PosRange, Result, RowRuns, SeqId,
+};
 
 use crate::cells::Cells;
 use crate::mask::{self, Plan, Query};
@@ -31,6 +33,9 @@ pub(crate) struct Pass {
     exempt: Vec<bool>,
     /// The cells the pass attends to, padded.
     range: Range<usize>,
+    /// Each token's visible cells (absolute), in batch order: what the mask
+    /// shows and the paged view hands out. Empty rows in reserve passes.
+    runs: RowRuns,
 }
 
 impl Pass {
@@ -57,6 +62,11 @@ impl Pass {
     /// Tokens exempt from causality.
     pub(crate) fn exempt(&self) -> &[bool] {
         &self.exempt
+    }
+
+    /// Each token's visible cells, in batch order.
+    pub(crate) fn runs(&self) -> &RowRuns {
+        &self.runs
     }
 
     fn end(&mut self) {
@@ -132,7 +142,12 @@ impl Book {
             attention: Attention::new(&config),
             cells: Cells::new(cells, config.max_sequences),
             reservations: Reservations::new(config.max_sequences),
-            pass: Pass::default(),
+            // Room for a few runs per row from the start, so that a pass's runs
+            // grow only when the cells are fragmented more than ever before.
+            pass: Pass {
+                runs: RowRuns::with_capacity(config.max_batch, 4 * config.max_batch),
+                ..Pass::default()
+            },
             scratch: Scratch {
                 lowest: vec![Pos::MAX; config.max_sequences],
                 ..Scratch::default()
@@ -242,6 +257,7 @@ impl Book {
         pass.cells.clear();
         if mode == ForwardMode::Reserve {
             pass.range = 0..self.cells.len();
+            self.plan_runs();
             return Vec::new();
         }
         self.note_lowest(batch);
@@ -281,7 +297,21 @@ impl Book {
         let pad = self.config.cache_padding;
         self.pass.range = lo / pad * pad..(hi + 1).div_ceil(pad) * pad;
         self.forget_lowest(batch);
+        self.plan_runs();
         moves
+    }
+
+    /// Plans every token's visible cells into the pass's runs.
+    fn plan_runs(&mut self) {
+        let mut runs = std::mem::take(&mut self.pass.runs);
+        plan_runs(
+            &self.cells,
+            &self.attention,
+            &self.pass,
+            &mut self.scratch.spans,
+            &mut runs,
+        );
+        self.pass.runs = runs;
     }
 
     /// Chooses a cell for every token of `batch` into the pass's cells. Scattered
@@ -349,28 +379,10 @@ impl Book {
         self.mask_rows() * self.pass.range.len()
     }
 
-    /// Plans the pass's `[mask_rows, range.len()]` mask into `plan`.
-    pub(crate) fn plan_mask(&mut self, plan: &mut Plan) {
-        let rows = self.mask_rows();
-        let pass = &self.pass;
-        if pass.mode == Some(ForwardMode::Reserve) {
-            plan.reset(rows * pass.range.len());
-            return;
-        }
-        let queries = (0..pass.len()).map(|i| Query {
-            seq: pass.sequences[i],
-            pos: pass.positions[i],
-            exempt: pass.exempt[i],
-        });
-        mask::plan(
-            &self.cells,
-            &self.attention,
-            queries,
-            rows,
-            pass.range.clone(),
-            &mut self.scratch.spans,
-            plan,
-        );
+    /// Plans the pass's `[mask_rows, range.len()]` mask into `plan`, from the
+    /// pass's runs.
+    pub(crate) fn plan_mask(&self, plan: &mut Plan) {
+        mask::plan(&self.pass.runs, self.mask_rows(), self.pass.range.clone(), plan);
     }
 
     /// The mask columns row `row` of the pass's mask may see, as sorted,
@@ -378,42 +390,27 @@ impl Book {
     /// mask): empty for padding rows and in reserve passes.
     pub(crate) fn visible_cells(&self, row: usize) -> Result<Vec<Range<usize>>> {
         let pass = &self.pass;
-        let Some(mode) = pass.mode else {
+        if pass.mode.is_none() {
             return Err(CacheError::InvalidState(
                 "visible_cells needs a forward pass in progress".into(),
             ));
-        };
+        }
         let rows = self.mask_rows();
         if row >= rows {
             return Err(CacheError::InvalidArgument(format!(
                 "mask row {row} out of range: the pass's mask has {rows} rows"
             )));
         }
-        if mode == ForwardMode::Reserve || row >= pass.len() {
+        if row >= pass.len() {
             return Ok(Vec::new());
         }
-        let query = Query {
-            seq: pass.sequences[row],
-            pos: pass.positions[row],
-            exempt: pass.exempt[row],
-        };
-        let mut spans = Vec::new();
-        mask::row_spans(
-            &self.cells,
-            &self.attention,
-            query,
-            pass.range.clone(),
-            &mut spans,
-        );
-        let mut out: Vec<Range<usize>> = Vec::with_capacity(spans.len());
-        for (start, len) in spans {
-            let (start, end) = (start as usize, (start + len) as usize);
-            match out.last_mut() {
-                Some(last) if last.end == start => last.end = end,
-                _ => out.push(start..end),
-            }
-        }
-        Ok(out)
+        let base = pass.range.start;
+        Ok(pass
+            .runs
+            .row(row)
+            .iter()
+            .map(|r| r.start as usize - base..r.end as usize - base)
+            .collect())
     }
 
     /// Validates `set_causal(except)`; returns whether the exemptions change.
@@ -439,6 +436,7 @@ impl Book {
         for &i in except {
             self.pass.exempt[i] = true;
         }
+        self.plan_runs();
     }
 
     /// Validates `remove(seq, range)`; `can_shift` says whether a shift function
@@ -549,6 +547,7 @@ impl Book {
             + p.sequences.capacity() * 8
             + p.cells.capacity() * 4
             + p.exempt.capacity()
+            + p.runs.capacity_bytes()
             + (s.lowest.capacity() + s.keep.capacity()) * 4
             + s.spans.capacity() * 8
     }
@@ -585,6 +584,12 @@ impl Book {
             pass.range,
             self.cells.len()
         );
+        let mut planned = RowRuns::default();
+        plan_runs(&self.cells, &self.attention, pass, &mut Vec::new(), &mut planned);
+        assert_eq!(
+            planned, pass.runs,
+            "pass: the rows' visible runs disagree with the cells"
+        );
         match mode {
             ForwardMode::Reserve => {
                 assert!(pass.cells.is_empty(), "reserve pass placed cells");
@@ -611,6 +616,32 @@ impl Book {
                 }
             }
         }
+    }
+}
+
+/// Plans every token of `pass` its visible cells into `runs` (a step per run of
+/// the token's sequence that it sees, found by binary search); rows of a reserve
+/// pass see nothing. `spans` is scratch.
+fn plan_runs(
+    cells: &Cells,
+    attention: &Attention,
+    pass: &Pass,
+    spans: &mut Vec<(u32, u32)>,
+    runs: &mut RowRuns,
+) {
+    runs.clear();
+    let base = pass.range.start as u32;
+    for i in 0..pass.positions.len() {
+        spans.clear();
+        if pass.mode == Some(ForwardMode::Compute) {
+            let query = Query {
+                seq: pass.sequences[i],
+                pos: pass.positions[i],
+                exempt: pass.exempt[i],
+            };
+            mask::row_spans(cells, attention, query, pass.range.clone(), spans);
+        }
+        runs.push_row(spans.iter().map(|&(start, len)| base + start..base + start + len));
     }
 }
 

@@ -1,12 +1,12 @@
 //! [`CausalKvCache`]: the causal cache on candle tensors, bookkeeping plus storage.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{
-    Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, Pos, PosRange,
-    Result, SeqId, SeqState,
+    Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, PagedKv, Pos,
+    PosRange, Result, SeqId, SeqState,
 };
 
 use crate::book::{Book, RemovePlan};
@@ -90,12 +90,34 @@ pub struct CausalKvCache {
     pub(crate) fingerprint: Fingerprint,
     shift: Option<SharedKeyShift>,
     layer: usize,
-    /// The pass's mask `[batch_padded, range]`. After a metadata change ends the
-    /// pass it lingers, unreachable, until the next pass replaces it, so that a
-    /// removal never pays for freeing a large buffer.
-    mask: Option<Tensor>,
-    /// Where masks are written.
-    mask_buffer: MaskBuffer,
+    /// The pass's dense mask and the buffer it is written into, behind a lock
+    /// because `get` (`&self`) builds it on first use.
+    masks: Mutex<Masks>,
+}
+
+/// The pass's dense mask, built by the first `get` of the pass rather than by
+/// `start_forward`: an engine that reads only the paged view never writes a
+/// `[rows, cells]` mask (nor, on a GPU, uploads one).
+#[derive(Debug, Default)]
+struct Masks {
+    pass: PassMask,
+    /// Where masks are written, kept between passes.
+    buffer: MaskBuffer,
+}
+
+/// Where the pass's mask stands.
+#[derive(Debug, Default, Clone)]
+enum PassMask {
+    /// No pass in progress whose storage is ready (none begun, or its
+    /// `start_forward` failed after placing the batch).
+    #[default]
+    Absent,
+    /// A pass in progress whose mask nobody asked for yet.
+    Pending,
+    /// The pass's mask `[batch_padded, range]`. After a metadata change ends
+    /// the pass it lingers, unreachable, until the next pass replaces it, so
+    /// that a removal never pays for freeing a large buffer.
+    Built(Tensor),
 }
 
 impl std::fmt::Debug for CausalKvCache {
@@ -169,8 +191,7 @@ impl CausalKvCache {
             fingerprint: Fingerprint::default(),
             shift,
             layer: 0,
-            mask: None,
-            mask_buffer: MaskBuffer::default(),
+            masks: Mutex::default(),
         })
     }
 
@@ -283,7 +304,7 @@ impl CausalKvCache {
             None => None,
             Some(mode) => {
                 let p = self.book.pass();
-                let mask = match &self.mask {
+                let mask = match self.mask()? {
                     Some(m) => m
                         .to_dtype(candle_core::DType::F32)
                         .and_then(|m| m.flatten_all()?.to_vec1::<f32>())
@@ -346,26 +367,43 @@ impl CausalKvCache {
             );
         }
         if self.book.pass().mode().is_some() {
-            let mask = self.mask.as_ref().expect("a pass in progress has a mask");
-            assert_eq!(
-                mask.dims(),
-                &[self.book.mask_rows(), self.book.pass().range().len()],
-                "mask shape disagrees with the pass"
+            let masks = self.lock_masks();
+            assert!(
+                !matches!(masks.pass, PassMask::Absent),
+                "a pass in progress has a mask, built or pending"
             );
+            if let PassMask::Built(mask) = &masks.pass {
+                assert_eq!(
+                    mask.dims(),
+                    &[self.book.mask_rows(), self.book.pass().range().len()],
+                    "mask shape disagrees with the pass"
+                );
+            }
         }
     }
 
     /// A deep copy: new tensors on the same device, the same shift function.
     pub fn try_clone(&self) -> Result<Self> {
-        let (mask_buffer, mask) = self.mask_buffer.share(self.mask.as_ref());
+        let masks = {
+            let masks = self.lock_masks();
+            let built = match &masks.pass {
+                PassMask::Built(mask) => Some(mask),
+                _ => None,
+            };
+            let (buffer, mask) = masks.buffer.share(built);
+            let pass = match (&masks.pass, mask) {
+                (_, Some(mask)) => PassMask::Built(mask),
+                (other, None) => other.clone(),
+            };
+            Masks { pass, buffer }
+        };
         Ok(CausalKvCache {
             book: self.book.clone(),
             storage: self.storage.try_clone()?,
             fingerprint: self.fingerprint,
             shift: self.shift.clone(),
             layer: self.layer,
-            mask,
-            mask_buffer,
+            masks: Mutex::new(masks),
         })
     }
 
@@ -387,18 +425,25 @@ impl CausalKvCache {
                 self.device().location()
             )));
         }
+        let dtype = source.book.config().mask_dtype;
         let copied = self.storage.copy_from(&source.storage).and_then(|()| {
-            let dtype = source.book.config().mask_dtype;
-            self.mask_buffer
-                .copy_from(&source.mask_buffer, source.mask.as_ref(), dtype)
+            let source = source.lock_masks();
+            let masks = self.masks.get_mut().unwrap_or_else(PoisonError::into_inner);
+            match &source.pass {
+                PassMask::Built(mask) => {
+                    let copy = masks.buffer.copy_from(&source.buffer, Some(mask), dtype)?;
+                    Ok(copy.map_or(PassMask::Absent, PassMask::Built))
+                }
+                other => Ok(other.clone()),
+            }
         });
         match copied {
-            Ok(mask) => {
+            Ok(pass) => {
                 self.book.clone_from(&source.book);
                 self.fingerprint = source.fingerprint;
                 self.shift.clone_from(&source.shift);
                 self.layer = source.layer;
-                self.mask = mask;
+                self.masks.get_mut().unwrap_or_else(PoisonError::into_inner).pass = pass;
                 Ok(())
             }
             Err(error) => {
@@ -430,7 +475,7 @@ impl CausalKvCache {
     /// Bytes kept between passes to write masks into: room for the largest mask
     /// of a non-reserve pass so far (grown by doubling, so up to twice its size).
     pub fn mask_buffer_bytes(&self) -> usize {
-        self.mask_buffer.bytes()
+        self.lock_masks().buffer.bytes()
     }
 
     // ---- two-phase operations, shared with the layer-group wrapper ----
@@ -441,14 +486,35 @@ impl CausalKvCache {
 
     pub(crate) fn commit_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()> {
         let moves = self.book.commit_forward(batch, mode);
-        self.mask = None;
+        self.set_pass_mask(PassMask::Absent);
         self.storage.apply_moves(&moves)?;
-        self.mask = Some(self.build_mask()?);
+        self.set_pass_mask(PassMask::Pending);
         Ok(())
     }
 
-    fn build_mask(&mut self) -> Result<Tensor> {
-        self.mask_buffer.build(&mut self.book, self.storage.device())
+    fn set_pass_mask(&mut self, pass: PassMask) {
+        self.masks.get_mut().unwrap_or_else(PoisonError::into_inner).pass = pass;
+    }
+
+    fn lock_masks(&self) -> MutexGuard<'_, Masks> {
+        // A panic while a mask was written leaves at worst a stale `Built` mask
+        // of the pass that panicked; the next pass replaces it.
+        self.masks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The pass's dense mask `[batch_padded, range]`, built on the first call
+    /// of the pass; `None` without a pass whose storage is ready.
+    fn mask(&self) -> Result<Option<Tensor>> {
+        let mut masks = self.lock_masks();
+        match &masks.pass {
+            PassMask::Absent => Ok(None),
+            PassMask::Built(mask) => Ok(Some(mask.clone())),
+            PassMask::Pending => {
+                let mask = masks.buffer.build(&self.book, self.storage.device())?;
+                masks.pass = PassMask::Built(mask.clone());
+                Ok(Some(mask))
+            }
+        }
     }
 
     pub(crate) fn prepare_set_causal(&self, except: &[usize]) -> Result<bool> {
@@ -458,7 +524,7 @@ impl CausalKvCache {
     pub(crate) fn commit_set_causal(&mut self, except: &[usize], changed: bool) -> Result<()> {
         if changed {
             self.book.commit_set_causal(except);
-            self.mask = Some(self.build_mask()?);
+            self.set_pass_mask(PassMask::Pending);
         }
         Ok(())
     }
@@ -529,6 +595,24 @@ impl CausalKvCache {
     pub(crate) fn shared_shift(&self) -> Option<&SharedKeyShift> {
         self.shift.as_ref()
     }
+
+    /// The current layer's storage, for a read of the pass in progress by `what`
+    /// (`get`, `get_paged`): an error without a pass or before the layer's `put`.
+    fn pass_layer(&self, what: &str) -> Result<&crate::storage::LayerStore> {
+        let ready = !matches!(self.lock_masks().pass, PassMask::Absent);
+        if self.book.pass().mode().is_none() || !ready {
+            return Err(CacheError::InvalidState(format!(
+                "{what} needs a forward pass in progress: call start_forward first"
+            )));
+        }
+        self.storage.bind_to_thread()?;
+        self.storage.layer(self.layer).ok_or_else(|| {
+            CacheError::InvalidState(format!(
+                "layer {} has no keys or values yet: put them before {what}",
+                self.layer
+            ))
+        })
+    }
 }
 
 impl CausalCache for CausalKvCache {
@@ -549,8 +633,7 @@ impl CausalCache for CausalKvCache {
         let book = Book::new(config)?;
         self.storage = Storage::new(book.config(), self.storage.device().clone());
         self.book = book;
-        self.mask = None;
-        self.mask_buffer = MaskBuffer::default();
+        *self.masks.get_mut().unwrap_or_else(PoisonError::into_inner) = Masks::default();
         Ok(())
     }
 
@@ -589,23 +672,22 @@ impl CausalCache for CausalKvCache {
     }
 
     fn get(&self) -> Result<KvView<Tensor>> {
-        let (Some(_), Some(mask)) = (self.book.pass().mode(), &self.mask) else {
-            return Err(CacheError::InvalidState(
-                "get needs a forward pass in progress: call start_forward first".into(),
-            ));
-        };
-        self.storage.bind_to_thread()?;
-        let store = self.storage.layer(self.layer).ok_or_else(|| {
-            CacheError::InvalidState(format!(
-                "layer {} has no keys or values yet: put them before get",
-                self.layer
-            ))
-        })?;
+        let store = self.pass_layer("get")?;
+        let mask = self.mask()?.expect("a ready pass has a mask");
         let (keys, values) = self.storage.views(store, self.book.pass().range())?;
-        Ok(KvView {
+        Ok(KvView { keys, values, mask })
+    }
+
+    /// The paged view: every row's visible cells and the layer's keys and values
+    /// in their stored type (no decoding, no copy: the planes themselves).
+    fn get_paged(&self) -> Result<PagedKv<'_, Tensor>> {
+        let store = self.pass_layer("get_paged")?;
+        let (keys, values) = (store.keys.stored(), store.values.stored());
+        Ok(PagedKv {
             keys,
             values,
-            mask: mask.clone(),
+            v_layout: self.book.config().v_layout,
+            runs: self.book.pass().runs(),
         })
     }
 

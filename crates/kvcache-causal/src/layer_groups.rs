@@ -8,7 +8,7 @@
 
 use candle_core::Tensor;
 use kvcache_api::{
-    Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KvView, Pos, PosRange, Result, SeqId,
+    Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KvView, PagedKv, Pos, PosRange, Result, SeqId,
 };
 
 use crate::cache::CausalKvCache;
@@ -204,6 +204,10 @@ impl CausalCache for LayerGroupCache {
 
     fn get(&self) -> Result<KvView<Tensor>> {
         self.groups[self.current()?].get()
+    }
+
+    fn get_paged(&self) -> Result<PagedKv<'_, Tensor>> {
+        self.groups[self.current()?].get_paged()
     }
 
     fn copy_prefix(&mut self, src: SeqId, dst: SeqId, len: Pos) -> Result<()> {

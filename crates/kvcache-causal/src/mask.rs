@@ -16,7 +16,7 @@
 use std::ops::Range;
 
 use half::{bf16, f16};
-use kvcache_api::{Pos, SeqId};
+use kvcache_api::{Pos, RowRuns, SeqId};
 
 use crate::cells::Cells;
 use crate::window::Attention;
@@ -127,26 +127,18 @@ impl Plan {
     }
 }
 
-/// Plans the `[rows, range.len()]` mask of `queries` over the cells in `range` into
-/// `plan`; rows past the queries are padding, fully masked. `spans` is scratch.
-pub(crate) fn plan(
-    cells: &Cells,
-    attention: &Attention,
-    queries: impl ExactSizeIterator<Item = Query>,
-    rows: usize,
-    range: Range<usize>,
-    spans: &mut Vec<(u32, u32)>,
-    plan: &mut Plan,
-) {
+/// Plans the `[rows, range.len()]` mask over the cells in `range` into `plan`,
+/// row `r` visible on `runs.row(r)` (runs inside `range`); rows past the runs'
+/// are padding, fully masked.
+pub(crate) fn plan(runs: &RowRuns, rows: usize, range: Range<usize>, plan: &mut Plan) {
     let width = range.len();
-    debug_assert!(queries.len() <= rows);
+    debug_assert!(runs.rows() <= rows);
     plan.reset(rows * width);
-    for (row, query) in queries.enumerate() {
-        row_spans(cells, attention, query, range.clone(), spans);
+    for row in 0..runs.rows() {
         let base = row * width;
-        for &(start, len) in spans.iter() {
-            let start = base + start as usize;
-            plan.push(start, start + len as usize);
+        for run in runs.row(row) {
+            let (start, end) = (run.start as usize - range.start, run.end as usize - range.start);
+            plan.push(base + start, base + end);
         }
     }
 }
@@ -248,6 +240,24 @@ mod tests {
             .collect()
     }
 
+    /// The plan of `queries`' rows, each planned by [`row_spans`].
+    fn plan_queries(
+        cells: &Cells,
+        attention: &Attention,
+        queries: &[Query],
+        rows: usize,
+        range: Range<usize>,
+    ) -> Plan {
+        let (mut spans, mut runs, mut planned) = (vec![], RowRuns::default(), Plan::default());
+        let base = range.start as u32;
+        for &query in queries {
+            row_spans(cells, attention, query, range.clone(), &mut spans);
+            runs.push_row(spans.iter().map(|&(a, len)| base + a..base + a + len));
+        }
+        plan(&runs, rows, range, &mut planned);
+        planned
+    }
+
     /// The mask `plan` describes, entry by entry.
     fn dense(plan: &Plan) -> Vec<f32> {
         let mut out = vec![f32::MASKED; plan.len];
@@ -268,16 +278,7 @@ mod tests {
         }
         let q = |seq, pos, exempt| Query { seq, pos, exempt };
         let queries = [q(0, 1, false), q(0, 2, false), q(1, 0, false), q(0, 1, true)];
-        let (mut spans, mut planned) = (vec![], Plan::default());
-        plan(
-            &cells,
-            &attention,
-            queries.into_iter(),
-            5,
-            0..4,
-            &mut spans,
-            &mut planned,
-        );
+        let planned = plan_queries(&cells, &attention, &queries, 5, 0..4);
         // Stale content must not survive: write over an all-visible buffer.
         let mut mask = vec![0.0f32; 5 * 4];
         write(&Plan::all_visible(20), &planned, &mut mask);
@@ -312,16 +313,7 @@ mod tests {
             pos: 2,
             exempt: false,
         };
-        let (mut spans, mut planned) = (vec![], Plan::default());
-        self::plan(
-            &cells,
-            &attention,
-            [query].into_iter(),
-            1,
-            0..8,
-            &mut spans,
-            &mut planned,
-        );
+        let planned = plan_queries(&cells, &attention, &[query], 1, 0..8);
         assert_eq!(planned.visible, vec![(1, 2), (3, 4), (5, 6)]);
     }
 

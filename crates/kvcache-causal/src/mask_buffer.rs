@@ -58,7 +58,7 @@ struct Host {
 
 impl MaskBuffer {
     /// The `[mask_rows, range.len()]` mask of `book`'s pass on `device`.
-    pub(crate) fn build(&mut self, book: &mut Book, device: &Device) -> Result<Tensor> {
+    pub(crate) fn build(&mut self, book: &Book, device: &Device) -> Result<Tensor> {
         let shape = (book.mask_rows(), book.pass().range().len());
         book.plan_mask(&mut self.next);
         let reserve = book.pass().mode() == Some(ForwardMode::Reserve);

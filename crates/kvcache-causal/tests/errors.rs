@@ -142,12 +142,22 @@ fn bad_puts_and_gets() {
         |c| c.get().map(|_| ()),
         |e| matches!(e, CacheError::InvalidState(_)),
     );
+    rejected(
+        &mut cache,
+        |c| c.get_paged().map(|_| ()),
+        |e| matches!(e, CacheError::InvalidState(_)),
+    );
     // After a metadata change the pass is over.
     cache.set_layer(0);
     cache.remove(1, PosRange::from(3..)).unwrap();
     rejected(
         &mut cache,
         |c| c.get().map(|_| ()),
+        |e| matches!(e, CacheError::InvalidState(_)),
+    );
+    rejected(
+        &mut cache,
+        |c| c.get_paged().map(|_| ()),
         |e| matches!(e, CacheError::InvalidState(_)),
     );
     rejected(
@@ -172,6 +182,11 @@ fn first_calls_out_of_order() {
     );
     rejected(
         &mut cache,
+        |c| c.get_paged().map(|_| ()),
+        |e| matches!(e, CacheError::InvalidState(_)),
+    );
+    rejected(
+        &mut cache,
         |c| c.put(&kv(&[1.0]), &kv(&[1.0])),
         |e| matches!(e, CacheError::InvalidState(_)),
     );
@@ -181,6 +196,11 @@ fn first_calls_out_of_order() {
     rejected(
         &mut cache,
         |c| c.get().map(|_| ()),
+        |e| matches!(e, CacheError::InvalidState(_)),
+    );
+    rejected(
+        &mut cache,
+        |c| c.get_paged().map(|_| ()),
         |e| matches!(e, CacheError::InvalidState(_)),
     );
     rejected(

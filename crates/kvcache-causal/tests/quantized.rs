@@ -15,7 +15,7 @@ use candle_core::{DType as CandleDType, Tensor};
 use common::device;
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, DType, ForwardMode, KvStorage, Placement, Pos, PosRange,
-    SeqId, VLayout,
+    SeqId, StoredKv, VLayout,
 };
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use proptest::prelude::*;
@@ -193,7 +193,43 @@ fn side_by_side(ops: &[Op], layout: VLayout, placement: Placement, on_grid: bool
                     q.read_cell(LAYERS - 1, c).unwrap().keys
                 );
             }
+            paged_view_reads_the_stored_blocks(&q, &f);
         }
+    }
+}
+
+/// The paged view of a `q8_0` cache hands out its integers and scales as stored
+/// (every cell, no decoding), rows seeing the cells the f32 cache's rows see,
+/// and each visible cell's blocks decode to what `read_cell` reads.
+fn paged_view_reads_the_stored_blocks(q: &CausalKvCache, f: &CausalKvCache) {
+    let (paged, reference) = (q.get_paged().unwrap(), f.get_paged().unwrap());
+    assert_eq!(paged.runs, reference.runs, "same bookkeeping, same runs");
+    let StoredKv::Q8_0 { quants, scales } = &paged.keys else {
+        panic!("q8_0 keys handed out as {:?}", paged.keys);
+    };
+    assert_eq!(
+        (quants.dtype(), scales.dtype()),
+        (CandleDType::U8, CandleDType::F16)
+    );
+    assert_eq!(quants.dims(), &[q.num_cells(), HEADS, DIM]);
+    assert_eq!(scales.dims(), &[q.num_cells(), HEADS, DIM / 32]);
+    assert!(matches!(reference.keys, StoredKv::Float(_)));
+    let row = |t: &Tensor, cell: usize| -> Vec<f32> {
+        let t = t.get(cell).unwrap().flatten_all().unwrap();
+        t.to_dtype(CandleDType::F32).unwrap().to_vec1::<f32>().unwrap()
+    };
+    for cell in paged.runs.runs().iter().flat_map(|run| run.cells()) {
+        let (ints, d) = (row(quants, cell), row(scales, cell));
+        let decoded: Vec<f32> = ints
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (b - 128.0) * d[i / 32])
+            .collect();
+        assert_eq!(
+            decoded,
+            q.read_cell(LAYERS - 1, cell).unwrap().keys,
+            "cell {cell}"
+        );
     }
 }
 

@@ -10,7 +10,7 @@
 //! never decodes them.
 
 use candle_core::{DType as CandleDType, Device, Result, Tensor};
-use kvcache_api::KvStorage;
+use kvcache_api::{KvStorage, StoredKv};
 
 use super::q8_0;
 use super::same_storage;
@@ -74,6 +74,17 @@ impl Plane {
         match self {
             Plane::Float(t) => t.to_dtype(dtype),
             Plane::Q8_0 { quants, scales, axis } => q8_0::dequantize(quants, scales, *axis, dtype),
+        }
+    }
+
+    /// The plane as the API hands it out: the tensors themselves (no copy).
+    pub(crate) fn stored(&self) -> StoredKv<Tensor> {
+        match self {
+            Plane::Float(t) => StoredKv::Float(t.clone()),
+            Plane::Q8_0 { quants, scales, .. } => StoredKv::Q8_0 {
+                quants: quants.clone(),
+                scales: scales.clone(),
+            },
         }
     }
 

@@ -8,7 +8,7 @@ pub mod reference;
 use std::sync::OnceLock;
 
 use candle_core::{DType as CandleDType, Device, Tensor};
-use kvcache_api::{CacheError, CausalCache, DType, Pos, Result, SeqId, VLayout};
+use kvcache_api::{CacheError, CausalCache, DType, Pos, Result, SeqId, StoredKv, VLayout};
 use kvcache_causal::CausalKvCache;
 
 /// The device tests run on: `KVCACHE_DEVICE` = `cpu` (default), `cuda` or `metal`.
@@ -109,7 +109,7 @@ pub fn sees(cache: &CausalKvCache, tokens: &[(SeqId, Pos)]) -> Vec<Seen> {
         VLayout::Permuted => values[j],
     };
     let rows = grid(&view.mask);
-    tokens
+    let seen: Vec<Seen> = tokens
         .iter()
         .enumerate()
         .map(|(i, &(seq, _))| {
@@ -136,7 +136,68 @@ pub fn sees(cache: &CausalKvCache, tokens: &[(SeqId, Pos)]) -> Vec<Seen> {
             );
             seen
         })
+        .collect();
+    assert_eq!(
+        sees_paged(cache, tokens),
+        seen,
+        "the paged view shows other cells or data than the dense mask"
+    );
+    seen
+}
+
+/// For each token of the pass, what it sees through the paged view
+/// ([`CausalCache::get_paged`]): the cells of its runs, their keys and values
+/// read from the stored planes in their stored type (decoded here, one element),
+/// by position. [`sees`] checks it equals what the dense mask shows.
+pub fn sees_paged(cache: &CausalKvCache, tokens: &[(SeqId, Pos)]) -> Vec<Seen> {
+    let view = cache.get_paged().unwrap();
+    assert_eq!(view.runs.rows(), tokens.len(), "a row of runs per token");
+    let compute = candle(cache.config().dtype);
+    let value_axis = match view.v_layout {
+        VLayout::Normal => 0,
+        VLayout::Permuted => 2,
+    };
+    (0..tokens.len())
+        .map(|i| {
+            let mut seen: Seen = view
+                .runs
+                .row(i)
+                .iter()
+                .flat_map(|run| run.cells())
+                .map(|cell| {
+                    let info = cache
+                        .cell(cell)
+                        .unwrap_or_else(|| panic!("paged row {i} sees free cell {cell}"));
+                    let key = stored_element(&view.keys, 0, cell, compute);
+                    (
+                        info.pos,
+                        key,
+                        stored_element(&view.values, value_axis, cell, compute),
+                    )
+                })
+                .collect();
+            seen.sort_by_key(|s| s.0);
+            seen
+        })
         .collect()
+}
+
+/// The first element of `cell` in a stored plane whose cell axis is `axis`, read
+/// as `get` reads it in the compute dtype `compute`.
+fn stored_element(plane: &StoredKv<Tensor>, axis: usize, cell: usize, compute: CandleDType) -> f32 {
+    let first = |t: &Tensor| t.narrow(axis, cell, 1).unwrap().flatten_all().unwrap();
+    let value = match plane {
+        StoredKv::Float(t) => first(t).to_dtype(compute).unwrap(),
+        StoredKv::Q8_0 { quants, scales } => {
+            let q = host(&first(quants))[0] - 128.0;
+            let d = host(&first(scales))[0];
+            Tensor::new(&[q * d], &Device::Cpu)
+                .unwrap()
+                .to_dtype(compute)
+                .unwrap()
+        }
+    };
+    host(&value)[0]
 }
 
 /// Every `(sequence, position, key, value)` the cache holds in `layer`, read from
