@@ -18,6 +18,9 @@
 //! list of ids (`W1,W1b,W2,W2c,W3,W4,W5,W6,mem`) to run only those, and
 //! `KVCACHE_BENCH_KV` to a storage type (`f16`, `bf16`, `q8_0`; f32 by default)
 //! to store keys and values in (q8_0 with head dim 32, one block).
+//! `KVCACHE_BENCH_VIEW` (`dense` or `paged`) says how an op reads the pass:
+//! `get` (the reference's op) or `get_paged` (the runs a kernel walks, keys and
+//! values as stored); paged by default for q8_0, dense otherwise.
 //! `KVCACHE_DEVICE=cuda` (built with `--features cuda`) runs the caches on the
 //! first NVIDIA GPU; every timed op then waits for the device to finish.
 
@@ -76,14 +79,40 @@ fn cache(config: CausalConfig) -> CausalKvCache {
     CausalKvCache::new(config, device().clone(), identity_shift()).expect("cache")
 }
 
-/// One op as the reference timed it.
+/// How an op reads what the pass attends to: `get` (keys and values of the
+/// pass's range in the compute dtype, and the dense mask) or `get_paged` (each
+/// row's runs of cells, keys and values as stored).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum View {
+    Dense,
+    Paged,
+}
+
+/// `KVCACHE_BENCH_VIEW` (`dense`, `paged`); by default the paged view for
+/// `q8_0` storage (what a kernel reads: decoding the range is what `get` costs
+/// there) and the dense one otherwise (the reference's op).
+fn view() -> View {
+    static VIEW: OnceLock<View> = OnceLock::new();
+    *VIEW.get_or_init(|| match std::env::var("KVCACHE_BENCH_VIEW").as_deref() {
+        Ok("dense") => View::Dense,
+        Ok("paged") => View::Paged,
+        Err(_) | Ok("") if kv_storage() == KvStorage::Q8_0 => View::Paged,
+        Err(_) | Ok("") => View::Dense,
+        Ok(other) => panic!("KVCACHE_BENCH_VIEW must be dense or paged, not {other:?}"),
+    })
+}
+
+/// One op as the reference timed it (the read as [`view`] says).
 fn op(cache: &mut CausalKvCache, batch: &Batch, kv: &Tensor) {
     cache
         .start_forward(batch, ForwardMode::Compute)
         .expect("start_forward");
     cache.set_layer(0);
     cache.put(kv, kv).expect("put");
-    black_box(cache.get().expect("get"));
+    match view() {
+        View::Dense => drop(black_box(cache.get().expect("get"))),
+        View::Paged => drop(black_box(cache.get_paged().expect("get_paged"))),
+    }
 }
 
 fn prefill(cache: &mut CausalKvCache, seq: usize, tokens: usize) {
@@ -497,8 +526,9 @@ fn main() {
         head_dim()
     );
     println!(
-        "padding 1, f32 mask, {:?}; median over {runs} runs of per-run medians\n",
-        device().location()
+        "padding 1, f32 mask, {:?}, {:?} view; median over {runs} runs of per-run medians\n",
+        device().location(),
+        view()
     );
 
     let mut rows = Vec::new();
