@@ -123,6 +123,31 @@ impl RunReport {
             generated as f64 / wall,
             (evaluated + generated) as f64 / wall,
         );
+        let last = self.outcomes.iter().map(|o| o.turn).max().unwrap_or(0);
+        let per_turn: Vec<f64> = (1..=last)
+            .map(|turn| {
+                let mut ttft: Vec<f64> = self
+                    .outcomes
+                    .iter()
+                    .filter(|o| o.turn == turn)
+                    .map(|o| o.ttft.as_secs_f64())
+                    .collect();
+                percentile(&mut ttft, 0.5) * 1e3
+            })
+            .collect();
+        let cells: Vec<String> = per_turn
+            .iter()
+            .enumerate()
+            .map(|(i, ms)| format!("{} {ms:.0}", i + 1))
+            .collect();
+        println!("{}: median TTFT per turn (ms): {}", self.name, cells.join(", "));
+        if last >= 2 && per_turn[1] > 0.0 {
+            println!(
+                "{}: turn {last} / turn 2 median TTFT: {:.2}x",
+                self.name,
+                per_turn[last - 1] / per_turn[1]
+            );
+        }
     }
 }
 
