@@ -209,6 +209,17 @@ fn for_rows(out: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     });
 }
 
+/// Calls `f(i)` for every item `i` in `0..items`, on candle's thread pool
+/// when `work` (the items' work together, in elements of an element-wise
+/// pass) is enough to wake it, else on the calling thread.
+pub(crate) fn for_items(items: usize, work: usize, f: impl Fn(usize) + Sync) {
+    if items <= 1 || !worth_the_pool(work) {
+        (0..items).for_each(f);
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| range.for_each(&f));
+}
+
 /// Calls `f(columns, writer)` for chunks of the columns `0..width` of `out`
 /// (row-major, rows of `width`), on candle's thread pool when there is enough
 /// work; `writer` sets elements of `out` in its chunk's columns only.

@@ -7,6 +7,9 @@
 //! - [`model`]: the Llama forward pass on candle, full recompute (the
 //!   reference) and through a [`kvcache_api::CausalCache`] or per-layer
 //!   [`kvcache_api::LayerCache`]s; [`ModelFile`] loads it from GGUF.
+//! - [`attention`]: attention over a causal cache, dense (the reference) or
+//!   paged ([`attention::paged_attention`]: a CPU kernel walking each row's
+//!   visible cells in their stored type, the models' default).
 //! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
 //! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): the same
 //!   Llama on mlx-rs arrays through `kvcache_mlx`'s layer caches and prefix trie.
@@ -39,6 +42,7 @@
 //! [`EngineError::InvalidArgument`] returned before anything changes.
 #![deny(missing_docs)]
 
+pub mod attention;
 pub mod bench;
 pub mod chat;
 pub mod check;

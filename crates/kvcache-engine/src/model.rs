@@ -14,8 +14,9 @@ use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use kvcache_api::{Batch, CausalCache, ForwardMode, KeyShift, LayerCache, Pos, SeqId, VLayout};
+use kvcache_api::{Batch, CausalCache, ForwardMode, KeyShift, LayerCache, Pos, SeqId};
 
+use crate::attention::{self, Attend, AttentionPath};
 use crate::error::to_cache_err;
 use crate::kernels::{self, Activation};
 use crate::{ChatTokenizer, EngineError, LlamaConfig, Result};
@@ -281,14 +282,8 @@ pub struct Llama {
     norm: Tensor,
     output: Linear,
     rope: Rope,
-}
-
-/// Keys, values and mask a layer attends over, and the value layout.
-struct Context {
-    keys: Tensor,
-    values: Tensor,
-    mask: Tensor,
-    permuted: bool,
+    /// How [`hidden`](Llama::hidden) attends through a causal cache.
+    attention: AttentionPath,
 }
 
 impl Llama {
@@ -380,6 +375,7 @@ impl Llama {
             norm,
             output,
             rope,
+            attention: AttentionPath::default(),
         })
     }
 
@@ -427,6 +423,7 @@ impl Llama {
             blocks,
             norm,
             rope,
+            attention: AttentionPath::default(),
         })
     }
 
@@ -456,6 +453,24 @@ impl Llama {
         &self.rope
     }
 
+    /// Chooses how [`forward`](Self::forward) and [`hidden`](Self::hidden)
+    /// attend through a causal cache (default [`AttentionPath::Paged`]); the
+    /// other paths are unaffected.
+    pub fn set_attention(&mut self, path: AttentionPath) {
+        self.attention = path;
+    }
+
+    /// How [`forward`](Self::forward) and [`hidden`](Self::hidden) attend
+    /// through a causal cache.
+    pub fn attention_path(&self) -> AttentionPath {
+        self.attention
+    }
+
+    /// The attention's score scale, `1 / sqrt(head_dim)`.
+    fn scale(&self) -> f32 {
+        (1.0 / (self.config.head_dim as f64).sqrt()) as f32
+    }
+
     /// Logits `[n, vocab_size]` for `tokens` as one sequence at positions
     /// `0..n`, recomputing everything without a cache. With `window = Some(w)` a
     /// token at `p` attends to positions `p - w + 1 ..= p` only.
@@ -481,18 +496,21 @@ impl Llama {
             }
         }
         let mask = Tensor::from_vec(mask, (n, n), &self.device)?;
-        self.run(tokens, &positions, &mut |_, k, v| {
-            Ok(Context {
+        let scale = self.scale();
+        self.run(tokens, &positions, &mut |_, q, k, v| {
+            let ctx = Attend {
                 keys: k.clone(),
                 values: v.clone(),
                 mask: mask.clone(),
                 permuted: false,
-            })
+            };
+            attention::dense_attention(q, &ctx, scale)
         })
     }
 
     /// Logits `[n, vocab_size]` for a batch of tokens of any sequences, through
-    /// `cache`: one `start_forward`, then per layer `set_layer`, `put` and `get`.
+    /// `cache`: one `start_forward`, then per layer `set_layer`, `put` and
+    /// `get_paged` (or `get`: see [`set_attention`](Self::set_attention)).
     pub fn forward<C>(&self, batch: &[BatchToken], cache: &mut C) -> Result<Tensor>
     where
         C: CausalCache<Tensor = Tensor> + ?Sized,
@@ -509,20 +527,10 @@ impl Llama {
     {
         let b = Batch::from_tokens(batch.iter().map(|t| (t.seq, t.pos)))?;
         cache.start_forward(&b, ForwardMode::Compute)?;
-        let permuted = cache.config().v_layout == VLayout::Permuted;
         let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
-        let n = tokens.len();
-        self.run(&tokens, b.positions(), &mut |layer, k, v| {
-            cache.set_layer(layer);
-            cache.put(k, v)?;
-            let view = cache.get()?;
-            let mask = view.mask.narrow(0, 0, n)?.to_dtype(DType::F32)?;
-            Ok(Context {
-                keys: view.keys.to_dtype(DType::F32)?,
-                values: view.values.to_dtype(DType::F32)?,
-                mask,
-                permuted,
-            })
+        let (path, scale) = (self.attention, self.scale());
+        self.run(&tokens, b.positions(), &mut |layer, q, k, v| {
+            attention::cached_attention(cache, path, layer, q, k, v, scale)
         })
     }
 
@@ -556,18 +564,20 @@ impl Llama {
             mask[i * total + offset + i + 1..(i + 1) * total].fill(f32::NEG_INFINITY);
         }
         let mask = Tensor::from_vec(mask, (n, total), &self.device)?;
-        self.run(tokens, &positions, &mut |layer, k, v| {
+        let scale = self.scale();
+        self.run(tokens, &positions, &mut |layer, q, k, v| {
             // [n, kv_heads, head_dim] -> [1, kv_heads, n, head_dim]
             let k = k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
             let v = v.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
             let (keys, values) = caches[layer].update(&k, &v)?;
             // [1, kv_heads, total, head_dim] -> [total, kv_heads, head_dim]
-            Ok(Context {
+            let ctx = Attend {
                 keys: keys.squeeze(0)?.transpose(0, 1)?,
                 values: values.squeeze(0)?.transpose(0, 1)?,
                 mask: mask.clone(),
                 permuted: false,
-            })
+            };
+            attention::dense_attention(q, &ctx, scale)
         })
     }
 
@@ -576,13 +586,15 @@ impl Llama {
         self.output.forward(hidden)
     }
 
-    /// The shared layer loop. `context(layer, keys, values)` receives this pass's
-    /// roped keys and values `[n, kv_heads, head_dim]` and returns what to attend over.
+    /// The shared layer loop. `attend(layer, q, keys, values)` receives this
+    /// pass's roped queries `[n, n_heads, head_dim]`, keys and values `[n,
+    /// kv_heads, head_dim]` and returns the attention's output `[n, n_heads *
+    /// head_dim]`.
     fn run(
         &self,
         tokens: &[u32],
         positions: &[Pos],
-        context: &mut dyn FnMut(usize, &Tensor, &Tensor) -> Result<Context>,
+        attend: &mut dyn FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let c = &self.config;
         let n = tokens.len();
@@ -602,8 +614,7 @@ impl Llama {
             let v = block.wv.forward(&h)?.reshape((n, c.n_kv_heads, c.head_dim))?;
             let q = self.rope.apply_tables(&q, &tables)?;
             let k = self.rope.apply_tables(&k, &tables)?;
-            let ctx = context(l, &k, &v.contiguous()?)?;
-            let attn = self.attention(&q, &ctx)?;
+            let attn = attend(l, &q, &k, &v.contiguous()?)?;
             x = (x + block.wo.forward(&attn)?)?;
             let h = rms_norm(&x, &block.ffn_norm, c.rms_eps)?;
             let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
@@ -611,35 +622,6 @@ impl Llama {
             x = (x + block.down.forward(&f)?)?;
         }
         rms_norm(&x, &self.norm, c.rms_eps)
-    }
-
-    /// `q: [n, n_heads, head_dim]` attending over `cells` keys/values under the
-    /// mask `[n, cells]`; returns `[n, n_heads * head_dim]`.
-    fn attention(&self, q: &Tensor, ctx: &Context) -> Result<Tensor> {
-        let c = &self.config;
-        let (n, h, hd) = q.dims3()?;
-        let (kvh, g) = (c.n_kv_heads, c.group_size());
-        // Query head j * g + i uses key/value head j.
-        let q = q
-            .reshape((n, kvh, g, hd))?
-            .permute((1, 2, 0, 3))?
-            .reshape((kvh, g * n, hd))?;
-        // Strided views go to the matmul as they are: `gemm` reads any strides, and
-        // a copy of every cached key and value per layer cost more than the products.
-        let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
-        let scale = 1.0 / (hd as f64).sqrt();
-        let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
-        let probs = kernels::masked_softmax(&scores, &ctx.mask, scale as f32)?;
-        let v = if ctx.permuted {
-            ctx.values.transpose(1, 2)? // [kvh, hd, cells] -> [kvh, cells, hd]
-        } else {
-            ctx.values.transpose(0, 1)? // [cells, kvh, hd] -> [kvh, cells, hd]
-        };
-        let out = probs.matmul(&v)?; // [kvh, g * n, hd]
-        Ok(out
-            .reshape((kvh, g, n, hd))?
-            .permute((2, 0, 1, 3))?
-            .reshape((n, h * hd))?)
     }
 }
 

@@ -432,3 +432,154 @@ fn seeded_sampling_repeats_and_greedy_sampler_equals_argmax() {
         alone(&model, &Request::new(0, prompt(1), 12))
     );
 }
+
+/// One edit of [`paged_and_dense_schedule`] between passes.
+enum Edit {
+    /// A pass: `(sequence, tokens)` per entry, interleaved round-robin.
+    Pass(Vec<(usize, usize)>),
+    /// `copy_prefix(src, dst, len)`.
+    Copy(usize, usize, usize),
+    /// `remove(seq, keep..)`.
+    Truncate(usize, usize),
+}
+
+/// Several sequences side by side: long prefills (more than 16 rows a block,
+/// more than 64 cells a tile), mixed prefill and decode passes, a prefix
+/// copy, a truncation, then decoding.
+fn paged_and_dense_schedule() -> Vec<Edit> {
+    let mut edits = vec![
+        Edit::Pass(vec![(0, 20), (1, 5)]),
+        Edit::Pass(vec![(0, 1), (1, 1), (2, 4)]),
+        Edit::Pass(vec![(0, 50), (1, 3)]),
+        Edit::Copy(0, 2, 60),
+        Edit::Pass(vec![(2, 3), (0, 1), (1, 6)]),
+        Edit::Truncate(1, 8),
+    ];
+    edits.extend((0..6).map(|_| Edit::Pass(vec![(0, 1), (1, 1), (2, 1)])));
+    edits
+}
+
+/// Runs [`paged_and_dense_schedule`] through `forward` on `paged` and `dense`
+/// (a model set to each path over a cache of its own), comparing their logits
+/// with each other and every row with `full` (recomputing the row's sequence
+/// from scratch); returns (rows compared, largest paged-dense difference,
+/// largest difference from recompute).
+fn run_paged_and_dense<C>(
+    mut paged: C,
+    mut dense: C,
+    forward: &dyn Fn(bool, &[kvcache_engine::BatchToken], &mut C) -> Tensor,
+    full: &dyn Fn(&[u32]) -> Tensor,
+) -> (usize, f32, f32)
+where
+    C: kvcache_api::CausalCache<Tensor = Tensor>,
+{
+    use kvcache_engine::BatchToken;
+    let mut seqs: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let (mut rows, mut between, mut recompute) = (0, 0f32, 0f32);
+    let mut next_token = 0u32;
+    for edit in paged_and_dense_schedule() {
+        match edit {
+            Edit::Pass(entries) => {
+                let mut lists: Vec<Vec<BatchToken>> = entries
+                    .iter()
+                    .map(|&(seq, len)| {
+                        let tokens: Vec<u32> = (0..len)
+                            .map(|_| {
+                                next_token = (next_token * 37 + 11) % 64;
+                                next_token
+                            })
+                            .collect();
+                        BatchToken::run(seq, seqs[seq].len() as i32, &tokens)
+                    })
+                    .collect();
+                let longest = lists.iter().map(Vec::len).max().unwrap();
+                let batch: Vec<BatchToken> = (0..longest)
+                    .flat_map(|i| lists.iter().filter_map(move |l| l.get(i).copied()))
+                    .collect();
+                for list in &mut lists {
+                    seqs[list[0].seq].extend(list.iter().map(|t| t.token));
+                }
+                let p = forward(true, &batch, &mut paged);
+                let d = forward(false, &batch, &mut dense);
+                between = between.max(common_max_diff(&p, &d));
+                for (i, t) in batch.iter().enumerate() {
+                    let want = full(&seqs[t.seq][..=t.pos as usize]);
+                    let want = want.i(t.pos as usize).unwrap();
+                    recompute = recompute.max(common_max_diff(&p.i(i).unwrap(), &want));
+                    recompute = recompute.max(common_max_diff(&d.i(i).unwrap(), &want));
+                    rows += 1;
+                }
+            }
+            Edit::Copy(src, dst, len) => {
+                paged.copy_prefix(src, dst, len as i32).unwrap();
+                dense.copy_prefix(src, dst, len as i32).unwrap();
+                seqs[dst] = seqs[src][..len].to_vec();
+            }
+            Edit::Truncate(seq, keep) => {
+                paged.remove(seq, (keep as i32..).into()).unwrap();
+                dense.remove(seq, (keep as i32..).into()).unwrap();
+                seqs[seq].truncate(keep);
+            }
+        }
+    }
+    (rows, between, recompute)
+}
+
+fn common_max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    kvcache_engine::check::max_abs_diff(a, b).unwrap()
+}
+
+#[test]
+fn paged_and_dense_attention_give_the_same_llama_logits() {
+    use kvcache_engine::attention::AttentionPath;
+    let paged = model();
+    assert_eq!(paged.attention_path(), AttentionPath::Paged, "the default");
+    let mut dense = paged.clone();
+    dense.set_attention(AttentionPath::Dense);
+    assert_eq!(dense.attention_path(), AttentionPath::Dense);
+    for config in [
+        CausalConfig::new(3, 96, 64),
+        CausalConfig::new(3, 96, 64)
+            .with_v_layout(kvcache_api::VLayout::Permuted)
+            .with_padding(4, 8),
+    ] {
+        let (rows, between, recompute) = run_paged_and_dense(
+            cache(&paged, config.clone()),
+            cache(&paged, config),
+            &|use_paged, batch, c| {
+                let m = if use_paged { &paged } else { &dense };
+                m.forward(batch, c).unwrap()
+            },
+            &|tokens| paged.forward_full(tokens, None).unwrap(),
+        );
+        assert!(rows > 100, "{rows}");
+        assert!(between <= 1e-4, "paged vs dense: {between}");
+        assert!(recompute <= 1e-4, "cached vs recompute: {recompute}");
+    }
+}
+
+#[test]
+fn paged_and_dense_attention_give_the_same_gemma_logits() {
+    use kvcache_engine::attention::AttentionPath;
+    use kvcache_engine::gemma::{Gemma, GemmaConfig};
+    let paged = Gemma::random(GemmaConfig::tiny(), 11, &Device::Cpu).unwrap();
+    assert_eq!(paged.attention_path(), AttentionPath::Paged, "the default");
+    let mut dense = paged.clone();
+    dense.set_attention(AttentionPath::Dense);
+    // Window layers keep a memory of 80 positions: every sequence stays
+    // resumable, so each row equals recomputing its sequence.
+    let base = CausalConfig::new(3, 96, 64);
+    let new_cache = || paged.new_cache(&base, 80, &Device::Cpu).unwrap();
+    let (rows, between, recompute) = run_paged_and_dense(
+        new_cache(),
+        new_cache(),
+        &|use_paged, batch, c| {
+            let m = if use_paged { &paged } else { &dense };
+            m.forward(batch, c).unwrap()
+        },
+        &|tokens| paged.forward_full(tokens).unwrap(),
+    );
+    assert!(rows > 100, "{rows}");
+    assert!(between <= 1e-4, "paged vs dense: {between}");
+    assert!(recompute <= 1e-4, "cached vs recompute: {recompute}");
+}

@@ -23,15 +23,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{Device, Module, Tensor, D};
 use kvcache_api::{
     Batch, CausalCache, CausalConfig, ForwardMode, LayerCache, MixedLayer, Pos, SlidingWindow, SnapshotCache,
-    VLayout,
 };
 use kvcache_causal::layer_cache::{CandleKv, CandleWindow};
 use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
 
 use super::{GemmaConfig, GemmaTokenizer};
+pub use crate::attention::Attend;
+use crate::attention::{self, AttentionPath};
 use crate::kernels;
 use crate::model::SplitMix64;
 use crate::q8::Q8Matrix;
@@ -167,21 +168,6 @@ impl Rope {
     }
 }
 
-/// What one layer attends over: keys and values `[cells, kv_heads, head_dim]`
-/// (values `[kv_heads, head_dim, cells]` when `permuted`) under `mask: [n, cells]`
-/// (0 visible, `-inf` hidden).
-#[derive(Debug, Clone)]
-pub struct Attend {
-    /// Keys, `[cells, kv_heads, head_dim]`.
-    pub keys: Tensor,
-    /// Values, `[cells, kv_heads, head_dim]`, or `[kv_heads, head_dim, cells]` when `permuted`.
-    pub values: Tensor,
-    /// `[n, cells]`.
-    pub mask: Tensor,
-    /// The values' layout.
-    pub permuted: bool,
-}
-
 /// One layer's cache of one live sequence: a global layer keeps every
 /// position's keys and values, a window layer the last
 /// [`GemmaConfig::window`] (one cache type for both, as a prefix trie needs).
@@ -205,6 +191,8 @@ pub struct Gemma {
     output_q8: Option<Q8Matrix>,
     rope_window: Rope,
     rope_global: Rope,
+    /// How [`hidden`](Gemma::hidden) attends through a causal cache.
+    attention: AttentionPath,
 }
 
 impl Gemma {
@@ -293,6 +281,7 @@ impl Gemma {
             norm,
             output,
             output_q8,
+            attention: AttentionPath::default(),
         })
     }
 
@@ -347,6 +336,7 @@ impl Gemma {
             embed,
             blocks,
             norm,
+            attention: AttentionPath::default(),
         })
     }
 
@@ -392,6 +382,19 @@ impl Gemma {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Chooses how [`forward`](Self::forward) and [`hidden`](Self::hidden)
+    /// attend through a causal cache (default [`AttentionPath::Paged`]); the
+    /// other paths are unaffected.
+    pub fn set_attention(&mut self, path: AttentionPath) {
+        self.attention = path;
+    }
+
+    /// How [`forward`](Self::forward) and [`hidden`](Self::hidden) attend
+    /// through a causal cache.
+    pub fn attention_path(&self) -> AttentionPath {
+        self.attention
     }
 
     /// The cache configuration of each layer group: group 0 holds the window
@@ -531,7 +534,8 @@ impl Gemma {
 
     /// Logits `[n, vocab_size]` for a batch of tokens of any sequences through
     /// `cache` (e.g. [`new_cache`](Self::new_cache)'s): one `start_forward`,
-    /// then per layer `set_layer`, `put` and `get`.
+    /// then per layer `set_layer`, `put` and `get_paged` (or `get`: see
+    /// [`set_attention`](Self::set_attention)).
     pub fn forward<C>(&self, batch: &[BatchToken], cache: &mut C) -> Result<Tensor>
     where
         C: CausalCache<Tensor = Tensor> + ?Sized,
@@ -548,18 +552,9 @@ impl Gemma {
         let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
         self.check_tokens(&tokens)?;
         cache.start_forward(&b, ForwardMode::Compute)?;
-        let n = tokens.len();
-        self.hidden_with(&tokens, b.positions(), &mut |layer, k, v| {
-            cache.set_layer(layer);
-            let permuted = cache.config().v_layout == VLayout::Permuted;
-            cache.put(k, v)?;
-            let view = cache.get()?;
-            Ok(Attend {
-                keys: view.keys.to_dtype(DType::F32)?,
-                values: view.values.to_dtype(DType::F32)?,
-                mask: view.mask.narrow(0, 0, n)?.to_dtype(DType::F32)?,
-                permuted,
-            })
+        let (path, scale) = (self.attention, self.config.attn_scale as f32);
+        self.layers(&tokens, b.positions(), &mut |layer, q, k, v| {
+            attention::cached_attention(cache, path, layer, q, k, v, scale)
         })
     }
 
@@ -572,6 +567,22 @@ impl Gemma {
         tokens: &[u32],
         positions: &[Pos],
         context: &mut dyn FnMut(usize, &Tensor, &Tensor) -> Result<Attend>,
+    ) -> Result<Tensor> {
+        let scale = self.config.attn_scale as f32;
+        self.layers(tokens, positions, &mut |layer, q, k, v| {
+            attention::dense_attention(q, &context(layer, k, v)?, scale)
+        })
+    }
+
+    /// The layer loop: `attend(layer, q, keys, values)` gets this pass's roped
+    /// queries `[n, n_heads, head_dim]`, keys and values `[n, kv_heads,
+    /// head_dim]` and returns the attention's output `[n, n_heads * head_dim]`.
+    /// Returns the final normed hidden states `[n, dim]`.
+    fn layers(
+        &self,
+        tokens: &[u32],
+        positions: &[Pos],
+        attend: &mut dyn FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let c = &self.config;
         let n = tokens.len();
@@ -602,8 +613,7 @@ impl Gemma {
             }
             let q = Rope::apply(&q, tables)?;
             let k = Rope::apply(&k, tables)?;
-            let ctx = context(l, &k, &v.contiguous()?)?;
-            let attn = self.attention(&q, &ctx)?;
+            let attn = attend(l, &q, &k, &v.contiguous()?)?;
             x = (x + self.norm(&block.wo.forward(&attn)?, &block.post_attn_norm)?)?;
             let h = self.norm(&x, &block.ffn_norm)?;
             let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
@@ -661,31 +671,6 @@ impl Gemma {
         let w = (w + self.config.norm_offset)?;
         Ok(x.broadcast_div(&(ms + self.config.rms_eps)?.sqrt()?)?
             .broadcast_mul(&w)?)
-    }
-
-    /// `q: [n, n_heads, head_dim]` over the context; returns `[n, n_heads * head_dim]`.
-    fn attention(&self, q: &Tensor, ctx: &Attend) -> Result<Tensor> {
-        let c = &self.config;
-        let (n, h, hd) = q.dims3()?;
-        let (kvh, g) = (c.n_kv_heads, c.group_size());
-        // Query head j * g + i uses key/value head j.
-        let q = q
-            .reshape((n, kvh, g, hd))?
-            .permute((1, 2, 0, 3))?
-            .reshape((kvh, g * n, hd))?;
-        let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
-        let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
-        let probs = kernels::masked_softmax(&scores, &ctx.mask, c.attn_scale as f32)?;
-        let v = if ctx.permuted {
-            ctx.values.transpose(1, 2)?
-        } else {
-            ctx.values.transpose(0, 1)?
-        };
-        let out = probs.matmul(&v)?; // [kvh, g * n, hd]
-        Ok(out
-            .reshape((kvh, g, n, hd))?
-            .permute((2, 0, 1, 3))?
-            .reshape((n, h * hd))?)
     }
 }
 

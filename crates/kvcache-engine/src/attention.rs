@@ -1,0 +1,912 @@
+//! Attention over a causal cache: the dense reference and a paged CPU kernel
+//! whose cost is what each row sees.
+//!
+//! [`CausalCache::get`] hands a model every cell of the pass's range and a
+//! dense `[rows, cells]` mask: `q kᵀ` then costs rows x range whatever a row
+//! may see (16 sequences decoding side by side each score all 16 sequences'
+//! cells and mask away 15 of them), and `q8_0` storage is decoded to f32 over
+//! the whole range first. [`CausalCache::get_paged`] hands it instead each
+//! row's visible cells as sorted runs ([`RowRuns`]) and the layer's keys and
+//! values as stored ([`StoredKv`]); [`paged_attention`] walks those runs and
+//! reads only the cells seen, in their stored type.
+//!
+//! Shapes: queries `[n, n_heads, head_dim]` (f32), query head `j * g + i`
+//! using key/value head `j` (`g = n_heads / kv_heads`); keys `[cells, kv_heads,
+//! head_dim]`, values `[cells, kv_heads, head_dim_v]` or, with
+//! [`VLayout::Permuted`], `[kv_heads, head_dim_v, cells]`, read through their
+//! layout (start offset and strides), as f32, f16, bf16 or `q8_0` (integers
+//! `q + 128` and one f16 scale per 32 values of a head); the output is
+//! `[n, n_heads * head_dim_v]`.
+//!
+//! The kernel, FlashAttention-2 style:
+//! - Rows are grouped into *blocks* of up to 16 consecutive rows whose first
+//!   runs start at the same cell (a prefill chunk of one sequence, or decode
+//!   rows of sequences sharing a prefix through `copy_prefix`); every other
+//!   decode row is a block of its own. The grouping only decides what is read
+//!   once for several rows: each row still attends to its own cells.
+//! - A work item is a block and one key/value head; items are spread over
+//!   candle's thread pool. An item walks the union of its rows' runs in tiles
+//!   of up to 64 cells: it gathers that head's keys (transposed, `[head_dim][64]`)
+//!   and values (`[64][head_dim_v]`) of the tile's cells into small f32 buffers,
+//!   decoding as it reads, and gives each row a 64-bit mask of the tile entries
+//!   it sees (its runs merged against the tile's cells).
+//! - Per row and query head, scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no
+//!   horizontal sum), scaled, hidden entries `-inf`; a running maximum, sum and
+//!   accumulator are rescaled as the maximum grows, the accumulator takes
+//!   `p * v[c]` for each visible cell `c`, and the end divides by the sum.
+//!
+//! Cost: per key/value head, the cells of each block's union are read once
+//! and decoded once, and each row pays `g * (head_dim + head_dim_v)` multiply-adds
+//! per cell of the tiles it touches, about what it sees: the pass's range and
+//! other sequences' cells are never read. The inner loops are plain arithmetic
+//! compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
+//! [`crate::kernels`] does.
+//!
+//! [`cached_attention`] is the glue both models run in their cached forward
+//! pass: `put`, then the paged view where the [`AttentionPath`] asks for it and
+//! the cache and device allow, else `get` and [`dense_attention`].
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use candle_core::{DType, Layout, Storage, StorageRef, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use kvcache_api::{CacheError, CausalCache, CellRun, PagedKv, RowRuns, StoredKv, VLayout};
+
+use crate::kernels;
+use crate::{EngineError, Result};
+
+/// How a model's cached forward pass computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionPath {
+    /// [`CausalCache::get_paged`]'s runs walked by [`paged_attention`]: cost
+    /// follows the cells each row sees. Falls back to [`Dense`](Self::Dense)
+    /// where the cache answers [`CacheError::NotSupported`] or the device is
+    /// not the CPU.
+    #[default]
+    Paged,
+    /// [`CausalCache::get`]'s keys and values over the pass's whole cell range
+    /// under the dense mask: the reference.
+    Dense,
+}
+
+/// Cells per tile of [`paged_attention`]: one `u64` mask per row.
+const TILE: usize = 64;
+
+/// Most rows in one block of [`paged_attention`].
+const BLOCK_ROWS: usize = 16;
+
+/// What one layer attends over: keys and values `[cells, kv_heads, head_dim]`
+/// (values `[kv_heads, head_dim, cells]` when `permuted`) under `mask: [n, cells]`
+/// (0 visible, `-inf` hidden).
+#[derive(Debug, Clone)]
+pub struct Attend {
+    /// Keys, `[cells, kv_heads, head_dim]`.
+    pub keys: Tensor,
+    /// Values, `[cells, kv_heads, head_dim]`, or `[kv_heads, head_dim, cells]` when `permuted`.
+    pub values: Tensor,
+    /// `[n, cells]`.
+    pub mask: Tensor,
+    /// The values' layout.
+    pub permuted: bool,
+}
+
+/// Dense attention: `q: [n, n_heads, head_dim]` over every cell of `ctx` under
+/// its mask, query head `j * g + i` using key/value head `j`; returns
+/// `[n, n_heads * head_dim_v]`.
+pub(crate) fn dense_attention(q: &Tensor, ctx: &Attend, scale: f32) -> Result<Tensor> {
+    let (n, h, hd) = q.dims3()?;
+    let kvh = ctx.keys.dim(1)?;
+    if kvh == 0 || h % kvh != 0 {
+        return Err(EngineError::InvalidArgument(format!(
+            "{h} query heads over {kvh} key/value heads"
+        )));
+    }
+    let g = h / kvh;
+    // Query head j * g + i uses key/value head j.
+    let q = q
+        .reshape((n, kvh, g, hd))?
+        .permute((1, 2, 0, 3))?
+        .reshape((kvh, g * n, hd))?;
+    // Strided views go to the matmul as they are: `gemm` reads any strides, and
+    // a copy of every cached key and value per layer cost more than the products.
+    let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
+    let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
+    let probs = kernels::masked_softmax(&scores, &ctx.mask, scale)?;
+    let v = if ctx.permuted {
+        ctx.values.transpose(1, 2)? // [kvh, hdv, cells] -> [kvh, cells, hdv]
+    } else {
+        ctx.values.transpose(0, 1)? // [cells, kvh, hdv] -> [kvh, cells, hdv]
+    };
+    let out = probs.matmul(&v)?; // [kvh, g * n, hdv]
+    let hdv = out.dim(2)?;
+    Ok(out
+        .reshape((kvh, g, n, hdv))?
+        .permute((2, 0, 1, 3))?
+        .reshape((n, h * hdv))?)
+}
+
+/// One layer's attention in a cached forward pass (after `start_forward`):
+/// `set_layer(layer)`, `put(k, v)`, then with [`AttentionPath::Paged`] on the
+/// CPU [`get_paged`](CausalCache::get_paged) and [`paged_attention`]; where the
+/// cache answers [`CacheError::NotSupported`] (or the path is
+/// [`Dense`](AttentionPath::Dense), or the device is not the CPU) `get` and
+/// [`dense_attention`]. `q: [n, n_heads, head_dim]`, `k` and `v: [n, kv_heads,
+/// head_dim]`; returns `[n, n_heads * head_dim_v]`.
+pub(crate) fn cached_attention<C>(
+    cache: &mut C,
+    path: AttentionPath,
+    layer: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+) -> Result<Tensor>
+where
+    C: CausalCache<Tensor = Tensor> + ?Sized,
+{
+    cache.set_layer(layer);
+    cache.put(k, v)?;
+    if path == AttentionPath::Paged && q.device().is_cpu() {
+        match cache.get_paged() {
+            Ok(view) => {
+                let q = q.to_dtype(DType::F32)?;
+                if let Some(out) = paged_attention(&q, &view, scale)? {
+                    return Ok(out);
+                }
+            }
+            Err(CacheError::NotSupported(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let n = q.dim(0)?;
+    let permuted = cache.config().v_layout == VLayout::Permuted;
+    let view = cache.get()?;
+    let ctx = Attend {
+        keys: view.keys.to_dtype(DType::F32)?,
+        values: view.values.to_dtype(DType::F32)?,
+        mask: view.mask.narrow(0, 0, n)?.to_dtype(DType::F32)?,
+        permuted,
+    };
+    dense_attention(q, &ctx, scale)
+}
+
+/// Attention of `q: [n, n_heads, head_dim]` (f32) over the cells each row of
+/// `view` sees, scores scaled by `scale`; query head `j * g + i` uses key/value
+/// head `j` (`g = n_heads / kv_heads`). Returns `[n, n_heads * head_dim_v]`
+/// (f32), or `Ok(None)` when a tensor is not on the CPU (compute it densely
+/// instead). A row that sees no cell gets zeros.
+///
+/// Only the cells the rows see are read, in their stored type: see the
+/// [module documentation](self) for the algorithm and its cost.
+///
+/// # Errors
+/// [`EngineError::InvalidArgument`] when the shapes or types do not fit
+/// (`n != view.runs.rows()`, head counts or dimensions that disagree, a run
+/// past the stored cells, queries not f32).
+pub fn paged_attention(q: &Tensor, view: &PagedKv<'_, Tensor>, scale: f32) -> Result<Option<Tensor>> {
+    let on_cpu = |t: &Tensor| t.device().is_cpu();
+    let stored_on_cpu = |s: &StoredKv<Tensor>| match s {
+        StoredKv::Float(t) => on_cpu(t),
+        StoredKv::Q8_0 { quants, scales } => on_cpu(quants) && on_cpu(scales),
+    };
+    if !on_cpu(q) || !stored_on_cpu(&view.keys) || !stored_on_cpu(&view.values) {
+        return Ok(None);
+    }
+    let bad = |msg: String| Err(EngineError::InvalidArgument(format!("paged attention: {msg}")));
+    let &[n, n_heads, hd] = q.dims() else {
+        return bad(format!(
+            "queries of shape {:?}, not [n, heads, head_dim]",
+            q.dims()
+        ));
+    };
+    if q.dtype() != DType::F32 {
+        return bad(format!("queries in {:?}, not f32", q.dtype()));
+    }
+    let runs = view.runs;
+    if runs.rows() != n {
+        return bad(format!("{n} query rows for {} rows of runs", runs.rows()));
+    }
+    let key_axes = Axes::CELL_HEAD_DIM;
+    let value_axes = match view.v_layout {
+        VLayout::Normal => Axes::CELL_HEAD_DIM,
+        VLayout::Permuted => Axes::HEAD_DIM_CELL,
+    };
+    let k_held = Held::new(&view.keys);
+    let v_held = Held::new(&view.values);
+    let Some(keys) = k_held.plane(key_axes)? else {
+        return Ok(None);
+    };
+    let Some(values) = v_held.plane(value_axes)? else {
+        return Ok(None);
+    };
+    let (cells, kvh, hdv) = (keys.cells, keys.heads, values.dim);
+    if keys.dim != hd || hd == 0 || hdv == 0 {
+        return bad(format!(
+            "queries of head dim {hd}, keys of {}, values of {hdv}",
+            keys.dim
+        ));
+    }
+    if values.cells != cells || values.heads != kvh {
+        return bad(format!(
+            "keys of {cells} cells x {kvh} heads, values of {} x {}",
+            values.cells, values.heads
+        ));
+    }
+    if kvh == 0 || n_heads % kvh != 0 {
+        return bad(format!("{n_heads} query heads over {kvh} key/value heads"));
+    }
+    if let Some(run) = runs.runs().iter().find(|r| r.end as usize > cells) {
+        return bad(format!("run {run:?} past the {cells} stored cells"));
+    }
+    let g = n_heads / kvh;
+    let q = q.contiguous()?;
+    let q_held = q.storage_and_layout();
+    let Storage::Cpu(q_cpu) = &*q_held.0 else {
+        return Ok(None);
+    };
+    let qs = &q_cpu.as_slice::<f32>()?[q_held.1.start_offset()..][..n * n_heads * hd];
+
+    let blocks = blocks(runs);
+    let mut out = vec![0f32; n * n_heads * hdv];
+    {
+        // Each (row, key/value head) owns `g * hdv` consecutive outputs, written
+        // by the one item that holds the row's block and that head.
+        let slots: Vec<Mutex<&mut [f32]>> = out.chunks_mut(g * hdv).map(Mutex::new).collect();
+        let job = Job {
+            q: qs,
+            n_heads,
+            kvh,
+            g,
+            hd,
+            hdv,
+            scale,
+            keys,
+            values,
+            runs,
+            blocks: &blocks,
+            out: &slots,
+        };
+        let macs = runs.total_visible() * n_heads * (hd + hdv);
+        // About eight multiply-adds a vector instruction: the element-wise work
+        // the pool's threshold is measured in.
+        kernels::for_items(blocks.len() * kvh, macs / 8, |item| run_item(&job, item));
+    }
+    Ok(Some(Tensor::from_vec(out, (n, n_heads * hdv), q.device())?))
+}
+
+/// Consecutive rows attended together: they share the tiles of `union`.
+#[derive(Debug)]
+struct Block {
+    rows: Range<usize>,
+    /// Every cell any of the rows sees, as sorted disjoint runs.
+    union: Vec<CellRun>,
+}
+
+/// Groups the rows into [`Block`]s: a row joins the current block when its
+/// first run starts where the block's first row's does, up to [`BLOCK_ROWS`].
+fn blocks(runs: &RowRuns) -> Vec<Block> {
+    let n = runs.rows();
+    let first = |r: usize| runs.row(r).first().map(|c| c.start);
+    let mut blocks = Vec::new();
+    let mut all = Vec::new();
+    let mut r = 0;
+    while r < n {
+        let key = first(r);
+        let mut end = r + 1;
+        while end < n && end - r < BLOCK_ROWS && first(end) == key {
+            end += 1;
+        }
+        all.clear();
+        for row in r..end {
+            all.extend_from_slice(runs.row(row));
+        }
+        all.sort_unstable_by_key(|c| c.start);
+        let mut union: Vec<CellRun> = Vec::new();
+        for &run in &all {
+            match union.last_mut() {
+                Some(last) if run.start <= last.end => last.end = last.end.max(run.end),
+                _ => union.push(run),
+            }
+        }
+        blocks.push(Block { rows: r..end, union });
+        r = end;
+    }
+    blocks
+}
+
+/// Which axes of a stored tensor hold cells, heads and the head dimension.
+#[derive(Debug, Clone, Copy)]
+struct Axes {
+    cell: usize,
+    head: usize,
+    dim: usize,
+}
+
+impl Axes {
+    /// `[cells, heads, dim]`: keys, and values in the normal layout.
+    const CELL_HEAD_DIM: Axes = Axes {
+        cell: 0,
+        head: 1,
+        dim: 2,
+    };
+    /// `[heads, dim, cells]`: values in the permuted layout.
+    const HEAD_DIM_CELL: Axes = Axes {
+        cell: 2,
+        head: 0,
+        dim: 1,
+    };
+}
+
+/// Where element `(cell, head, d)` of a stored tensor lies in its storage.
+#[derive(Debug, Clone, Copy)]
+struct Strides {
+    start: usize,
+    cell: usize,
+    head: usize,
+    dim: usize,
+}
+
+impl Strides {
+    /// The strides of `layout` along `axes`, after checking that every element
+    /// of the `[cells, heads, dim]` tensor lies inside `len` elements.
+    fn new(layout: &Layout, axes: Axes, len: usize) -> Result<Strides> {
+        let (dims, stride) = (layout.dims(), layout.stride());
+        if dims.len() != 3 {
+            return Err(EngineError::InvalidArgument(format!(
+                "paged attention: stored keys or values of shape {dims:?}, not 3 axes"
+            )));
+        }
+        let s = Strides {
+            start: layout.start_offset(),
+            cell: stride[axes.cell],
+            head: stride[axes.head],
+            dim: stride[axes.dim],
+        };
+        let last = (dims[axes.cell].saturating_sub(1)) * s.cell
+            + (dims[axes.head].saturating_sub(1)) * s.head
+            + (dims[axes.dim].saturating_sub(1)) * s.dim;
+        if dims.iter().all(|&d| d > 0) && s.start + last >= len {
+            return Err(EngineError::InvalidArgument(format!(
+                "paged attention: a stored tensor's layout {layout:?} runs past its {len} elements"
+            )));
+        }
+        Ok(s)
+    }
+
+    fn at(&self, cell: usize, head: usize, d: usize) -> usize {
+        self.start + cell * self.cell + head * self.head + d * self.dim
+    }
+}
+
+/// A stored tensor's storage, borrowed while the kernel reads it.
+struct Held<'t> {
+    data: (StorageRef<'t>, &'t Layout, DType),
+    scales: Option<(StorageRef<'t>, &'t Layout, DType)>,
+}
+
+impl<'t> Held<'t> {
+    fn new(stored: &'t StoredKv<Tensor>) -> Self {
+        let hold = |t: &'t Tensor| {
+            let (s, l) = t.storage_and_layout();
+            (s, l, t.dtype())
+        };
+        match stored {
+            StoredKv::Float(t) => Held {
+                data: hold(t),
+                scales: None,
+            },
+            StoredKv::Q8_0 { quants, scales } => Held {
+                data: hold(quants),
+                scales: Some(hold(scales)),
+            },
+        }
+    }
+
+    /// The stored elements as a [`Plane`]; `None` off the CPU.
+    fn plane(&self, axes: Axes) -> Result<Option<Plane<'_>>> {
+        let bad = |msg: String| Err(EngineError::InvalidArgument(format!("paged attention: {msg}")));
+        let (storage, layout, dtype) = &self.data;
+        let Storage::Cpu(cpu) = &**storage else {
+            return Ok(None);
+        };
+        let dims = layout.dims();
+        if dims.len() != 3 {
+            return bad(format!("stored keys or values of shape {dims:?}, not 3 axes"));
+        }
+        let (cells, heads, dim) = (dims[axes.cell], dims[axes.head], dims[axes.dim]);
+        let (data, at) = match (&self.scales, dtype) {
+            (None, DType::F32) => {
+                let s = cpu.as_slice::<f32>()?;
+                (Data::F32(s), Strides::new(layout, axes, s.len())?)
+            }
+            (None, DType::F16) => {
+                let s = cpu.as_slice::<f16>()?;
+                (Data::F16(s), Strides::new(layout, axes, s.len())?)
+            }
+            (None, DType::BF16) => {
+                let s = cpu.as_slice::<bf16>()?;
+                (Data::BF16(s), Strides::new(layout, axes, s.len())?)
+            }
+            (Some((s_storage, s_layout, s_dtype)), DType::U8) => {
+                let Storage::Cpu(s_cpu) = &**s_storage else {
+                    return Ok(None);
+                };
+                let sd = s_layout.dims();
+                let want = {
+                    let mut w = dims.to_vec();
+                    w[axes.dim] = dim / 32;
+                    w
+                };
+                if *s_dtype != DType::F16 || dim % 32 != 0 || sd != want.as_slice() {
+                    return bad(format!(
+                        "q8_0 quants {dims:?} with {s_dtype:?} scales {sd:?} (want f16 {want:?})"
+                    ));
+                }
+                let quants = cpu.as_slice::<u8>()?;
+                let scales = s_cpu.as_slice::<f16>()?;
+                let at = Strides::new(layout, axes, quants.len())?;
+                let scales_at = Strides::new(s_layout, axes, scales.len())?;
+                (
+                    Data::Q8 {
+                        quants,
+                        scales,
+                        scales_at,
+                    },
+                    at,
+                )
+            }
+            (_, other) => return bad(format!("stored keys or values in {other:?}")),
+        };
+        Ok(Some(Plane {
+            data,
+            at,
+            cells,
+            heads,
+            dim,
+        }))
+    }
+}
+
+/// Stored elements, in their type.
+#[derive(Debug, Clone, Copy)]
+enum Data<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+    /// `q + 128` and one scale per 32 values along the head dimension.
+    Q8 {
+        quants: &'a [u8],
+        scales: &'a [f16],
+        scales_at: Strides,
+    },
+}
+
+/// One layer's keys or values as stored, logical `[cells, heads, dim]`.
+#[derive(Debug, Clone, Copy)]
+struct Plane<'a> {
+    data: Data<'a>,
+    at: Strides,
+    cells: usize,
+    heads: usize,
+    dim: usize,
+}
+
+/// Conversion of a stored float element to f32.
+trait Element: Copy {
+    /// `dst[i] = src[i]` as f32 (same lengths).
+    fn to_f32s(src: &[Self], dst: &mut [f32]);
+    fn to_f32(self) -> f32;
+    /// `dst[d * step] = src[d]` as f32 for every `d`; `row` is scratch of
+    /// `src.len()` floats.
+    #[inline(always)]
+    fn scatter(src: &[Self], dst: &mut [f32], step: usize, row: &mut [f32]) {
+        Self::to_f32s(src, row);
+        for (d, &x) in row.iter().enumerate() {
+            dst[d * step] = x;
+        }
+    }
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32s(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn scatter(src: &[f32], dst: &mut [f32], step: usize, _row: &mut [f32]) {
+        for (d, &x) in src.iter().enumerate() {
+            dst[d * step] = x;
+        }
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn to_f32s(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn to_f32s(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Plane<'_> {
+    /// Writes element `(cells[k], head, d)` as f32 to `dst[k * cell_step + d *
+    /// dim_step]` for every tile entry `k` and `d < dim`; `row` is scratch of
+    /// at least `dim` floats.
+    #[inline(always)]
+    fn gather(&self, head: usize, cells: &[u32], dst: &mut [f32], step: (usize, usize), row: &mut [f32]) {
+        match self.data {
+            Data::F32(s) => self.gather_float(s, head, cells, dst, step, row),
+            Data::F16(s) => self.gather_float(s, head, cells, dst, step, row),
+            Data::BF16(s) => self.gather_float(s, head, cells, dst, step, row),
+            Data::Q8 {
+                quants,
+                scales,
+                scales_at,
+            } => self.gather_q8(quants, scales, scales_at, head, cells, dst, step, row),
+        }
+    }
+
+    #[inline(always)]
+    fn gather_float<E: Element>(
+        &self,
+        s: &[E],
+        head: usize,
+        cells: &[u32],
+        dst: &mut [f32],
+        (cell_step, dim_step): (usize, usize),
+        row: &mut [f32],
+    ) {
+        let (at, dim) = (self.at, self.dim);
+        if at.dim == 1 {
+            // A cell's head is one contiguous row: convert it whole.
+            let row = &mut row[..dim];
+            for (k, &c) in cells.iter().enumerate() {
+                let start = at.at(c as usize, head, 0);
+                // The next tile's rows, if its cells follow these.
+                prefetch(s.as_ptr().wrapping_add(start + TILE * at.cell), dim);
+                let src = &s[start..start + dim];
+                if dim_step == 1 {
+                    E::to_f32s(src, &mut dst[k * cell_step..k * cell_step + dim]);
+                } else {
+                    E::scatter(src, &mut dst[k * cell_step..], dim_step, row);
+                }
+            }
+        } else {
+            // Permuted: consecutive cells of one dimension lie side by side.
+            for d in 0..dim {
+                let base = at.at(0, head, d);
+                for (k, &c) in cells.iter().enumerate() {
+                    dst[k * cell_step + d * dim_step] = s[base + c as usize * at.cell].to_f32();
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn gather_q8(
+        &self,
+        quants: &[u8],
+        scales: &[f16],
+        scales_at: Strides,
+        head: usize,
+        cells: &[u32],
+        dst: &mut [f32],
+        (cell_step, dim_step): (usize, usize),
+        row: &mut [f32],
+    ) {
+        let (at, dim) = (self.at, self.dim);
+        let decode = |q: u8, d: f32| (f32::from(q) - 128.0) * d;
+        if at.dim == 1 {
+            let row = &mut row[..dim];
+            for (k, &c) in cells.iter().enumerate() {
+                let c = c as usize;
+                let start = at.at(c, head, 0);
+                // The next tile's rows, if its cells follow these.
+                prefetch(quants.as_ptr().wrapping_add(start + TILE * at.cell), dim);
+                let qs = &quants[start..start + dim];
+                for (b, (out, q)) in row.chunks_exact_mut(32).zip(qs.chunks_exact(32)).enumerate() {
+                    let d = scales[scales_at.at(c, head, b)].to_f32();
+                    for (o, &q) in out.iter_mut().zip(q) {
+                        *o = decode(q, d);
+                    }
+                }
+                if dim_step == 1 {
+                    dst[k * cell_step..k * cell_step + dim].copy_from_slice(row);
+                } else {
+                    for (d, &x) in row.iter().enumerate() {
+                        dst[k * cell_step + d * dim_step] = x;
+                    }
+                }
+            }
+        } else {
+            for d in 0..dim {
+                let base = at.at(0, head, d);
+                let s_base = scales_at.at(0, head, d / 32);
+                for (k, &c) in cells.iter().enumerate() {
+                    let c = c as usize;
+                    let scale = scales[s_base + c * scales_at.cell].to_f32();
+                    dst[k * cell_step + d * dim_step] = decode(quants[base + c * at.cell], scale);
+                }
+            }
+        }
+    }
+}
+
+/// Asks the CPU to start loading the `len` elements from `ptr` (a hint: any
+/// address, none read).
+#[inline(always)]
+fn prefetch<E>(ptr: *const E, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = len * std::mem::size_of::<E>();
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults, whatever the address (SSE,
+            // which every x86_64 CPU has), and `wrapping_byte_add` makes no
+            // in-bounds promise.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_byte_add(line).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ptr, len);
+}
+
+/// Everything the work items share.
+struct Job<'a> {
+    /// Queries, `[n, n_heads, hd]` row-major.
+    q: &'a [f32],
+    n_heads: usize,
+    kvh: usize,
+    g: usize,
+    hd: usize,
+    hdv: usize,
+    scale: f32,
+    keys: Plane<'a>,
+    values: Plane<'a>,
+    runs: &'a RowRuns,
+    blocks: &'a [Block],
+    /// Row `r`'s outputs for key/value head `j` at `out[r * kvh + j]`.
+    out: &'a [Mutex<&'a mut [f32]>],
+}
+
+/// A work item's buffers, kept by each thread between items and calls (a
+/// fresh allocation per item cost page faults).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// Keys of a tile transposed, `[hd][TILE]`.
+    kt: Vec<f32>,
+    /// Values of a tile, `[TILE][hdv]`.
+    vt: Vec<f32>,
+    /// One stored row converted.
+    row: Vec<f32>,
+    /// Per row and query head of the block: the running output, maximum and sum.
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// Per row of the block: its first run that may still meet a tile.
+    cursor: Vec<usize>,
+    /// The tile's segments: (first entry, first cell, end cell).
+    segments: Vec<(usize, u32, u32)>,
+}
+
+/// `v` as `len` copies of `value`, keeping its allocation.
+fn reset<T: Copy>(v: &mut Vec<T>, len: usize, value: T) {
+    v.clear();
+    v.resize(len, value);
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Work item `item` (block `item / kvh`, key/value head `item % kvh`), through
+/// the widest instructions the CPU has.
+fn run_item(job: &Job<'_>, item: usize) {
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        #[cfg(target_arch = "x86_64")]
+        if kernels::has_avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA, all that `run_item_avx2` needs.
+            unsafe { run_item_avx2(job, item, &mut scratch) };
+            return;
+        }
+        run_item_generic(job, item, &mut scratch);
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_item_avx2(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
+    run_item_generic(job, item, scratch);
+}
+
+/// Lanes of the reductions (see [`kernels`]): independent partial results the
+/// compiler keeps in one vector register.
+const LANES: usize = 8;
+
+/// `bits` set from `from` for `len` bits (`len >= 1`, `from + len <= 64`).
+#[inline(always)]
+fn bit_range(from: usize, len: usize) -> u64 {
+    let ones = if len >= 64 { u64::MAX } else { (1u64 << len) - 1 };
+    ones << from
+}
+
+/// The tile entries a row sees: its runs (from `cursor` on, which moves past
+/// runs that end before the tile) against the tile's segments `(entry,
+/// first cell, end cell)`.
+#[inline(always)]
+fn row_mask(row: &[CellRun], cursor: &mut usize, segments: &[(usize, u32, u32)]) -> u64 {
+    let mut mask = 0u64;
+    for &(entry, a, b) in segments {
+        while *cursor < row.len() && row[*cursor].end <= a {
+            *cursor += 1;
+        }
+        let mut i = *cursor;
+        while i < row.len() && row[i].start < b {
+            let (lo, hi) = (row[i].start.max(a), row[i].end.min(b));
+            mask |= bit_range(entry + (lo - a) as usize, (hi - lo) as usize);
+            i += 1;
+        }
+    }
+    mask
+}
+
+#[inline(always)]
+fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
+    let (block, head) = (&job.blocks[item / job.kvh], item % job.kvh);
+    let (g, hd, hdv) = (job.g, job.hd, job.hdv);
+    let rows = block.rows.clone();
+    let nr = rows.len();
+    let Scratch {
+        kt,
+        vt,
+        row: row_buf,
+        acc,
+        max,
+        sum,
+        cursor,
+        segments,
+    } = scratch;
+    reset(kt, hd * TILE, 0.0);
+    reset(vt, TILE * hdv, 0.0);
+    reset(row_buf, hd.max(hdv), 0.0);
+    reset(acc, nr * g * hdv, 0.0);
+    reset(max, nr * g, f32::NEG_INFINITY);
+    reset(sum, nr * g, 0.0);
+    reset(cursor, nr, 0);
+    let mut cells = [0u32; TILE];
+    let union = &block.union;
+    let (mut ui, mut next) = (0, union.first().map_or(0, |r| r.start));
+    loop {
+        // The next tile: up to TILE cells of the union, as segments of runs.
+        segments.clear();
+        let mut t = 0;
+        while t < TILE && ui < union.len() {
+            let take = ((union[ui].end - next) as usize).min(TILE - t);
+            segments.push((t, next, next + take as u32));
+            for (k, c) in (next..next + take as u32).enumerate() {
+                cells[t + k] = c;
+            }
+            t += take;
+            next += take as u32;
+            if next == union[ui].end {
+                ui += 1;
+                if let Some(r) = union.get(ui) {
+                    next = r.start;
+                }
+            }
+        }
+        if t == 0 {
+            break;
+        }
+        let tile = &cells[..t];
+        if t < TILE {
+            // Entries past the tile are hidden from every row: zero keys keep
+            // their scores finite (then -inf).
+            for d in 0..hd {
+                kt[d * TILE + t..(d + 1) * TILE].fill(0.0);
+            }
+        }
+        job.keys.gather(head, tile, kt, (1, TILE), row_buf);
+        job.values.gather(head, tile, vt, (hdv, 1), row_buf);
+        for (ri, r) in rows.clone().enumerate() {
+            let mask = row_mask(job.runs.row(r), &mut cursor[ri], segments);
+            if mask == 0 {
+                continue;
+            }
+            let mut bias = [0f32; TILE];
+            for (k, b) in bias.iter_mut().enumerate() {
+                *b = if mask >> k & 1 != 0 {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            for i in 0..g {
+                let qh = &job.q[(r * job.n_heads + head * g + i) * hd..][..hd];
+                let mut s = [0f32; TILE];
+                for (d, &qd) in qh.iter().enumerate() {
+                    let k: &[f32; TILE] = kt[d * TILE..(d + 1) * TILE].try_into().expect("a tile row");
+                    for l in 0..TILE {
+                        s[l] += qd * k[l];
+                    }
+                }
+                let mut lane_max = [f32::NEG_INFINITY; LANES];
+                for (sc, bc) in s.chunks_exact_mut(LANES).zip(bias.chunks_exact(LANES)) {
+                    for l in 0..LANES {
+                        sc[l] = sc[l] * job.scale + bc[l];
+                        lane_max[l] = if sc[l] > lane_max[l] { sc[l] } else { lane_max[l] };
+                    }
+                }
+                let tile_max = lane_max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let idx = ri * g + i;
+                let new_max = max[idx].max(tile_max);
+                let mut lane_sum = [0f32; LANES];
+                for sc in s.chunks_exact_mut(LANES) {
+                    for l in 0..LANES {
+                        sc[l] = kernels::exp(sc[l] - new_max);
+                        lane_sum[l] += sc[l];
+                    }
+                }
+                let tile_sum: f32 = lane_sum.iter().sum();
+                let a = &mut acc[idx * hdv..(idx + 1) * hdv];
+                if new_max > max[idx] {
+                    // The running maximum grew: rescale what was summed under it.
+                    let factor = kernels::exp(max[idx] - new_max);
+                    sum[idx] *= factor;
+                    for x in a.iter_mut() {
+                        *x *= factor;
+                    }
+                    max[idx] = new_max;
+                }
+                sum[idx] += tile_sum;
+                let mut bits = mask;
+                while bits != 0 {
+                    let k = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let p = s[k];
+                    for (x, &v) in a.iter_mut().zip(&vt[k * hdv..(k + 1) * hdv]) {
+                        *x += p * v;
+                    }
+                }
+            }
+        }
+    }
+    for (ri, r) in rows.enumerate() {
+        let mut slot = job.out[r * job.kvh + head]
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for i in 0..g {
+            let idx = ri * g + i;
+            // A row that saw nothing keeps its zeros.
+            let inv = if sum[idx] > 0.0 { 1.0 / sum[idx] } else { 0.0 };
+            for (o, &x) in slot[i * hdv..(i + 1) * hdv]
+                .iter_mut()
+                .zip(&acc[idx * hdv..(idx + 1) * hdv])
+            {
+                *o = x * inv;
+            }
+        }
+    }
+}
