@@ -57,7 +57,12 @@ pub const DISK_BYTES: u64 = 8 << 30;
 /// A store for `layout` of the model `fingerprint`: host memory, then the tiers
 /// `options` names, in that order.
 pub fn open(fingerprint: Fingerprint, layout: KvLayout, options: &StoreOptions) -> Result<Arc<TieredStore>> {
-    let config = StoreConfig::new(fingerprint, layout);
+    open_with(StoreConfig::new(fingerprint, layout), options)
+}
+
+/// [`open`] with the store's settings given (the writer queue's bound:
+/// [`StoreConfig::queue_capacity`]).
+pub fn open_with(config: StoreConfig, options: &StoreOptions) -> Result<Arc<TieredStore>> {
     let context = config.context();
     let mut tiers: Vec<Box<dyn Tier>> = vec![Box::new(MemoryTier::new(context, MEMORY_BYTES))];
     if let Some(dir) = &options.dir {

@@ -49,8 +49,11 @@
 //! only for exactly the prefix they stand at.
 //!
 //! **Writes** (the writer). `submit` validates, copies the tokens and queues
-//! the run for a background thread through a bounded queue (full: the run is
-//! dropped and counted; the caller never blocks). The writer keys the run's
+//! the run for a background thread through a bounded queue of
+//! [`StoreConfig::queue_capacity`] writes; the caller never blocks. A full
+//! queue drops the run, and says so where it happens:
+//! [`TieredStore::try_submit`] returns [`Submitted::Dropped`], the drop is
+//! counted ([`StoreStats::dropped`]) and logged (a rate-limited `warn`). The writer keys the run's
 //! blocks ([`RunBlock`]: a key and a token range of the run, no copy) and
 //! writes to every tier the blocks it lacks (write-through), as one batch per
 //! tier ([`Tier::put_run`]). The disk tier writes each block's file straight
@@ -140,7 +143,7 @@ pub use memory::MemoryTier;
 pub use namespace::Scope;
 pub use redis_tier::{RedisConfig, RedisTier};
 pub use stats::{StoreStats, TierCounters, TierStats};
-pub use store::{StoreConfig, TieredStore};
+pub use store::{StoreConfig, Submitted, TieredStore};
 pub use tier::{Block, OpenRows, RowReader, RunBlock, Tier, TierContext};
 
 /// The README's examples, compiled and run as doc tests.

@@ -23,7 +23,7 @@ use crate::rows;
 use crate::states;
 use crate::stats::{add, bump, StoreCounters, StoreStats};
 use crate::tier::{Block, RunBlock, Tier, TierContext};
-use crate::writer::Writer;
+use crate::writer::{Refused, Writer};
 
 /// The most blocks a planned fetch reads at once (one open reader each);
 /// longer answers are read block by block.
@@ -38,7 +38,11 @@ pub struct StoreConfig {
     pub layout: KvLayout,
     /// Tokens per block (default 256).
     pub block_tokens: usize,
-    /// Submitted runs the writer queue holds before dropping more (default 64).
+    /// Submitted runs (and state entries) the writer queue holds before it
+    /// drops more (default 64): the bound of the memory that writes not yet
+    /// made may take. A dropped submit returns [`Submitted::Dropped`], is
+    /// counted ([`StoreStats::dropped`]) and logged (a `warn` at most once a
+    /// second, with the count since the last one).
     pub queue_capacity: usize,
     /// The longest the writes of one run to one tier may take (default 30 s).
     pub write_timeout: Duration,
@@ -108,7 +112,47 @@ struct Core {
     local: bool,
     known: KnownKeys,
     counters: StoreCounters,
+    drops: std::sync::Mutex<DropLog>,
 }
+
+/// What a submit did with its run (or states). Submitting never blocks: a
+/// full writer queue drops the write, and the caller learns it here (as well
+/// as from [`StoreStats::dropped`] and a log line).
+#[must_use = "a dropped write is not stored: count it, retry later or say so"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Submitted {
+    /// In the writer's queue: written to every tier soon
+    /// ([`TieredStore::flush`] waits for it).
+    Queued,
+    /// Not stored: the queue was full (it held `queue_len` writes, the
+    /// configured [`StoreConfig::queue_capacity`]) or the writer had shut
+    /// down (`queue_len` 0). Counted in [`StoreStats::dropped`].
+    Dropped {
+        /// The writes waiting in the queue when this one was dropped.
+        queue_len: usize,
+    },
+    /// Not stored: the input was invalid (wrong layout, unaligned start, too
+    /// few tokens, states that do not fit). Counted in
+    /// [`StoreStats::rejected`].
+    Rejected,
+}
+
+impl Submitted {
+    /// Whether the write was queued.
+    pub fn is_queued(self) -> bool {
+        self == Submitted::Queued
+    }
+}
+
+/// Drops since the last warning, and when it was: one `warn` a second at most.
+#[derive(Debug, Default)]
+struct DropLog {
+    last_warning: Option<Instant>,
+    unreported: u64,
+}
+
+/// The least time between two warnings about dropped writes.
+const DROP_WARNING_EVERY: Duration = Duration::from_secs(1);
 
 /// What the writer receives: a submitted run, or submitted states.
 enum Job {
@@ -257,6 +301,7 @@ impl TieredStore {
             config,
             tiers,
             counters: StoreCounters::default(),
+            drops: Default::default(),
         });
         let theirs = Arc::clone(&core);
         let writer = Writer::spawn("kvcache-store-writer", core.config.queue_capacity, move |job| {
@@ -278,6 +323,88 @@ impl TieredStore {
     /// Waits until every run submitted before this call is written.
     pub fn flush(&self) {
         self.writer.flush();
+    }
+
+    /// [`PrefixStore::submit`], saying what became of the run: queued,
+    /// dropped because the writer queue was full, or rejected as invalid.
+    /// Never blocks.
+    pub fn try_submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) -> Submitted {
+        let core = &self.core;
+        if let Some(why) = core.check_submit(tokens, &kv) {
+            bump(&core.counters.rejected);
+            tracing::warn!(why, "kvcache-store: submit rejected");
+            return Submitted::Rejected;
+        }
+        let job = Job::Run(Run {
+            namespace: namespace.clone(),
+            tokens: tokens[..kv.end()].to_vec(),
+            kv,
+        });
+        self.queue(job, &core.counters.submitted)
+    }
+
+    /// [`PrefixStore::submit_states`], saying what became of the states (as
+    /// [`TieredStore::try_submit`]). Rejected (and counted `rejected`): no
+    /// states, a state not at `tokens.len()`, a layer out of range or given
+    /// twice, an array whose bytes do not fit its shape, empty `tokens`.
+    pub fn try_submit_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        mut states: Vec<(usize, HostState)>,
+    ) -> Submitted {
+        let core = &self.core;
+        states.sort_by_key(|(layer, _)| *layer);
+        let layers = core.config.layout.layers;
+        let fits = !tokens.is_empty()
+            && !states.is_empty()
+            && states.windows(2).all(|w| w[0].0 < w[1].0)
+            && states
+                .iter()
+                .all(|(layer, s)| *layer < layers && s.offset == tokens.len() && s.check().is_ok());
+        if !fits {
+            bump(&core.counters.rejected);
+            tracing::warn!("kvcache-store: states submit rejected");
+            return Submitted::Rejected;
+        }
+        let job = Job::States(States {
+            namespace: namespace.clone(),
+            tokens: tokens.to_vec(),
+            states,
+        });
+        self.queue(job, &core.counters.states_submitted)
+    }
+
+    /// Hands `job` to the writer; counts it in `accepted`, or as dropped
+    /// (with a rate-limited warning).
+    fn queue(&self, job: Job, accepted: &std::sync::atomic::AtomicU64) -> Submitted {
+        let core = &self.core;
+        let queue_len = match self.writer.try_submit(job) {
+            Ok(()) => {
+                bump(accepted);
+                return Submitted::Queued;
+            }
+            Err(Refused::Full) => core.config.queue_capacity,
+            Err(Refused::Closed) => 0,
+        };
+        bump(&core.counters.dropped);
+        let mut drops = core.drops.lock().unwrap_or_else(|p| p.into_inner());
+        drops.unreported += 1;
+        let now = Instant::now();
+        if drops
+            .last_warning
+            .is_none_or(|last| now.duration_since(last) >= DROP_WARNING_EVERY)
+        {
+            tracing::warn!(
+                dropped = drops.unreported,
+                queue_len,
+                "kvcache-store: writer queue full, write dropped (not stored; raise StoreConfig::queue_capacity \
+                 if this repeats)"
+            );
+            drops.last_warning = Some(now);
+            drops.unreported = 0;
+        }
+        Submitted::Dropped { queue_len }
     }
 
     /// The counters of the store and of every tier (asks Redis for its
@@ -846,55 +973,17 @@ impl PrefixStore for TieredStore {
         self.core.fetch(namespace, tokens, from, deadline)
     }
 
+    /// [`TieredStore::try_submit`] with its answer ignored (the trait returns
+    /// nothing): a dropped run is still counted and logged. Callers that hold
+    /// a `TieredStore` should call `try_submit` and act on a drop.
     fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) {
-        let core = &self.core;
-        if let Some(why) = core.check_submit(tokens, &kv) {
-            bump(&core.counters.rejected);
-            tracing::warn!(why, "kvcache-store: submit rejected");
-            return;
-        }
-        let job = Job::Run(Run {
-            namespace: namespace.clone(),
-            tokens: tokens[..kv.end()].to_vec(),
-            kv,
-        });
-        if self.writer.try_submit(job) {
-            bump(&core.counters.submitted);
-        } else {
-            bump(&core.counters.dropped);
-        }
+        let _ = self.try_submit(namespace, tokens, kv);
     }
 
-    /// Queues the states for the writer, which encodes them into one entry
-    /// keyed by `tokens` (see the [`states`](crate::states) module) and
-    /// writes it to every tier. Refused and counted (`rejected`): no states, a
-    /// state not at `tokens.len()`, a layer out of range or given twice, an
-    /// array whose bytes do not fit its shape, empty `tokens`.
-    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], mut states: Vec<(usize, HostState)>) {
-        let core = &self.core;
-        states.sort_by_key(|(layer, _)| *layer);
-        let layers = core.config.layout.layers;
-        let fits = !tokens.is_empty()
-            && !states.is_empty()
-            && states.windows(2).all(|w| w[0].0 < w[1].0)
-            && states
-                .iter()
-                .all(|(layer, s)| *layer < layers && s.offset == tokens.len() && s.check().is_ok());
-        if !fits {
-            bump(&core.counters.rejected);
-            tracing::warn!("kvcache-store: states submit rejected");
-            return;
-        }
-        let job = Job::States(States {
-            namespace: namespace.clone(),
-            tokens: tokens.to_vec(),
-            states,
-        });
-        if self.writer.try_submit(job) {
-            bump(&core.counters.states_submitted);
-        } else {
-            bump(&core.counters.dropped);
-        }
+    /// [`TieredStore::try_submit_states`] with its answer ignored (as
+    /// [`submit`](Self::submit)).
+    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], states: Vec<(usize, HostState)>) {
+        let _ = self.try_submit_states(namespace, tokens, states);
     }
 
     fn fetch_states(

@@ -33,6 +33,15 @@ impl Progress {
     }
 }
 
+/// Why [`Writer::try_submit`] dropped a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The queue holds as many jobs as it may.
+    Full,
+    /// The writer has shut down.
+    Closed,
+}
+
 /// A background thread running one closure per job.
 #[derive(Debug)]
 pub(crate) struct Writer<J> {
@@ -73,23 +82,24 @@ impl<J: Send + 'static> Writer<J> {
         })
     }
 
-    /// Queues `job`; false (and the job dropped) when the queue is full or the
+    /// Queues `job`, or drops it and says why: the queue is full, or the
     /// writer has shut down.
-    pub(crate) fn try_submit(&self, job: J) -> bool {
+    pub(crate) fn try_submit(&self, job: J) -> std::result::Result<(), Refused> {
         let sender = self
             .sender
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let Some(sender) = sender.as_ref() else {
-            return false;
+            return Err(Refused::Closed);
         };
         let mut counts = self.progress.lock();
         match sender.try_send(job) {
             Ok(()) => {
                 counts.accepted += 1;
-                true
+                Ok(())
             }
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+            Err(TrySendError::Full(_)) => Err(Refused::Full),
+            Err(TrySendError::Disconnected(_)) => Err(Refused::Closed),
         }
     }
 

@@ -50,8 +50,17 @@ fn keys_separate_namespaces_and_models() {
             assert_ne!(all[i], all[j], "{i} vs {j}");
         }
     }
-    assert_eq!(Scope::new(&FP, &a).redis_prefix(), "kvc:1111111111111111:a:");
-    assert_eq!(Scope::new(&FP, &shared).redis_prefix(), "kvc:1111111111111111::");
+    // Length first (key format 2): no tenant's prefix starts another's.
+    assert_eq!(Scope::new(&FP, &a).redis_prefix(), "kvc2:1111111111111111:1:a:");
+    assert_eq!(
+        Scope::new(&FP, &shared).redis_prefix(),
+        "kvc2:1111111111111111:0::"
+    );
+    let nested = Namespace::new("a:m").unwrap();
+    assert_eq!(
+        Scope::new(&FP, &nested).redis_prefix(),
+        "kvc2:1111111111111111:3:a:m:"
+    );
 }
 
 #[test]

@@ -4,14 +4,15 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
 use kvcache_api::{HostKv, Namespace, PrefixStore};
 use kvcache_store::{
-    Block, BlockKey, DiskTier, KeyChain, MemoryTier, RedisConfig, RedisTier, Scope, Tier, TierContext,
-    TierCounters, TieredStore,
+    Block, BlockKey, DiskTier, KeyChain, MemoryTier, RedisConfig, RedisTier, Scope, Submitted, Tier,
+    TierContext, TierCounters, TieredStore,
 };
 
 fn later() -> Instant {
@@ -251,10 +252,12 @@ fn dropping_the_store_finishes_queued_writes() {
     }
 }
 
-/// A tier whose puts wait until the test opens a gate.
+/// A tier whose puts wait until the test opens a gate; `entered` counts the
+/// puts that reached it.
 struct GatedTier {
     inner: MemoryTier,
     gate: Arc<Mutex<()>>,
+    entered: Arc<AtomicUsize>,
 }
 
 impl Tier for GatedTier {
@@ -268,6 +271,7 @@ impl Tier for GatedTier {
         self.inner.get(ns, key, d)
     }
     fn put(&self, block: &Arc<Block>, d: Instant) -> kvcache_store::Result<()> {
+        self.entered.fetch_add(1, Ordering::SeqCst);
         let _open = self.gate.lock().unwrap();
         self.inner.put(block, d)
     }
@@ -301,6 +305,7 @@ fn a_full_queue_drops_writes_instead_of_blocking() {
     let tier = GatedTier {
         inner: MemoryTier::new(cfg.context(), 1 << 20),
         gate: Arc::clone(&gate),
+        entered: Arc::default(),
     };
     let store = TieredStore::new(cfg, vec![Box::new(tier)]).unwrap();
     let ns = Namespace::shared();
@@ -317,6 +322,120 @@ fn a_full_queue_drops_writes_instead_of_blocking() {
     store.flush();
     let stats = store.stats();
     assert_eq!(stats.blocks_written, stats.submitted);
+}
+
+/// 300 submits of distinct prompts, no flush in between: each says whether it
+/// was queued or dropped, the store counts exactly those, and after a flush
+/// exactly the queued ones can be fetched.
+fn check_submits_against_what_is_stored(store: &TieredStore, results: &[(Vec<u32>, Submitted)]) {
+    let queued = results.iter().filter(|(_, r)| r.is_queued()).count() as u64;
+    let dropped = results
+        .iter()
+        .filter(|(_, r)| matches!(r, Submitted::Dropped { .. }))
+        .count() as u64;
+    assert_eq!(queued + dropped, results.len() as u64);
+    let stats = store.stats();
+    assert_eq!(
+        (stats.submitted, stats.dropped, stats.rejected),
+        (queued, dropped, 0)
+    );
+    store.flush();
+    let ns = Namespace::shared();
+    let mut restorable = 0;
+    for (p, result) in results {
+        let fetched = store.fetch(&ns, p, 0, SECOND);
+        assert_eq!(fetched.is_some(), result.is_queued(), "{result:?}");
+        if let Some(f) = fetched {
+            assert_eq!(f.kv, kv_of(layout(), p, 0..p.len()));
+            restorable += 1;
+        }
+    }
+    assert_eq!(restorable, queued);
+}
+
+#[test]
+fn a_dropped_submit_says_so_and_the_store_counts_exactly_those() {
+    const N: usize = 16;
+    let cfg = config(8).with_queue_capacity(N);
+    let gate = Arc::new(Mutex::new(()));
+    let entered = Arc::new(AtomicUsize::new(0));
+    let tier = GatedTier {
+        inner: MemoryTier::new(cfg.context(), 1 << 24),
+        gate: Arc::clone(&gate),
+        entered: Arc::clone(&entered),
+    };
+    let store = TieredStore::new(cfg, vec![Box::new(tier)]).unwrap();
+    let ns = Namespace::shared();
+    let closed = gate.lock().unwrap();
+    let submit = |s: u32| {
+        let p = prompt(500 + s, 12);
+        let result = store.try_submit(&ns, &p, kv_of(layout(), &p, 0..12));
+        (p, result)
+    };
+    let mut results = vec![submit(0)];
+    assert_eq!(results[0].1, Submitted::Queued);
+    // The writer holds the first run, blocked in the tier: the queue is empty.
+    let waited = Instant::now();
+    while entered.load(Ordering::SeqCst) == 0 {
+        assert!(
+            waited.elapsed() < 10 * SECOND,
+            "the writer never reached the tier"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    results.extend((1..300).map(submit));
+    // Exactly N more fit in the queue; every later one is dropped, and says
+    // how full the queue was.
+    let queued = results.iter().filter(|(_, r)| r.is_queued()).count();
+    assert_eq!(queued, 1 + N);
+    assert!(results[1..=N].iter().all(|(_, r)| r.is_queued()));
+    assert!(results[N + 1..]
+        .iter()
+        .all(|(_, r)| *r == Submitted::Dropped { queue_len: N }));
+    // Invalid input is no drop: rejected, and counted apart.
+    let p = prompt(499, 12);
+    let unaligned = store.try_submit(&ns, &p, kv_of(layout(), &p, 3..12));
+    assert_eq!(unaligned, Submitted::Rejected);
+    assert_eq!(store.stats().rejected, 1);
+    drop(closed);
+    let stats = store.stats();
+    assert_eq!((stats.submitted, stats.dropped), (1 + N as u64, 299 - N as u64));
+    store.flush();
+    let mut restorable = 0;
+    for (p, result) in &results {
+        let fetched = store.fetch(&ns, p, 0, SECOND);
+        assert_eq!(fetched.is_some(), result.is_queued(), "{result:?}");
+        restorable += usize::from(fetched.is_some());
+    }
+    assert_eq!(restorable, 1 + N);
+}
+
+#[test]
+fn submits_at_full_speed_report_every_drop() {
+    // No gate: the writer races the submits; whatever it keeps up with, the
+    // answers, the counters and what is stored agree.
+    let cfg = config(8).with_queue_capacity(4);
+    let store = TieredStore::new(
+        cfg.clone(),
+        vec![Box::new(MemoryTier::new(cfg.context(), 1 << 26))],
+    )
+    .unwrap();
+    let ns = Namespace::shared();
+    let runs: Vec<(Vec<u32>, HostKv)> = (0..300)
+        .map(|s| {
+            let p = prompt(2000 + s, 40);
+            let kv = kv_of(layout(), &p, 0..40);
+            (p, kv)
+        })
+        .collect();
+    let results: Vec<(Vec<u32>, Submitted)> = runs
+        .into_iter()
+        .map(|(p, kv)| {
+            let r = store.try_submit(&ns, &p, kv);
+            (p, r)
+        })
+        .collect();
+    check_submits_against_what_is_stored(&store, &results);
 }
 
 #[test]
