@@ -2,8 +2,19 @@
 //!
 //! On Linux every run gets the same flags so that all tasks share one build
 //! cache: `--cfg kvcache_mlx` (turns on kvcache-mlx's mlx-rs dependency), an
-//! rpath to the wheel's `libmlx.so`, and `--config patch.crates-io.mlx-sys.path`
-//! pointing at the patched mlx-sys. On macOS runs are plain cargo.
+//! rpath to the wheel's `libmlx.so`, and `--config paths=[...]` pointing at the
+//! patched mlx-sys. On macOS runs are plain cargo.
+//!
+//! Why a path override (`paths`) and not `[patch]`: a `[patch]` is part of
+//! dependency resolution, so every patched run rewrote the tracked Cargo.lock
+//! (mlx-sys's entry lost its `source` and `checksum`), and only a plain cargo
+//! run at the end put it back: a run that was interrupted, timed out or ran
+//! beside another left the tree modified. A path override replaces the
+//! package's source after resolution, so the lock file keeps the crates.io
+//! entry, byte for byte, during and after every run. It requires the override
+//! to declare the same dependencies as the registry crate, which the patch
+//! keeps (it edits the build script, headers and `lib.rs`, never
+//! `Cargo.toml`); cargo warns if that ever stops holding.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -77,10 +88,7 @@ impl Cargo {
         cmd.args(subcommand);
         let mut rustflags = Vec::new();
         if let Some(mlx) = &self.mlx {
-            cmd.arg("--config").arg(format!(
-                "patch.crates-io.mlx-sys.path={}",
-                toml_string(&mlx.patched_mlx_sys.to_string_lossy())
-            ));
+            cmd.args(override_args(&mlx.patched_mlx_sys));
             rustflags = vec![
                 "--cfg".to_owned(),
                 "kvcache_mlx".to_owned(),
@@ -105,7 +113,17 @@ impl Cargo {
     }
 }
 
-/// A patched run records mlx-sys in Cargo.lock as a path package. Lets plain
+/// The cargo arguments that build `patched` in place of the crates.io crate
+/// of the same name and version, leaving Cargo.lock alone (the module docs).
+fn override_args(patched: &Path) -> [String; 2] {
+    [
+        "--config".to_owned(),
+        format!("paths=[{}]", toml_string(&patched.to_string_lossy())),
+    ]
+}
+
+/// Runs made by xtask versions before the path override (and an interrupted
+/// one of theirs) recorded mlx-sys in Cargo.lock as a path package. Lets plain
 /// cargo put the crates.io entry back, so that Cargo.lock stays as committed.
 pub fn restore_lockfile(root: &Path) {
     let lock = root.join("Cargo.lock");
@@ -189,6 +207,95 @@ mod tests {
     #[test]
     fn toml_strings_are_escaped() {
         assert_eq!(toml_string(r#"/a "b"\c"#), r#""/a \"b\"\\c""#);
+    }
+
+    /// The unpacked crates.io source of `name_version` in cargo's home.
+    fn registry_source(name_version: &str) -> PathBuf {
+        let home = std::env::var_os("CARGO_HOME")
+            .filter(|h| !h.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cargo"));
+        std::fs::read_dir(home.join("registry/src"))
+            .unwrap()
+            .map(|entry| entry.unwrap().path().join(name_version))
+            .find(|dir| dir.join("Cargo.toml").is_file())
+            .unwrap_or_else(|| panic!("{name_version} is not unpacked in {}", home.display()))
+    }
+
+    #[test]
+    fn the_override_is_a_paths_config() {
+        let args = override_args(Path::new("/t/x \"y\""));
+        assert_eq!(
+            args,
+            ["--config".to_owned(), r#"paths=["/t/x \"y\""]"#.to_owned()]
+        );
+    }
+
+    /// The mechanism on a crate of our own graph (sha2, xtask's dependency,
+    /// so it is in the local registry): a copy of its source given as the
+    /// override is what cargo builds, and the lock file keeps its bytes;
+    /// the `[patch]` xtask used before rewrites it (so this test can fail).
+    #[test]
+    fn a_path_override_leaves_the_lock_file_as_it_was() {
+        let cargo = program();
+        let dir = std::env::temp_dir().join(format!("xtask-override-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("src")).unwrap();
+        std::fs::write(
+            dir.join("Cargo.toml"),
+            "[package]\nname = \"probe\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n\
+             [dependencies]\nsha2 = \"0.10\"\n\n[workspace]\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("src/lib.rs"), "").unwrap();
+        let run = |args: &[&str]| {
+            let out = Command::new(&cargo)
+                .current_dir(&dir)
+                .args(args)
+                .arg("--offline")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        };
+        run(&["generate-lockfile"]);
+        let lock = std::fs::read(dir.join("Cargo.lock")).unwrap();
+        let text = String::from_utf8(lock.clone()).unwrap();
+        let entry = text
+            .split("[[package]]")
+            .find(|e| e.contains("\nname = \"sha2\"\n"))
+            .unwrap();
+        let version = entry
+            .split("version = \"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        let source = registry_source(&format!("sha2-{version}"));
+        let copy = dir.join("sha2-copy");
+        crate::files::copy_tree(&source, &copy).unwrap();
+
+        let args = override_args(&copy);
+        let metadata = run(&["metadata", "--format-version", "1", &args[0], &args[1]]);
+        let manifest = copy.join("Cargo.toml");
+        assert!(metadata.contains(&format!("\"manifest_path\":\"{}\"", manifest.display())));
+        assert_eq!(std::fs::read(dir.join("Cargo.lock")).unwrap(), lock);
+        assert!(!has_path_mlx_sys(&text.replace("sha2", "mlx-sys")));
+
+        let patch = format!(
+            "patch.crates-io.sha2.path={}",
+            toml_string(&copy.to_string_lossy())
+        );
+        run(&["metadata", "--format-version", "1", "--config", &patch]);
+        let patched = std::fs::read_to_string(dir.join("Cargo.lock")).unwrap();
+        assert_ne!(patched.as_bytes(), lock);
+        assert!(has_path_mlx_sys(&patched.replace("sha2", "mlx-sys")));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
