@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use kvcache_api::{CausalCache, CausalConfig, Pos, PosRange, SeqId};
 use kvcache_causal::LayerGroupCache;
-use kvcache_engine::gemma::tokenizer::end_of_reply;
-use kvcache_engine::gemma::{chat_turn, Gemma, GemmaFile, GemmaTokenizer};
+use kvcache_engine::gemma::{Gemma, GemmaFile, GemmaTokenizer};
 use kvcache_engine::{BatchToken, Result, WeightMode};
 
 use crate::cli::{Cli, Part};
@@ -185,12 +184,10 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
     let mut histories: Vec<Vec<u32>> = FIRST_EXCHANGE
         .iter()
         .map(|(question, answer)| {
-            let text = format!(
-                "{}{}",
-                chat_turn(&format!("{NOTES}\n\n{question}")),
-                end_of_reply(answer)
-            );
-            tokenizer.encode(&text, true, true)
+            // Built as ids: the messages are plain text, the turn markers the template's.
+            let mut ids = tokenizer.encode_user_turn(&format!("{NOTES}\n\n{question}"), true);
+            ids.extend(tokenizer.encode_reply_end(answer));
+            ids
         })
         .collect();
     let mut totals = Totals::default();
@@ -206,7 +203,7 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             }
             chat.turn_starts[c] = history.len();
             let mut prompt = history.clone();
-            prompt.extend(tokenizer.encode(&chat_turn(question), false, true));
+            prompt.extend(tokenizer.encode_user_turn(question, false));
             let t = chat.turn(c as SeqId, &prompt, cli.demo.max_new)?;
             totals.add(&t);
             report_turn(tokenizer, c, turn, edit, question, &t, window)?;
@@ -223,7 +220,7 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             }
             *history = prompt;
             history.extend(&t.reply);
-            history.extend(tokenizer.encode(&end_of_reply(""), false, true));
+            history.extend(tokenizer.encode_reply_end(""));
         }
     }
     let groups = chat.cache.groups();

@@ -26,6 +26,9 @@ pub struct ServerConfig {
     pub default_max_tokens: usize,
     /// The prefix store's tiers beside host memory (none: no store at all).
     pub store: StoreOptions,
+    /// Evaluated prompts waiting to be written to the store before more are
+    /// dropped (counted in `kvcache_store_writes_dropped_total`).
+    pub store_queue: usize,
 }
 
 impl Default for ServerConfig {
@@ -40,6 +43,7 @@ impl Default for ServerConfig {
             idle_ttl: Duration::from_secs(300),
             default_max_tokens: 256,
             store: StoreOptions::default(),
+            store_queue: 64,
         }
     }
 }

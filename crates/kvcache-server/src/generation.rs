@@ -12,6 +12,7 @@ use kvcache_engine::sampling::{Sampler, SamplingParams, StopText};
 use kvcache_engine::ChatTokenizer;
 use tokio::sync::mpsc;
 
+use crate::access::AccessRecord;
 use crate::error::ApiError;
 use crate::openai::{GenerationOptions, Usage};
 use crate::worker::{Job, JobEvent};
@@ -149,6 +150,8 @@ pub struct Generation {
     cached_tokens: usize,
     pending: VecDeque<Piece>,
     ended: bool,
+    /// Where the access log line learns the request's counts.
+    record: AccessRecord,
 }
 
 impl std::fmt::Debug for Generation {
@@ -163,7 +166,13 @@ impl std::fmt::Debug for Generation {
 
 impl Generation {
     /// Submits `checked` to the engine; refuses with 503 when the queue is full.
-    pub fn start(state: &AppState, checked: Checked, started: Instant) -> Result<Generation, ApiError> {
+    pub fn start(
+        state: &AppState,
+        checked: Checked,
+        started: Instant,
+        record: AccessRecord,
+    ) -> Result<Generation, ApiError> {
+        record.prompt(checked.prompt.len());
         let limit = state.config.max_sequences + state.config.max_queue;
         let in_flight = state.metrics.in_flight.fetch_add(1, Ordering::SeqCst);
         if in_flight >= limit {
@@ -186,6 +195,7 @@ impl Generation {
             cached_tokens: 0,
             pending: VecDeque::new(),
             ended: false,
+            record,
         };
         let sampler = Sampler::new(checked.sampling).map_err(|e| ApiError::invalid(None, e.to_string()))?;
         let job = Job {
@@ -196,6 +206,7 @@ impl Generation {
             events: tx,
         };
         if !state.worker.submit(job) {
+            tracing::error!("a request came after the engine thread had stopped");
             return Err(ApiError::internal("The engine has stopped"));
         }
         state.metrics.requests.fetch_add(1, Ordering::Relaxed);
@@ -240,9 +251,12 @@ impl Generation {
 
     fn token(&mut self, token: u32) {
         if self.completion_tokens == 0 {
-            self.state.metrics.observe_ttft(self.started.elapsed());
+            let ttft = self.started.elapsed();
+            self.state.metrics.observe_ttft(ttft);
+            self.record.first_token(ttft);
         }
         self.completion_tokens += 1;
+        self.record.generated(self.completion_tokens);
         if token == self.tokenizer.eos_token_id() {
             return;
         }
@@ -261,10 +275,9 @@ impl Generation {
 
     fn end(&mut self, finish_reason: &'static str) {
         self.ended = true;
-        self.pending.push_back(Piece::End {
-            finish_reason,
-            usage: Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
-        });
+        let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
+        self.record.finished(&usage, finish_reason);
+        self.pending.push_back(Piece::End { finish_reason, usage });
     }
 
     /// Text decoded since the last call, or `None` while the tokens end in

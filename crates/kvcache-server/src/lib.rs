@@ -11,13 +11,17 @@
 //!   Two salts never share cells.
 //! - [`routes`]: `POST /v1/chat/completions`, `POST /v1/completions`
 //!   (streamed as server-sent events or not), `GET /v1/models`, `GET /health`,
-//!   `GET /metrics` ([`metrics`], Prometheus text).
+//!   `GET /metrics` ([`metrics`], Prometheus text); `/health` answers 503
+//!   once the engine thread has ended.
+//! - [`access`]: an `x-request-id` on every response and one access log line
+//!   per request (`tracing`, target `kvcache_server::access`).
 //! - [`generation`]: a request's options checked, its tokens turned into text
 //!   (stop sequences across token boundaries); [`openai`]: the bodies;
 //!   [`error`]: OpenAI-style errors (`{"error": {...}}`, 503 with
 //!   `Retry-After` when the queue is full).
 #![deny(missing_docs)]
 
+pub mod access;
 pub mod config;
 pub mod error;
 pub mod generation;

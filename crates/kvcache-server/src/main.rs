@@ -58,12 +58,59 @@ struct Args {
     /// Share the prefix store through Redis (`redis://host:port`, `redis+unix:///path`)
     #[arg(long, value_name = "URL")]
     redis: Option<String>,
+    /// Evaluated prompts waiting to be written to the prefix store; beyond it,
+    /// writes are dropped (logged, and counted in /metrics as
+    /// kvcache_store_writes_dropped_total) rather than slowing requests down.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    store_queue: usize,
+    /// How log lines look on stderr: `text` for people, `json` (one object a
+    /// line) for collectors. What is logged: `RUST_LOG` (default `info`: one
+    /// access line per request, warnings and errors; `RUST_LOG=kvcache_server::access=off`
+    /// silences the access log).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Installs the `tracing` subscriber: `RUST_LOG` (else `info`), on stderr, as
+/// text or JSON lines.
+fn init_logging(format: LogFormat) -> Result<(), Box<dyn std::error::Error>> {
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.trim().is_empty() => {
+            EnvFilter::try_new(directives).map_err(|e| format!("RUST_LOG is not a valid filter: {e}"))?
+        }
+        _ => EnvFilter::new("info"),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let installed = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+    };
+    installed.map_err(|e| format!("could not install the logger: {e}").into())
 }
 
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread starts.
     unsafe { kvcache_engine::threads::tune_cpu_threads() };
     let args = Args::parse();
+    if let Err(e) = init_logging(args.log_format) {
+        eprintln!("kvcache-server: error: {e}");
+        return ExitCode::FAILURE;
+    }
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -95,7 +142,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             dir: args.store_dir,
             redis: args.redis,
         },
+        store_queue: args.store_queue,
     };
+    if config.store_queue == 0 {
+        return Err("--store-queue must be at least 1".into());
+    }
     eprintln!("kvcache-server: loading {}", model.display());
     let state = AppState::load(&model, config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -109,6 +160,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .ok_or("the host resolves to no address")?;
         let listener = tokio::net::TcpListener::bind(addr).await?;
         println!("kvcache-server: listening on http://{}", listener.local_addr()?);
+        tracing::info!(address = %listener.local_addr()?, "listening");
         axum::serve(listener, router(state))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;

@@ -203,12 +203,26 @@ fn render_store(out: &mut String, store: &StoreStats) {
             let _ = writeln!(out, "{name}{{tier=\"{}\"}} {}", tier.name, field(tier));
         }
     }
-    let name = "kvcache_store_writes_dropped_total";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Store writes dropped because the writer's queue was full.\n# TYPE {name} counter\n{name} {}",
-        store.dropped
-    );
+    let writes = [
+        (
+            "kvcache_store_writes_submitted_total",
+            "Store writes (prompts' keys and values, or layer states) queued for the writer.",
+            store.submitted + store.states_submitted,
+        ),
+        (
+            "kvcache_store_writes_dropped_total",
+            "Store writes dropped, not stored, because the writer's queue was full (--store-queue).",
+            store.dropped,
+        ),
+        (
+            "kvcache_store_writes_rejected_total",
+            "Store writes refused as invalid.",
+            store.rejected,
+        ),
+    ];
+    for (name, help, value) in writes {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
+    }
 }
 
 #[cfg(test)]
@@ -238,6 +252,9 @@ mod tests {
         let store = StoreStats {
             tiers: vec![tier("memory", 3, 5), tier("disk", 2, 4)],
             dropped: 1,
+            submitted: 7,
+            states_submitted: 2,
+            rejected: 3,
             ..StoreStats::default()
         };
         let m = Metrics::default();
@@ -247,6 +264,8 @@ mod tests {
         assert!(text.contains("kvcache_store_hits_total{tier=\"disk\"} 2\n"));
         assert!(text.contains("kvcache_store_puts_total{tier=\"disk\"} 4\n"));
         assert!(text.contains("kvcache_store_writes_dropped_total 1\n"));
+        assert!(text.contains("kvcache_store_writes_submitted_total 9\n"));
+        assert!(text.contains("kvcache_store_writes_rejected_total 3\n"));
         assert_eq!(text.matches("# TYPE kvcache_store_hits_total counter").count(), 1);
     }
 }

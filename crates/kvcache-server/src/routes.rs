@@ -10,12 +10,13 @@ use axum::http::{header, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use futures_util::stream::{self, Stream};
-use kvcache_engine::tokenizer::{chatml, Message, Role};
+use kvcache_engine::tokenizer::{Message, Role};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use crate::access::{self, AccessRecord};
 use crate::error::ApiError;
 use crate::generation::{check, Checked, Generation, Piece};
 use crate::openai::{ChatMessage, ChatRequest, CompletionRequest, MessageContent, Prompt, Usage};
@@ -30,6 +31,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .layer(axum::middleware::from_fn(access::layer))
         .with_state(state)
 }
 
@@ -38,8 +40,9 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(None, format!("Invalid request body: {e}")))
 }
 
-/// Counts a refusal and passes it on.
-fn rejected(state: &AppState, error: ApiError) -> ApiError {
+/// Counts a refusal, notes it for the access log and passes it on.
+fn rejected(state: &AppState, record: &AccessRecord, error: ApiError) -> ApiError {
+    record.error(&error.message);
     if error.status.is_client_error() {
         state
             .metrics
@@ -49,7 +52,11 @@ fn rejected(state: &AppState, error: ApiError) -> ApiError {
     error
 }
 
-async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(state): State<AppState>,
+    Extension(record): Extension<AccessRecord>,
+    body: Bytes,
+) -> Response {
     let started = Instant::now();
     let result = async {
         let req: ChatRequest = parse(&body)?;
@@ -59,12 +66,16 @@ async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Respons
     }
     .await;
     match result {
-        Ok((model, checked)) => respond(state, Kind::Chat, model, checked, started).await,
-        Err(e) => rejected(&state, e).into_response(),
+        Ok((model, checked)) => respond(state, Kind::Chat, model, checked, started, record).await,
+        Err(e) => rejected(&state, &record, e).into_response(),
     }
 }
 
-async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+async fn completions(
+    State(state): State<AppState>,
+    Extension(record): Extension<AccessRecord>,
+    body: Bytes,
+) -> Response {
     let started = Instant::now();
     let result = async {
         let req: CompletionRequest = parse(&body)?;
@@ -85,8 +96,8 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     }
     .await;
     match result {
-        Ok((model, checked)) => respond(state, Kind::Completion, model, checked, started).await,
-        Err(e) => rejected(&state, e).into_response(),
+        Ok((model, checked)) => respond(state, Kind::Completion, model, checked, started, record).await,
+        Err(e) => rejected(&state, &record, e).into_response(),
     }
 }
 
@@ -97,7 +108,8 @@ fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))
 }
 
-/// The ChatML prompt of `messages`, ending with the assistant's turn opened.
+/// The ChatML prompt of `messages`, ending with the assistant's turn opened;
+/// each message's content is plain text.
 fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(Some("messages"), "messages must not be empty"));
@@ -136,7 +148,13 @@ fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, A
         };
         chat.push(Message::new(role, content));
     }
-    encode(state, &chatml(&chat, true))
+    // Built as ids, never as text: a message that writes `<|im_end|>` or
+    // `<|im_start|>` gets those characters as text, not the template's
+    // control tokens (no injected turn).
+    state
+        .tokenizer
+        .chatml_ids(&chat, true)
+        .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))
 }
 
 /// Which API a response follows.
@@ -231,15 +249,25 @@ impl Header {
     }
 }
 
-async fn respond(state: AppState, kind: Kind, model: String, checked: Checked, started: Instant) -> Response {
+async fn respond(
+    state: AppState,
+    kind: Kind,
+    model: String,
+    checked: Checked,
+    started: Instant,
+    record: AccessRecord,
+) -> Response {
     let (stream, include_usage) = (checked.stream, checked.include_usage);
-    let generation = match Generation::start(&state, checked, started) {
+    let generation = match Generation::start(&state, checked, started, record.clone()) {
         Ok(g) => g,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            record.error(&e.message);
+            return e.into_response();
+        }
     };
     let header = Header::new(kind, model);
     if stream {
-        return Sse::new(sse_events(header, generation, include_usage))
+        return Sse::new(sse_events(header, generation, include_usage, record))
             .keep_alive(KeepAlive::default())
             .into_response();
     }
@@ -251,7 +279,11 @@ async fn respond(state: AppState, kind: Kind, model: String, checked: Checked, s
             Ok(Piece::End { finish_reason, usage }) => {
                 return Json(header.complete(text, finish_reason, usage)).into_response()
             }
-            Err(e) => return e.into_response(),
+            Err(e) => {
+                tracing::error!(error = %e.message, "a request failed on the engine");
+                record.error(&e.message);
+                return e.into_response();
+            }
         }
     }
     ApiError::internal("The request ended without an answer").into_response()
@@ -265,6 +297,7 @@ fn sse_events(
     header: Header,
     generation: Generation,
     include_usage: bool,
+    record: AccessRecord,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     struct Streaming {
         header: Header,
@@ -272,6 +305,7 @@ fn sse_events(
         include_usage: bool,
         queue: std::collections::VecDeque<SseEvent>,
         done: bool,
+        record: AccessRecord,
     }
     let mut queue = std::collections::VecDeque::new();
     if header.kind == Kind::Chat {
@@ -283,6 +317,7 @@ fn sse_events(
         include_usage,
         queue,
         done: false,
+        record,
     };
     stream::unfold(start, |mut s| async move {
         loop {
@@ -304,6 +339,8 @@ fn sse_events(
                     s.done = true;
                 }
                 Some(Err(e)) => {
+                    tracing::error!(error = %e.message, "a streamed request failed on the engine");
+                    s.record.error(&e.message);
                     s.queue.push_back(data(&e.body()));
                     s.done = true;
                 }
@@ -329,9 +366,15 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-async fn health(State(state): State<AppState>) -> Json<Value> {
+/// 200 while the engine thread runs; 503 once it has ended (the process
+/// still answers HTTP but can generate nothing: restart it).
+async fn health(State(state): State<AppState>) -> Response {
+    if !state.worker.is_running() {
+        let body = json!({"status": "unavailable", "error": "the engine thread has stopped"});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     let g = state.worker.gauges();
-    Json(json!({"status": "ok", "active": g.active, "cells_in_use": g.cells_in_use}))
+    Json(json!({"status": "ok", "active": g.active, "cells_in_use": g.cells_in_use})).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
@@ -342,4 +385,33 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         text,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kvcache_engine::ChatTokenizer;
+
+    use super::*;
+    use crate::{ServerConfig, Worker};
+
+    fn state(worker: Worker) -> AppState {
+        let tokenizer = ChatTokenizer::from_parts(vec!["a".into()], &[], &[], 0, 0).unwrap();
+        AppState {
+            worker,
+            tokenizer: Arc::new(tokenizer),
+            config: Arc::new(ServerConfig::default()),
+            metrics: Arc::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn health_is_503_once_the_engine_thread_has_ended() {
+        let response = health(State(state(Worker::stopped()))).await;
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["status"], "unavailable");
+    }
 }

@@ -10,7 +10,7 @@
 //! after the configured idle time, or sooner when their slot or cells are
 //! needed.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, ReuseStats, Stats};
 use kvcache_engine::sampling::Sampler;
 use kvcache_engine::{store, Llama, ModelFile, WeightMode};
-use kvcache_store::{StoreStats, TieredStore};
+use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
 use crate::config::ServerConfig;
@@ -94,6 +94,19 @@ pub struct Worker {
     next_id: Arc<AtomicUsize>,
     gauges: Arc<Mutex<Gauges>>,
     store: Option<Arc<TieredStore>>,
+    /// True while the engine thread runs; false once it has returned or panicked.
+    running: Arc<AtomicBool>,
+}
+
+/// Clears the flag it holds when dropped: at the end of the engine thread,
+/// however it ends (a panic unwinds through it too).
+struct Running(Arc<AtomicBool>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+        tracing::error!("the engine thread has ended: /health answers 503, requests fail");
+    }
 }
 
 /// `Command` behind a newtype so that `Worker` can derive `Debug`.
@@ -114,9 +127,12 @@ impl Worker {
         let gauges = Arc::new(Mutex::new(Gauges::default()));
         let thread_gauges = gauges.clone();
         let config = config.clone();
+        let running = Arc::new(AtomicBool::new(true));
+        let guard = Running(running.clone());
         std::thread::Builder::new()
             .name("kvcache-engine".into())
             .spawn(move || {
+                let _running = guard;
                 let model = match file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}) {
                     Ok(model) => model,
                     Err(e) => {
@@ -155,7 +171,27 @@ impl Worker {
             next_id: Arc::new(AtomicUsize::new(0)),
             gauges,
             store,
+            running,
         })
+    }
+
+    /// A handle whose engine thread has already ended (for tests of what the
+    /// server answers then).
+    #[doc(hidden)]
+    pub fn stopped() -> Worker {
+        let (tx, _) = std_mpsc::channel::<CommandBox>();
+        Worker {
+            commands: tx,
+            next_id: Arc::default(),
+            gauges: Arc::default(),
+            store: None,
+            running: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Whether the engine thread still runs.
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
     }
 
     /// The prefix store's counters, per tier; `None` without a store.
@@ -229,7 +265,9 @@ fn open_store(
     let Some(fingerprint) = fingerprint else {
         return Ok(None);
     };
-    let tiers = store::open(fingerprint, store::kv_layout(model), &config.store)?;
+    let settings =
+        StoreConfig::new(fingerprint, store::kv_layout(model)).with_queue_capacity(config.store_queue);
+    let tiers = store::open_with(settings, &config.store)?;
     engine.set_store(tiers.clone(), fingerprint, STORE_DEADLINE);
     Ok(Some(tiers))
 }

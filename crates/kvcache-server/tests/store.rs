@@ -75,6 +75,10 @@ async fn a_restarted_server_continues_the_conversation_from_the_disk_store() {
         "both prompts reach the disk tier"
     );
     assert_eq!(first.metric("kvcache_store_hits_total{tier=\"disk\"}").await, 0.0);
+    // Every write the engine submitted was queued: none dropped or refused.
+    assert_eq!(first.metric("kvcache_store_writes_submitted_total").await, 2.0);
+    assert_eq!(first.metric("kvcache_store_writes_dropped_total").await, 0.0);
+    assert_eq!(first.metric("kvcache_store_writes_rejected_total").await, 0.0);
     drop(first); // killed by pid: only what the disk holds survives
 
     let Some(second) = Server::start(&["--store-dir", store]) else {

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 /// A running `kvcache-server` process.
@@ -18,16 +18,42 @@ impl Server {
     /// Starts the server on the test model with `args` added; `None` (with a
     /// printed reason) when there is no model.
     pub fn start(args: &[&str]) -> Option<Server> {
+        Self::spawn(args, None)
+    }
+
+    /// [`Server::start`], keeping every line the server writes to stderr
+    /// (its log) in the returned list as well as passing it on.
+    pub fn start_logged(args: &[&str]) -> Option<(Server, Arc<Mutex<Vec<String>>>)> {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        Self::spawn(args, Some(lines.clone())).map(|server| (server, lines))
+    }
+
+    fn spawn(args: &[&str], log: Option<Arc<Mutex<Vec<String>>>>) -> Option<Server> {
         let model = kvcache_engine::paths::model_path_for_tests()?;
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
             .args(["--host", "127.0.0.1", "--port", "0", "--context", "1024"])
             .arg("--model")
             .arg(model)
             .args(args)
+            // Access lines only where the test reads them; warnings always.
+            .env("RUST_LOG", if log.is_some() { "info" } else { "warn" })
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if log.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("start kvcache-server");
+        if let (Some(log), Some(stderr)) = (log, child.stderr.take()) {
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    eprintln!("{line}");
+                    log.lock().unwrap().push(line);
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
