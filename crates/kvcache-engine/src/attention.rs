@@ -31,7 +31,10 @@
 //!   decoding as it reads, and gives each row a 64-bit mask of the tile entries
 //!   it sees (its runs merged against the tile's cells).
 //! - Per row and query head, scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no
-//!   horizontal sum), scaled, hidden entries `-inf`; a running maximum, sum and
+//!   horizontal sum) when many queries share the tile (a prefill block); when
+//!   few do (a decode row's query heads) the keys stay row-major and each score
+//!   is a dot product, sparing the transposition. Then scaled, hidden entries
+//!   `-inf`; a running maximum, sum and
 //!   accumulator are rescaled as the maximum grows, the accumulator takes
 //!   `p * v[c]` for each visible cell `c`, and the end divides by the sum.
 //!
@@ -76,6 +79,13 @@ const TILE: usize = 64;
 
 /// Most rows in one block of [`paged_attention`].
 const BLOCK_ROWS: usize = 16;
+
+/// Up to this many queries on a tile (a block's rows times the query heads of
+/// one key/value head: a decode row's few heads), scores are dot products over
+/// the tile's keys as stored, row by row; beyond, the keys are transposed once
+/// so that every query's scores are plain multiply-adds across the tile (the
+/// transposition, a scalar store per element, pays only when shared).
+const DOT_QUERIES: usize = 8;
 
 /// What one layer attends over: keys and values `[cells, kv_heads, head_dim]`
 /// (values `[kv_heads, head_dim, cells]` when `permuted`) under `mask: [n, cells]`
@@ -694,7 +704,8 @@ struct Job<'a> {
 /// fresh allocation per item cost page faults).
 #[derive(Debug, Default)]
 struct Scratch {
-    /// Keys of a tile transposed, `[hd][TILE]`.
+    /// Keys of a tile: transposed, `[hd][TILE]`, or as stored, `[TILE][hd]`
+    /// (few queries, [`DOT_QUERIES`]).
     kt: Vec<f32>,
     /// Values of a tile, `[TILE][hdv]`.
     vt: Vec<f32>,
@@ -744,6 +755,25 @@ unsafe fn run_item_avx2(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
 /// Lanes of the reductions (see [`kernels`]): independent partial results the
 /// compiler keeps in one vector register.
 const LANES: usize = 8;
+
+/// `a . b` (equal lengths), in [`LANES`] partial sums.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a_chunks
+        .remainder()
+        .iter()
+        .zip(b_chunks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a_chunks.zip(b_chunks) {
+        for l in 0..LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
 
 /// `bits` set from `from` for `len` bits (`len >= 1`, `from + len <= 64`).
 #[inline(always)]
@@ -796,6 +826,7 @@ fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
     reset(sum, nr * g, 0.0);
     reset(cursor, nr, 0);
     let mut cells = [0u32; TILE];
+    let transposed = nr * g > DOT_QUERIES;
     let union = &block.union;
     let (mut ui, mut next) = (0, union.first().map_or(0, |r| r.start));
     loop {
@@ -821,14 +852,18 @@ fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
             break;
         }
         let tile = &cells[..t];
-        if t < TILE {
-            // Entries past the tile are hidden from every row: zero keys keep
-            // their scores finite (then -inf).
-            for d in 0..hd {
-                kt[d * TILE + t..(d + 1) * TILE].fill(0.0);
+        if !transposed {
+            job.keys.gather(head, tile, kt, (hd, 1), row_buf);
+        } else {
+            if t < TILE {
+                // Entries past the tile are hidden from every row: zero keys
+                // keep their scores finite (then -inf).
+                for d in 0..hd {
+                    kt[d * TILE + t..(d + 1) * TILE].fill(0.0);
+                }
             }
+            job.keys.gather(head, tile, kt, (1, TILE), row_buf);
         }
-        job.keys.gather(head, tile, kt, (1, TILE), row_buf);
         job.values.gather(head, tile, vt, (hdv, 1), row_buf);
         for (ri, r) in rows.clone().enumerate() {
             let mask = row_mask(job.runs.row(r), &mut cursor[ri], segments);
@@ -846,10 +881,17 @@ fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
             for i in 0..g {
                 let qh = &job.q[(r * job.n_heads + head * g + i) * hd..][..hd];
                 let mut s = [0f32; TILE];
-                for (d, &qd) in qh.iter().enumerate() {
-                    let k: &[f32; TILE] = kt[d * TILE..(d + 1) * TILE].try_into().expect("a tile row");
-                    for l in 0..TILE {
-                        s[l] += qd * k[l];
+                if transposed {
+                    for (d, &qd) in qh.iter().enumerate() {
+                        let k: &[f32; TILE] = kt[d * TILE..(d + 1) * TILE].try_into().expect("a tile row");
+                        for l in 0..TILE {
+                            s[l] += qd * k[l];
+                        }
+                    }
+                } else {
+                    // Entries past the tile keep 0: hidden by the row's mask.
+                    for (k, sk) in s[..t].iter_mut().enumerate() {
+                        *sk = dot(qh, &kt[k * hd..(k + 1) * hd]);
                     }
                 }
                 let mut lane_max = [f32::NEG_INFINITY; LANES];
