@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvcache_api::{CacheError, Namespace, SnapshotCache};
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow, MemStore};
-use kvcache_mlx::trie::{PrefixCache, Session};
+use kvcache_trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow, MemStore};
+use kvcache_trie::{PrefixCache, Session};
 
 use super::input::Input;
 

@@ -27,7 +27,7 @@ use crate::{CacheError, Result};
 ///   through a model. Edits between passes (`remove`, `copy_prefix`) take the
 ///   lock briefly.
 /// - **A prefix trie serves one request at a time.** A
-///   `kvcache_mlx::trie::Session` borrows the trie mutably, so the guard lives
+///   `kvcache_trie::Session` borrows the trie mutably, so the guard lives
 ///   for the whole request: the trie has one live path by design.
 ///   For parallel requests, give each worker its own trie.
 /// - **Views outlive the lock, their contents do not.** Tensors returned by

@@ -1,5 +1,5 @@
 //! Candle-backed [`LayerCache`]s: one layer's keys and values of one live
-//! sequence, pageable to [`Snapshot`](kvcache_api::Snapshot)s, so that `kvcache_mlx::trie::PrefixCache`
+//! sequence, pageable to [`Snapshot`](kvcache_api::Snapshot)s, so that `kvcache_trie::PrefixCache`
 //! (written against [`SnapshotCache`](kvcache_api::SnapshotCache) only) can drive the candle model.
 //!
 //! - [`CandleKv`], a global layer's cache (a row cache): keys and values

@@ -40,7 +40,7 @@
 //! global layers, as in Gemma 3) as a single cache.
 //!
 //! [`layer_cache`] is the other design on candle: per-layer caches of one live
-//! sequence, pageable to snapshots, that `kvcache_mlx::trie::PrefixCache` drives
+//! sequence, pageable to snapshots, that `kvcache_trie::PrefixCache` drives
 //! (an engine on candle uses the prefix trie through them).
 //!
 //! ```

@@ -6,7 +6,7 @@ use kvcache_engine::conversation::ConversationTurn;
 use kvcache_engine::engine::{Event, Stats};
 use kvcache_engine::replica::TurnLine;
 use kvcache_engine::ChatTokenizer;
-use kvcache_mlx::trie::Stats as TrieStats;
+use kvcache_trie::Stats as TrieStats;
 
 /// Flushes stdout, so a line shows while the next one is computed.
 pub fn flush() {

@@ -45,9 +45,9 @@
 //! compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
 //! [`crate::kernels`] does.
 //!
-//! [`cached_attention`] is the glue both models run in their cached forward
+//! `cached_attention` is the glue both models run in their cached forward
 //! pass: `put`, then the paged view where the [`AttentionPath`] asks for it and
-//! the cache and device allow, else `get` and [`dense_attention`].
+//! the cache and device allow, else `get` and `dense_attention`.
 
 use std::ops::Range;
 use std::sync::Mutex;

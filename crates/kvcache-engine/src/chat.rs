@@ -1,7 +1,7 @@
 //! Multi-conversation chat over one live sequence of per-layer caches, with three
 //! ways of reusing earlier work between requests:
 //!
-//! - [`Reuse::Trie`]: `kvcache_mlx::trie::PrefixCache`, the prefix trie shared
+//! - [`Reuse::Trie`]: `kvcache_trie::PrefixCache`, the prefix trie shared
 //!   across conversations (pages conversations out to snapshots and back in);
 //! - [`Reuse::SingleEntry`]: the live caches keep the previous request; a new
 //!   request reuses its longest common prefix with it (seed 003's behaviour);
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvcache_api::{Namespace, PrefixStore, SnapshotCache};
-use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
+use kvcache_trie::{PrefixCache, Stats as TrieStats};
 
 use crate::engine::argmax;
 use crate::{EngineError, Llama, Result};

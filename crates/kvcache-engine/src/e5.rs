@@ -3,7 +3,7 @@
 //! conversations in Gemma's turn format, growing past 3 windows) with one of
 //! three ways of reusing earlier work:
 //!
-//! - [`E5Policy::Trie`]: `kvcache_mlx::trie::PrefixCache` over
+//! - [`E5Policy::Trie`]: `kvcache_trie::PrefixCache` over
 //!   [`GemmaLayer`]s (global layers' rows, window layers' windows), a
 //!   snapshot at the end of every prompt, so the next turn resumes there;
 //! - [`E5Policy::WindowOnly`]: a cache without memory beyond the window, one
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{MixedLayer, SnapshotCache};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 use serde::{Deserialize, Serialize};
 
 use crate::bench::median;

@@ -12,7 +12,7 @@
 //!   visible cells in their stored type, the models' default).
 //! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
 //! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): the same
-//!   Llama on mlx-rs arrays through `kvcache_mlx`'s layer caches and prefix trie.
+//!   Llama on mlx-rs arrays through `kvcache_mlx`'s layer caches and `kvcache_trie`'s prefix trie.
 //!
 //! Serving:
 //! - [`engine`]: greedy generation and continuous batching over a causal cache,

@@ -536,7 +536,7 @@ impl Llama {
 
     /// Final normed hidden states `[n, dim]` for `tokens` appended to one live
     /// sequence held in per-layer caches (`caches[l]` for layer `l`, e.g. the
-    /// ones a `kvcache_mlx::trie::PrefixCache` session hands out). The tokens
+    /// ones a `kvcache_trie::PrefixCache` session hands out). The tokens
     /// take positions `offset..offset + n`, `offset` being what the caches hold.
     pub fn hidden_layers<L>(&self, tokens: &[u32], caches: &mut [L]) -> Result<Tensor>
     where

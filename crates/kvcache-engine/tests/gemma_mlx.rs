@@ -43,7 +43,7 @@ use kvcache_engine::mlx::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
 use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, EngineError, WeightMode};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 use mlx_rs::Array;
 
 /// The bound on |cached - recomputed| logits, f32.

@@ -1,6 +1,6 @@
 //! Gemma 3 through the prefix trie on candle: per-layer caches
 //! (`MixedLayer<CandleKv, CandleWindow>`) paged in and out by
-//! `kvcache_mlx::trie::PrefixCache`.
+//! `kvcache_trie::PrefixCache`.
 //!
 //! - The real model (`$KVCACHE_GEMMA`, f32 weights; skipped with a printed
 //!   reason without it), its window narrowed to 64: two interleaved
@@ -20,7 +20,7 @@ use candle_core::{Device, Tensor};
 use kvcache_engine::e5::{self, E5Meta, E5Policy, E5Report, E5Trace, E5Turn};
 use kvcache_engine::gemma::{gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaLayer};
 use kvcache_engine::WeightMode;
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());

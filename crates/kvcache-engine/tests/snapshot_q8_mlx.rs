@@ -23,7 +23,7 @@ use kvcache_engine::mlx::{HostWeights, MlxLlama};
 use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, ModelFile};
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 use mlx_support::max_abs_diff;
 
 /// Greedy tokens generated per request.

@@ -16,7 +16,7 @@ use kvcache_engine::chat::{trie_turn, TurnOutcome};
 use kvcache_engine::store::{self, StoreOptions};
 use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, Llama, ModelFile, WeightMode};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 
 const TOL: f32 = 1e-3;
 

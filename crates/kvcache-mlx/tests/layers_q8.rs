@@ -8,7 +8,7 @@ use kvcache_api::contract::{self, Subject};
 use kvcache_api::paging::Rewind;
 use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, SnapshotCache};
 use kvcache_mlx::layers::{KvCache, KvSnapshot, RotatingKvCache, SnapshotEncoding};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 use mlx_rs::{Array, Dtype};
 
 /// Batch, KV heads and head dimension of the test arrays.

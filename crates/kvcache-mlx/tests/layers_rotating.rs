@@ -7,7 +7,7 @@ mod layers_common;
 
 use kvcache_api::{BoxedSnapshot, CacheError, LayerCache, Snapshot, SnapshotCache};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache, RotatingSnapshot};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 use layers_common::{error_of, f32s, ids_of, Foreign, Ids, Shape, SMALL};
 use proptest::prelude::*;
 

@@ -8,7 +8,7 @@ mod layers_common;
 
 use kvcache_api::{CacheError, LayerCache};
 use kvcache_mlx::layers::KvCache;
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::PrefixCache;
 use layers_common::{ids_of, SMALL};
 use proptest::prelude::*;
 

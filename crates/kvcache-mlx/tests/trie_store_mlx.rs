@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use kvcache_api::{CacheError, DType, HostKv, KvLayout, LayerCache, SnapshotCache};
 use kvcache_mlx::layers::{KvCache, RecurrentCache, RotatingKvCache};
-use kvcache_mlx::trie::fake::MemStore;
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::MemStore;
+use kvcache_trie::PrefixCache;
 use layers_common::{code, f32s, ids_of, Shape};
 use mlx_rs::{Array, Dtype};
 

@@ -1,6 +1,6 @@
 //! P1 (match) and P2 (evict) of docs/BENCHMARKS.md, on fake caches.
 //!
-//! `cargo bench -p kvcache-mlx --bench trie` (add `-- --quick`, or set
+//! `cargo bench -p kvcache-trie --bench trie` (add `-- --quick`, or set
 //! `TRIE_BENCH_QUICK=1`, for a smaller run). Plain `std` timing; every figure
 //! is the median of several runs.
 
@@ -8,8 +8,8 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use kvcache_api::CacheError;
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::{feed_all, Counters, FakeKv};
+use kvcache_trie::PrefixCache;
 
 /// xorshift64*: deterministic and dependency-free.
 struct Rng(u64);

@@ -1223,7 +1223,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trie::fake::FakeKv;
+    use crate::fake::FakeKv;
 
     fn node(stamp: u64, end: usize, bytes: usize, user: bool) -> Node {
         let mut n = Node::new(vec![0; end], 0, ROOT, stamp);

@@ -111,7 +111,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// suspects trouble or on a debug endpoint, not per token.
     ///
     /// ```
-    /// use kvcache_mlx::trie::{fake::{Counters, FakeKv}, PrefixCache};
+    /// use kvcache_trie::{fake::{Counters, FakeKv}, PrefixCache};
     ///
     /// let counters = Counters::new();
     /// let trie = PrefixCache::new(vec![FakeKv::new(&counters), FakeKv::new(&counters)], 1 << 20)?;
@@ -414,7 +414,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trie::fake::{feed_all, Counters, FakeKv, FakeLayer};
+    use crate::fake::{feed_all, Counters, FakeKv, FakeLayer};
 
     fn trie() -> PrefixCache<FakeKv> {
         let counters = Counters::new();

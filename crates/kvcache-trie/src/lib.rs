@@ -1,4 +1,4 @@
-//! The prefix trie shared across conversations.
+//! The prefix trie shared across conversations, over any layer cache.
 //!
 //! [`PrefixCache`] keeps a compressed trie of the token sequences it has seen,
 //! with per-layer snapshots on its nodes, and one set of live layer caches
@@ -7,14 +7,15 @@
 //! the old path out and the new one in) and returns a [`Session`] that tells
 //! the engine what to evaluate. The trie only uses the
 //! [`SnapshotCache`](kvcache_api::SnapshotCache) contract, so it runs over any
-//! layer cache, and over [`fake`] caches in tests.
+//! layer cache (mlx-rs ones from `kvcache-mlx`, candle ones from `kvcache-causal`),
+//! and over fake caches in tests (`fake`, behind the `test-util` feature).
 //!
 //! # An engine loop
 //!
 //! ```
 //! use kvcache_api::CacheError;
-//! use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv};
-//! use kvcache_mlx::trie::PrefixCache;
+//! use kvcache_trie::fake::{feed_all, Counters, FakeKv};
+//! use kvcache_trie::PrefixCache;
 //!
 //! // The model's layer caches (here two fake KV layers) and a 1 MiB budget
 //! // for paged-out snapshots.
@@ -129,8 +130,8 @@
 //! use std::time::Duration;
 //!
 //! use kvcache_api::{CacheError, Namespace};
-//! use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, MemStore};
-//! use kvcache_mlx::trie::PrefixCache;
+//! use kvcache_trie::fake::{feed_all, Counters, FakeKv, MemStore};
+//! use kvcache_trie::PrefixCache;
 //!
 //! let store = Arc::new(MemStore::new(FakeKv::layout(2), 4));
 //! let tenant = Namespace::new("tenant-42")?;
@@ -168,13 +169,17 @@
 //! - `session`: [`Session`], the engine-facing side of one request.
 //! - `check`: [`PrefixCache::check`], the invariant checker.
 //! - `stats`: [`Stats`].
-//! - [`fake`]: fake layer caches whose state is made of token ids (a KV cache,
-//!   a recurrent state, a sliding window), counting every snapshot they make
-//!   and drop, and [`fake::MemStore`], an in-memory prefix store.
+//! - `fake` (feature `test-util`, for tests and benchmarks): fake layer caches
+//!   whose state is made of token ids (a KV cache, a recurrent state, a sliding
+//!   window), counting every snapshot they make and drop, and `fake::MemStore`,
+//!   an in-memory prefix store.
+
+#![deny(missing_docs)]
 
 mod arena;
 mod cache;
 mod check;
+#[cfg(any(test, feature = "test-util"))]
 pub mod fake;
 mod session;
 mod stats;

@@ -4,7 +4,7 @@
 use kvcache_api::contract::{row_cache, state_cache, Subject};
 use kvcache_api::paging::Rewind;
 use kvcache_api::KvLayout;
-use kvcache_mlx::trie::fake::{Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow};
+use kvcache_trie::fake::{Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow};
 
 /// A fake cache kind, with the counters its snapshots count into.
 struct Fake<F>(Counters, F);

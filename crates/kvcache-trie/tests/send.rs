@@ -1,8 +1,8 @@
-//! Every cache type can move to another thread (one owner drives it at a time).
+//! The trie can move to another thread (one owner drives it at a time).
 
 use kvcache_api::SnapshotCache;
-use kvcache_mlx::trie::fake::FakeKv;
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::FakeKv;
+use kvcache_trie::PrefixCache;
 
 fn assert_send<T: Send>() {}
 
@@ -10,11 +10,4 @@ fn assert_send<T: Send>() {}
 fn caches_are_send() {
     assert_send::<PrefixCache<FakeKv>>();
     assert_send::<PrefixCache<Box<dyn SnapshotCache>>>();
-    #[cfg(any(target_os = "macos", kvcache_mlx))]
-    {
-        assert_send::<kvcache_mlx::layers::KvCache>();
-        assert_send::<kvcache_mlx::layers::RotatingKvCache>();
-        assert_send::<kvcache_mlx::layers::RecurrentCache>();
-        assert_send::<PrefixCache<kvcache_mlx::layers::KvCache>>();
-    }
 }

@@ -4,8 +4,8 @@
 mod trie_support;
 
 use kvcache_api::{CacheError, MixedLayer, SnapshotCache};
-use kvcache_mlx::trie::fake::{Counters, FakeKv, FakeWindow};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::{Counters, FakeKv, FakeWindow};
+use kvcache_trie::PrefixCache;
 use trie_support::{assert_holds, request_with, Options};
 
 const WINDOW: usize = 4;
@@ -76,7 +76,7 @@ fn a_snapshot_of_one_kind_is_foreign_to_the_other() {
     let counters = Counters::new();
     let mut layers = gemma_like(&counters);
     for layer in &mut layers {
-        kvcache_mlx::trie::fake::FakeLayer::feed(layer, &[1, 2, 3, 4, 5, 6]);
+        kvcache_trie::fake::FakeLayer::feed(layer, &[1, 2, 3, 4, 5, 6]);
     }
     let window_snapshot = layers[0].snapshot(0).unwrap().expect("a window state");
     let global_snapshot = layers[5].snapshot(0).unwrap().expect("rows");

@@ -3,8 +3,8 @@
 mod trie_support;
 
 use kvcache_api::{CacheError, SnapshotCache};
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer, RECURRENT_STATE_BYTES};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::{feed_all, Counters, FakeKv, FakeLayer, RECURRENT_STATE_BYTES};
+use kvcache_trie::PrefixCache;
 use trie_support::{assert_holds, cache, request, request_with, Options, Outcome};
 
 const NO_LIMIT: usize = usize::MAX;

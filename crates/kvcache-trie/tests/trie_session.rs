@@ -3,8 +3,8 @@
 //! evaluates in one step.
 
 use kvcache_api::{CacheError, SnapshotCache};
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::{feed_all, Counters, FakeKv, FakeLayer};
+use kvcache_trie::PrefixCache;
 
 fn trie() -> PrefixCache<FakeKv> {
     let counters = Counters::new();

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvcache_api::{CacheError, DType, KvLayout, Namespace, PrefixStore};
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, MemStore};
-use kvcache_mlx::trie::PrefixCache;
+use kvcache_trie::fake::{feed_all, Counters, FakeKv, MemStore};
+use kvcache_trie::PrefixCache;
 use trie_support::{assert_holds, cache, request, request_full, request_in, request_with, Layer, Options};
 
 const NO_LIMIT: usize = usize::MAX;

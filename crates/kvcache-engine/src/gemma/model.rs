@@ -2,7 +2,7 @@
 //! masks (the reference), a batch of tokens of many sequences through a
 //! [`CausalCache`] (a [`LayerGroupCache`] holding the window layers and the
 //! global layers apart: see [`Gemma::new_cache`]), and one sequence through
-//! per-layer caches ([`GemmaLayer`]s: what `kvcache_mlx::trie::PrefixCache`
+//! per-layer caches ([`GemmaLayer`]s: what `kvcache_trie::PrefixCache`
 //! drives, see [`Gemma::forward_layers`]). All three share the layer loop
 //! ([`Gemma::hidden_with`]) and the attention.
 //!

@@ -7,7 +7,7 @@
 //! greedily, and closing the session stores what the caches hold.
 
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
-use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
+use kvcache_trie::{PrefixCache, Stats as TrieStats};
 
 use super::MlxLlama;
 use crate::chat::{trie_turn, TurnOutcome};

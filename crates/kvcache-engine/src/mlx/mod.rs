@@ -1,5 +1,5 @@
 //! The Llama of [`crate::model`] on mlx-rs arrays, running through the
-//! `kvcache_mlx` layer caches and prefix trie (`--backend mlx`).
+//! `kvcache_mlx` layer caches under the `kvcache_trie` prefix trie (`--backend mlx`).
 //!
 //! - [`weights`]: every weight as f32 host data, read from the GGUF with the
 //!   same candle reader and dequantization the candle model uses, or random.
@@ -8,7 +8,7 @@
 //!   per-layer [`kvcache_api::LayerCache`]s such as
 //!   [`kvcache_mlx::layers::KvCache`].
 //! - [`chat`]: [`MlxChatServer`], multi-conversation chat through
-//!   [`kvcache_mlx::trie::PrefixCache`] over mlx `KvCache`s.
+//!   [`kvcache_trie::PrefixCache`] over mlx `KvCache`s.
 //! - [`gemma`]: [`MlxGemma`], Gemma 3 with its window and global layers
 //!   through the same trie (rotating caches for the window layers), and its
 //!   chat server [`MlxGemmaChatServer`].

@@ -5,7 +5,7 @@
 //! two paths: [`MlxLlama::hidden_full`] recomputes everything without a cache
 //! (the reference), [`MlxLlama::hidden_layers`] appends tokens to one live
 //! sequence held in per-layer caches (`kvcache_mlx::layers::KvCache`, e.g. the
-//! ones a `kvcache_mlx::trie::PrefixCache` session hands out).
+//! ones a `kvcache_trie::PrefixCache` session hands out).
 //!
 //! Shapes (outermost first): `n` tokens flow as hidden states `[n, dim]`;
 //! queries `[n, heads, head_dim]`; keys and values go to the caches as

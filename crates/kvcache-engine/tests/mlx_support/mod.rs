@@ -7,7 +7,7 @@ use kvcache_engine::engine::argmax;
 use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::MlxLlama;
 use kvcache_mlx::layers::KvCache;
-use kvcache_mlx::trie::{PrefixCache, Stats};
+use kvcache_trie::{PrefixCache, Stats};
 
 /// Bytes one position takes in every layer's snapshot (keys and values, f32).
 pub fn bytes_per_position(model: &MlxLlama) -> usize {

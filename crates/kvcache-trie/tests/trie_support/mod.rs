@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use kvcache_api::Namespace;
-use kvcache_mlx::trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow};
-use kvcache_mlx::trie::{PrefixCache, Session};
+use kvcache_trie::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, FakeWindow};
+use kvcache_trie::{PrefixCache, Session};
 
 /// A layer of a fake model.
 pub type Layer = Box<dyn FakeLayer>;

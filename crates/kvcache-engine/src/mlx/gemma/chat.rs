@@ -12,7 +12,7 @@
 
 use kvcache_api::Namespace;
 use kvcache_mlx::layers::DEFAULT_STEP;
-use kvcache_mlx::trie::{PrefixCache, Stats as TrieStats};
+use kvcache_trie::{PrefixCache, Stats as TrieStats};
 
 use super::{MlxGemma, MlxGemmaLayer};
 use crate::chat::{trie_turn_resumable, TurnOutcome};

@@ -5,7 +5,7 @@
 //! - [`model`]: [`MlxGemma`], the forward pass without a cache (the reference)
 //!   and through the per-layer caches.
 //! - [`chat`]: [`MlxGemmaChatServer`], multi-conversation chat through
-//!   [`kvcache_mlx::trie::PrefixCache`] over those caches, keeping a restore
+//!   [`kvcache_trie::PrefixCache`] over those caches, keeping a restore
 //!   point at every prompt's end so the next turn resumes there.
 
 pub mod chat;
