@@ -236,13 +236,14 @@ fn main() -> Result<(), Error> {
     let mut results: Vec<(KvStorage, AttentionPath, f64)> = Vec::new();
     for &kv in &kinds {
         let start = imported(&model, &shape, kv, &states)?;
-        let mut cache = start.try_clone()?;
         let mut speeds: Vec<Vec<f64>> = vec![Vec::new(); paths_wanted.len()];
         let mut outputs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); paths_wanted.len()];
         let mut mask_bytes = vec![0; paths_wanted.len()];
         for _ in 0..runs {
             for (i, &path) in paths_wanted.iter().enumerate() {
-                cache.try_clone_from(&start)?;
+                // A fresh copy each time, so that what a path holds (its mask
+                // buffer) is its own.
+                let mut cache = start.try_clone()?;
                 model.set_attention(path);
                 let (time, out) = decode(&model, &mut cache, &shape, &first)?;
                 speeds[i].push(tokens / time.as_secs_f64());
@@ -252,10 +253,10 @@ fn main() -> Result<(), Error> {
         }
         println!(
             "{kv}: key/value storage {:.1} MiB allocated ({} cells), {:.1} MiB in the {} used cells",
-            mib(cache.storage_bytes()),
-            cache.num_cells(),
-            mib(cache.storage_bytes_per_cell() * cache.used_cells()),
-            cache.used_cells()
+            mib(start.storage_bytes()),
+            start.num_cells(),
+            mib(start.storage_bytes_per_cell() * start.used_cells()),
+            start.used_cells()
         );
         for (i, &path) in paths_wanted.iter().enumerate() {
             let tps = median(speeds[i].clone());
