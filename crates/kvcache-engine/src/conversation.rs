@@ -11,7 +11,7 @@
 //! on candle, or the mlx chat server.
 
 use crate::chat::TurnOutcome;
-use crate::tokenizer::{chatml, Message, Role};
+use crate::tokenizer::{Message, Role};
 use crate::{ChatTokenizer, EngineError, Result};
 
 /// The system message every conversation starts with.
@@ -91,7 +91,7 @@ pub fn interleaved(
                 FOLLOW_UPS[(turn - 2) % FOLLOW_UPS.len()].to_owned()
             };
             messages.push(Message::new(Role::User, user.clone()));
-            let prompt = tokenizer.encode(&chatml(messages, true))?;
+            let prompt = tokenizer.chatml_ids(messages, true)?;
             let outcome = generate(&prompt, plan.max_new, Some(eos))?;
             let reply_tokens: Vec<u32> = outcome.generated.iter().copied().filter(|&t| t != eos).collect();
             let reply = tokenizer.decode(&reply_tokens)?.trim().to_owned();
@@ -184,7 +184,7 @@ mod tests {
             Message::new(Role::Assistant, "Yes."),
             Message::new(Role::User, FOLLOW_UPS[1]),
         ];
-        assert_eq!(prompts[4], tok.encode(&chatml(&history, true)).unwrap());
+        assert_eq!(prompts[4], tok.chatml_ids(&history, true).unwrap());
         // Each turn's prompt extends the same conversation's previous one.
         assert!(prompts[2].starts_with(&prompts[0]) && prompts[4].starts_with(&prompts[2]));
         assert!(!prompts[1].starts_with(&prompts[0]));

@@ -28,7 +28,7 @@ use kvcache_api::{
     CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState,
 };
 
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, TokenLogprobs};
 use crate::{BatchToken, EngineError, Llama, Result};
 
 /// Index of the largest value (the first one on ties); 0 for an empty slice.
@@ -344,6 +344,9 @@ pub struct Engine<'m, C> {
     store_errors: usize,
     reuse: ReuseStats,
     reuse_prefixes: bool,
+    /// Log-probabilities of the picks whose sampler asked for them, in the
+    /// order of their [`Event::Token`]s ([`Engine::take_logprobs`]).
+    logprobs: Vec<(usize, TokenLogprobs)>,
 }
 
 impl<'m, C> Engine<'m, C>
@@ -378,7 +381,17 @@ where
             store_errors: 0,
             reuse: ReuseStats::default(),
             reuse_prefixes: false,
+            logprobs: Vec::new(),
         })
+    }
+
+    /// The log-probabilities of the tokens picked since the last call, as
+    /// `(request id, logprobs)` in the order of their [`Event::Token`]s: one
+    /// per token of each request whose sampler asked for them
+    /// ([`crate::sampling::SamplingOptions::logprobs`]), none for the others.
+    /// Taken after [`Engine::step`], they pair with that step's tokens.
+    pub fn take_logprobs(&mut self) -> Vec<(usize, TokenLogprobs)> {
+        std::mem::take(&mut self.logprobs)
     }
 
     /// Reuses prefixes through `store`, whose entries belong to the model
@@ -835,7 +848,13 @@ where
             let slot = self.slots[seq].as_mut().expect("planned slots are live");
             let row = logits.next().expect("one row of logits per pick");
             let token = match slot.sampler.as_mut() {
-                Some(sampler) => sampler.sample(row),
+                Some(sampler) => {
+                    let token = sampler.sample(row);
+                    if let Some(lp) = sampler.take_logprobs() {
+                        self.logprobs.push((slot.req.id, lp));
+                    }
+                    token
+                }
                 None => argmax(row),
             };
             slot.first_token.get_or_insert_with(|| slot.joined.elapsed());

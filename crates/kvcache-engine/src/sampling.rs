@@ -6,6 +6,15 @@
 //! from its own seeded generator, so a request with a seed draws the same tokens
 //! whatever else runs beside it.
 //!
+//! [`SamplingOptions`] adds what changes the row before the pick, as OpenAI
+//! defines it: `logit_bias` (added to a token's logit), `presence_penalty`
+//! (subtracted once from every token already generated) and
+//! `frequency_penalty` (subtracted once per time it was generated), and asks
+//! for log-probabilities: the log-softmax of the row the sampler saw (after
+//! bias and penalties, before temperature and `top_p`), the picked token's and
+//! the `top` most likely ones ([`Sampler::take_logprobs`]). With none of them
+//! set, the pick is exactly the one without options.
+//!
 //! [`StopText`] watches generated text for stop sequences that may span token
 //! boundaries: it holds back any tail that could still become a stop sequence
 //! and cuts the text right before the first one found.
@@ -64,18 +73,103 @@ impl SamplingParams {
     }
 }
 
+/// What changes the row of logits before the pick, and the log-probabilities
+/// asked for (OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`,
+/// `logprobs` and `top_logprobs`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SamplingOptions {
+    /// Subtracted once from the logit of every token generated so far; in `-2..=2`.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated; in `-2..=2`.
+    pub frequency_penalty: f32,
+    /// `(token, bias)`: added to the token's logit; each bias in `-100..=100`.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Report the picked token's log-probability and this many most likely
+    /// alternatives (`None`: report nothing); at most [`MAX_TOP_LOGPROBS`].
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives [`SamplingOptions::logprobs`] may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+impl SamplingOptions {
+    /// Checks the ranges; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "{name} {v} must lie in -2..=2"
+                )));
+            }
+        }
+        if let Some(&(token, bias)) = self.logit_bias.iter().find(|b| !(-100.0..=100.0).contains(&b.1)) {
+            return Err(EngineError::InvalidArgument(format!(
+                "logit_bias {bias} of token {token} must lie in -100..=100"
+            )));
+        }
+        if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidArgument(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether the row is used as it comes (no bias, no penalty).
+    fn leaves_row(&self) -> bool {
+        self.presence_penalty == 0.0 && self.frequency_penalty == 0.0 && self.logit_bias.is_empty()
+    }
+}
+
+/// The log-probabilities of one pick.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The picked token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first
+    /// (ties by id), as many as asked.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-softmax of `row` (natural log; `-inf` stays `-inf`).
+pub fn log_softmax(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return row.iter().map(|_| f32::NEG_INFINITY).collect();
+    }
+    let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let log_sum = sum.ln() as f32;
+    row.iter().map(|&l| l - max - log_sum).collect()
+}
+
 /// A request's token picker: its parameters and its random state.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
+    options: SamplingOptions,
     rng: SplitMix64,
+    /// Times each token was generated (for the penalties).
+    counts: std::collections::HashMap<u32, u32>,
+    /// The last pick's log-probabilities, when asked for.
+    last: Option<TokenLogprobs>,
 }
 
 impl Sampler {
     /// A sampler for `params` (validated). Without a seed, the seed comes from
     /// the clock.
     pub fn new(params: SamplingParams) -> Result<Self> {
+        Self::with_options(params, SamplingOptions::default())
+    }
+
+    /// A sampler for `params` whose rows `options` change (both validated).
+    pub fn with_options(params: SamplingParams, options: SamplingOptions) -> Result<Self> {
         params.validate()?;
+        options.validate()?;
         let seed = params.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -84,7 +178,10 @@ impl Sampler {
         });
         Ok(Sampler {
             params,
+            options,
             rng: SplitMix64(seed),
+            counts: Default::default(),
+            last: None,
         })
     }
 
@@ -93,8 +190,64 @@ impl Sampler {
         &self.params
     }
 
-    /// The next token given `logits` (one value per vocabulary entry).
+    /// The options.
+    pub fn options(&self) -> &SamplingOptions {
+        &self.options
+    }
+
+    /// The log-probabilities of the last pick, when asked for (once per pick).
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.last.take()
+    }
+
+    /// The next token given `logits` (one value per vocabulary entry): the
+    /// row changed by the options, then picked from.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let token = if self.options.leaves_row() {
+            let token = self.pick(logits);
+            self.note(logits, token);
+            token
+        } else {
+            let mut row = logits.to_vec();
+            for &(t, bias) in &self.options.logit_bias {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l += bias;
+                }
+            }
+            let (presence, frequency) = (self.options.presence_penalty, self.options.frequency_penalty);
+            for (&t, &n) in &self.counts {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l -= presence + frequency * n as f32;
+                }
+            }
+            let token = self.pick(&row);
+            self.note(&row, token);
+            token
+        };
+        *self.counts.entry(token).or_default() += 1;
+        token
+    }
+
+    /// Records the log-probabilities of `token` in `row`, when asked for.
+    fn note(&mut self, row: &[f32], token: u32) {
+        let Some(k) = self.options.logprobs else { return };
+        let lp = log_softmax(row);
+        let mut order: Vec<u32> = (0..lp.len() as u32).collect();
+        let k = k.min(order.len());
+        let by_prob = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+        if k > 0 && k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_prob);
+        }
+        order.truncate(k);
+        order.sort_by(by_prob);
+        self.last = Some(TokenLogprobs {
+            token,
+            logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            top: order.into_iter().map(|t| (t, lp[t as usize])).collect(),
+        });
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() || logits.is_empty() {
             return argmax(logits);
         }
@@ -263,6 +416,101 @@ mod tests {
             ..params
         });
         assert!(narrow.iter().all(|&t| t == 6), "{narrow:?}");
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_row_and_top_k_is_ordered() {
+        let options = SamplingOptions {
+            logprobs: Some(2),
+            ..SamplingOptions::default()
+        };
+        let mut s = Sampler::with_options(SamplingParams::greedy(), options).unwrap();
+        let row = [1.0f32, 3.0, 2.0, 0.0];
+        assert_eq!(s.sample(&row), 1);
+        let lp = s.take_logprobs().unwrap();
+        let z: f32 = row.iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob - (3.0 - z.ln())).abs() < 1e-5, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((lp.top[1].1 - (2.0 - z.ln())).abs() < 1e-5);
+        assert_eq!(s.take_logprobs(), None);
+        // Not asked: nothing recorded.
+        let mut plain = Sampler::new(SamplingParams::greedy()).unwrap();
+        plain.sample(&row);
+        assert_eq!(plain.take_logprobs(), None);
+    }
+
+    #[test]
+    fn logit_bias_and_penalties_change_the_pick_as_openai_defines_them() {
+        let row = [0.0f32, 5.0, 4.5, 1.0];
+        let greedy = SamplingParams::greedy();
+        // A bias of -100 bans token 1; +100 forces token 3.
+        let ban = SamplingOptions {
+            logit_bias: vec![(1, -100.0)],
+            ..SamplingOptions::default()
+        };
+        assert_eq!(Sampler::with_options(greedy, ban).unwrap().sample(&row), 2);
+        let force = SamplingOptions {
+            logit_bias: vec![(3, 100.0), (999, 1.0)],
+            logprobs: Some(0),
+            ..SamplingOptions::default()
+        };
+        let mut s = Sampler::with_options(greedy, force).unwrap();
+        assert_eq!(s.sample(&row), 3);
+        // The reported log-probability is the biased row's.
+        let lp = s.take_logprobs().unwrap();
+        assert!(lp.logprob > -1e-3 && lp.top.is_empty(), "{lp:?}");
+        // Presence 1: token 1 drops to 4.0 after its first pick, below 2's 4.5.
+        let presence = SamplingOptions {
+            presence_penalty: 1.0,
+            ..SamplingOptions::default()
+        };
+        let mut s = Sampler::with_options(greedy, presence).unwrap();
+        assert_eq!([s.sample(&row), s.sample(&row), s.sample(&row)], [1, 2, 1]);
+        // Frequency 0.3: 5.0, 4.7, 4.4 (< 4.5) for token 1.
+        let frequency = SamplingOptions {
+            frequency_penalty: 0.3,
+            ..SamplingOptions::default()
+        };
+        let mut s = Sampler::with_options(greedy, frequency).unwrap();
+        let picks: Vec<u32> = (0..4).map(|_| s.sample(&row)).collect();
+        assert_eq!(picks, [1, 1, 2, 1]);
+        // None set: the same picks as a plain sampler, seeded sampling included.
+        let hot = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed: Some(3),
+        };
+        let mut a = Sampler::new(hot).unwrap();
+        let mut b = Sampler::with_options(hot, SamplingOptions::default()).unwrap();
+        let logits: Vec<f32> = (0..40).map(|i| (i % 9) as f32 * 0.4).collect();
+        for _ in 0..32 {
+            assert_eq!(a.sample(&logits), b.sample(&logits));
+        }
+    }
+
+    #[test]
+    fn bad_options_are_rejected() {
+        let greedy = SamplingParams::greedy();
+        for o in [
+            SamplingOptions {
+                presence_penalty: 2.5,
+                ..SamplingOptions::default()
+            },
+            SamplingOptions {
+                frequency_penalty: -2.01,
+                ..SamplingOptions::default()
+            },
+            SamplingOptions {
+                logit_bias: vec![(0, 101.0)],
+                ..SamplingOptions::default()
+            },
+            SamplingOptions {
+                logprobs: Some(21),
+                ..SamplingOptions::default()
+            },
+        ] {
+            assert!(Sampler::with_options(greedy, o.clone()).is_err(), "{o:?}");
+        }
     }
 
     #[test]

@@ -214,6 +214,67 @@ impl ChatTokenizer {
         self.inner.decode(ids, false).map_err(tok_err)
     }
 
+    /// The text of `ids` as a client sees it: special (control) tokens left
+    /// out, so `<|im_end|>` or `<|endoftext|>` never shows in an answer.
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// The bytes token `id` stands for (a byte-level token may hold part of
+    /// a UTF-8 character); a special token's are its written form. Empty for
+    /// an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(token) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        if self.is_special(id) {
+            return token.into_bytes();
+        }
+        let byte_of = |c: char| -> Option<u8> {
+            // GPT-2's byte-to-character map, inverted: printable bytes stand
+            // for themselves, the other 68 for U+0100 onwards in byte order.
+            let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+            let c = c as u32;
+            if c < 256 && printable(c) {
+                return Some(c as u8);
+            }
+            let n = c.checked_sub(256)? as usize;
+            (0u32..256).filter(|&b| !printable(b)).nth(n).map(|b| b as u8)
+        };
+        token
+            .chars()
+            .flat_map(|c| {
+                byte_of(c)
+                    .map(|b| vec![b])
+                    .unwrap_or_else(|| c.to_string().into_bytes())
+            })
+            .collect()
+    }
+
+    /// Whether `id` is one of the vocabulary's special (control) tokens.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special)
+    }
+
+    /// The ids that end the model's turn: `<|im_end|>`, `<|endoftext|>` and
+    /// the end-of-sequence id, those the vocabulary has. Generation stops at
+    /// any of them.
+    pub fn end_of_turn_ids(&self) -> Vec<u32> {
+        let mut ids = vec![self.eos];
+        for id in [self.im_end, self.inner.token_to_id("<|endoftext|>")]
+            .into_iter()
+            .flatten()
+        {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        ids
+    }
+
     /// The beginning-of-sequence id (`<|im_start|>` for SmolLM2).
     pub fn bos_token_id(&self) -> u32 {
         self.bos
@@ -423,6 +484,25 @@ mod tests {
             t.encode(&chatml(&[Message::new(Role::User, "Hi there")], true))
                 .unwrap()
         );
+    }
+
+    #[test]
+    fn control_tokens_are_left_out_of_client_text_and_end_the_turn() {
+        let t = toy();
+        let (start, end) = (t.bos_token_id(), t.eos_token_id());
+        let mut ids = t.encode_plain("Hi").unwrap();
+        ids.push(end);
+        ids.insert(0, start);
+        assert_eq!(t.decode(&ids).unwrap(), "<|im_start|>Hi<|im_end|>");
+        assert_eq!(t.decode_text(&ids).unwrap(), "Hi");
+        assert!(t.is_special(start) && t.is_special(end));
+        assert!(!t.is_special(ids[1]));
+        assert_eq!(t.end_of_turn_ids(), vec![end]);
+        assert_eq!(t.token_bytes(end), b"<|im_end|>");
+        let e = t.encode_plain("é ").unwrap();
+        let bytes: Vec<u8> = e.iter().flat_map(|&id| t.token_bytes(id)).collect();
+        assert_eq!(bytes, "é ".as_bytes());
+        assert!(t.token_bytes(u32::MAX).is_empty());
     }
 
     #[test]

@@ -29,6 +29,63 @@ pub struct ServerConfig {
     /// Evaluated prompts waiting to be written to the store before more are
     /// dropped (counted in `kvcache_store_writes_dropped_total`).
     pub store_queue: usize,
+    /// The API keys `/v1` accepts (`Authorization: Bearer KEY`); empty: no
+    /// key needed. Each key is its own tenant.
+    pub api_keys: Vec<ApiKey>,
+    /// How long a request body may take to arrive before a 408.
+    pub body_timeout: Duration,
+    /// The largest request body accepted (413 beyond).
+    pub body_limit: usize,
+}
+
+/// One accepted API key and the tenant it stands for.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    /// The key, as clients send it.
+    pub key: String,
+    /// A name for logs (`key tenant-name` in a keys file); never the key.
+    pub tenant: Option<String>,
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKey")
+            .field("key", &"<redacted>")
+            .field("tenant", &self.tenant)
+            .finish()
+    }
+}
+
+impl ApiKey {
+    /// The namespace prefix of the key's tenant: `k` and the first 32 hex
+    /// digits (128 bits) of the key's SHA-256. Fixed-length and free of `:`,
+    /// so no two keys' namespaces nest, and the key cannot be read from it.
+    pub fn namespace(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(self.key.as_bytes());
+        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        format!("k{hex}")
+    }
+
+    /// Parses a keys file: one key a line, optionally followed by
+    /// whitespace and a tenant name; blank lines and `#` comments skipped.
+    pub fn parse_file(text: &str) -> Result<Vec<ApiKey>, String> {
+        let mut keys = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let mut parts = line.split_whitespace();
+            let key = parts.next().unwrap_or_default().to_string();
+            let tenant = parts.next().map(str::to_string);
+            if parts.next().is_some() {
+                return Err(format!("line {}: expected `KEY [TENANT]`", i + 1));
+            }
+            keys.push(ApiKey { key, tenant });
+        }
+        Ok(keys)
+    }
 }
 
 impl Default for ServerConfig {
@@ -44,6 +101,36 @@ impl Default for ServerConfig {
             default_max_tokens: 256,
             store: StoreOptions::default(),
             store_queue: 64,
+            api_keys: Vec::new(),
+            body_timeout: Duration::from_secs(30),
+            body_limit: 2 << 20,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_keys_file_gives_keys_and_tenants_and_namespaces_are_fixed_length() {
+        let keys = ApiKey::parse_file("# keys\nsk-one alice\n\n  sk-two  \n").unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!(
+            (keys[0].key.as_str(), keys[0].tenant.as_deref()),
+            ("sk-one", Some("alice"))
+        );
+        assert_eq!(
+            (keys[1].key.as_str(), keys[1].tenant.as_deref()),
+            ("sk-two", None)
+        );
+        let (a, b) = (keys[0].namespace(), keys[1].namespace());
+        assert_eq!((a.len(), b.len()), (33, 33));
+        assert_ne!(a, b);
+        assert!(!a.contains("sk-one") && !a.contains(':'));
+        // The same key, the same tenant.
+        assert_eq!(a, keys[0].clone().namespace());
+        assert!(ApiKey::parse_file("k t extra").is_err());
+        assert!(!format!("{:?}", keys[0]).contains("sk-one"));
     }
 }

@@ -74,6 +74,39 @@ impl ApiError {
         }
     }
 
+    /// 401: no API key, or one the server does not know.
+    pub fn unauthorized(message: &str) -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            ..ApiError::invalid(None, message)
+        }
+        .with_code("invalid_api_key")
+    }
+
+    /// 413: the body is larger than `limit` bytes.
+    pub fn too_large(limit: usize) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            ..ApiError::invalid(None, format!("The request body is larger than {limit} bytes"))
+        }
+        .with_code("request_too_large")
+    }
+
+    /// 408: the body did not arrive within `after`.
+    pub fn body_timeout(after: std::time::Duration) -> Self {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            ..ApiError::invalid(
+                None,
+                format!(
+                    "The request body did not arrive within {:.1} s",
+                    after.as_secs_f64()
+                ),
+            )
+        }
+        .with_code("request_timeout")
+    }
+
     /// 404 for a path the server does not serve.
     pub fn not_found(path: &str) -> Self {
         ApiError {

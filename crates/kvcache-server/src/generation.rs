@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvcache_api::Namespace;
-use kvcache_engine::sampling::{Sampler, SamplingParams, StopText};
+use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams, StopText, TokenLogprobs};
 use kvcache_engine::ChatTokenizer;
 use tokio::sync::mpsc;
 
 use crate::access::AccessRecord;
 use crate::error::ApiError;
-use crate::openai::{GenerationOptions, Usage};
+use crate::openai::{ChatRequest, CompletionRequest, GenerationOptions, Usage};
 use crate::worker::{Job, JobEvent};
 use crate::AppState;
 
@@ -30,6 +30,8 @@ pub struct Checked {
     pub max_tokens: usize,
     /// Sampling parameters.
     pub sampling: SamplingParams,
+    /// Bias, penalties and log-probabilities.
+    pub options: SamplingOptions,
     /// Stop sequences.
     pub stops: Vec<String>,
     /// The tenant's namespace.
@@ -40,13 +42,90 @@ pub struct Checked {
     pub include_usage: bool,
 }
 
-/// Checks `options` for a prompt of `prompt` tokens served under `model`.
+/// A 400 naming `param`: it would change the answer and is not implemented.
+fn unsupported(param: &str, what: &str) -> ApiError {
+    ApiError::invalid(Some(param), format!("{what} is not supported by this server"))
+        .with_code("unsupported_parameter")
+}
+
+fn is_empty_list(v: &serde_json::Value) -> bool {
+    v.is_null() || v.as_array().is_some_and(Vec::is_empty)
+}
+
+fn is_none_choice(v: &serde_json::Value) -> bool {
+    v.is_null() || v.as_str() == Some("none")
+}
+
+/// Refuses the chat fields that would change the answer but are not
+/// implemented, naming the first one found.
+pub fn refuse_unsupported_chat(req: &ChatRequest) -> Result<(), ApiError> {
+    if let Some(f) = &req.response_format {
+        if !(f.is_null() || f.get("type").and_then(|t| t.as_str()) == Some("text")) {
+            return Err(unsupported(
+                "response_format",
+                "A response_format other than text",
+            ));
+        }
+    }
+    if req.tools.as_ref().is_some_and(|v| !is_empty_list(v)) {
+        return Err(unsupported("tools", "Tool calling"));
+    }
+    if req.tool_choice.as_ref().is_some_and(|v| !is_none_choice(v)) {
+        return Err(unsupported("tool_choice", "Tool calling"));
+    }
+    if req.functions.as_ref().is_some_and(|v| !is_empty_list(v)) {
+        return Err(unsupported("functions", "Function calling"));
+    }
+    if req.function_call.as_ref().is_some_and(|v| !is_none_choice(v)) {
+        return Err(unsupported("function_call", "Function calling"));
+    }
+    if let Some(m) = &req.modalities {
+        let text_only = m.is_null() || *m == serde_json::json!(["text"]);
+        if !text_only {
+            return Err(unsupported("modalities", "Output other than text"));
+        }
+    }
+    if req.audio.as_ref().is_some_and(|a| !a.is_null()) {
+        return Err(unsupported("audio", "Audio output"));
+    }
+    if req.top_logprobs.is_some() && req.logprobs != Some(true) {
+        return Err(ApiError::invalid(
+            Some("top_logprobs"),
+            "top_logprobs requires logprobs to be true",
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses the completions fields that would change the answer but are not
+/// implemented, naming the first one found.
+pub fn refuse_unsupported_completion(req: &CompletionRequest) -> Result<(), ApiError> {
+    if req.echo == Some(true) {
+        return Err(unsupported("echo", "echo"));
+    }
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(unsupported("suffix", "suffix"));
+    }
+    if req.best_of.is_some_and(|n| n != 1) {
+        return Err(unsupported("best_of", "best_of other than 1"));
+    }
+    if req.logprobs.is_some_and(|n| n > 5) {
+        return Err(ApiError::invalid(Some("logprobs"), "logprobs must lie in 0..=5"));
+    }
+    Ok(())
+}
+
+/// Checks `options` for a prompt of `prompt` tokens served under `model`;
+/// `logprobs` asks for the tokens' log-probabilities and this many
+/// alternatives; `prompt_param` names the prompt's field in errors.
 pub fn check(
     state: &AppState,
     model: &str,
     prompt: Vec<u32>,
     options: GenerationOptions,
     max_tokens: Option<u64>,
+    logprobs: Option<usize>,
+    prompt_param: &str,
 ) -> Result<Checked, ApiError> {
     if model != state.config.model_name {
         return Err(ApiError::unknown_model(model));
@@ -65,7 +144,7 @@ pub fn check(
     // One position is left for the first generated token.
     if prompt.len() + 1 > context {
         return Err(ApiError::invalid(
-            Some("messages"),
+            Some(prompt_param),
             format!(
                 "This model's maximum context length is {context} tokens; the prompt has {} tokens",
                 prompt.len()
@@ -83,8 +162,23 @@ pub fn check(
                 "max_tokens must be at least 1",
             ))
         }
-        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-        None => state.config.default_max_tokens,
+        Some(n) => {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            if n > context - prompt.len() {
+                return Err(ApiError::invalid(
+                    Some("max_tokens"),
+                    format!(
+                        "This model's maximum context length is {context} tokens; the prompt has {} \
+                         tokens and max_tokens asks for {n} more",
+                        prompt.len()
+                    ),
+                )
+                .with_code("context_length_exceeded"));
+            }
+            n
+        }
+        // Not given: the default, within the context.
+        None => state.config.default_max_tokens.min(context - prompt.len()),
     };
     let sampling = SamplingParams {
         temperature: options.temperature.unwrap_or(1.0),
@@ -99,6 +193,50 @@ pub fn check(
         };
         return Err(ApiError::invalid(Some(param), e.to_string()));
     }
+    let mut logit_bias = Vec::new();
+    for (key, value) in options.logit_bias.iter().flatten() {
+        let token = key.parse::<u32>().ok().filter(|&t| t < vocab).ok_or_else(|| {
+            ApiError::invalid(
+                Some("logit_bias"),
+                format!("logit_bias key `{key}` is not a token id below {vocab}"),
+            )
+        })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    Some("logit_bias"),
+                    format!("logit_bias of token {key} must be a number in -100..=100"),
+                )
+            })?;
+        logit_bias.push((token, bias as f32));
+    }
+    let sampling_options = SamplingOptions {
+        presence_penalty: options.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
+        logit_bias,
+        logprobs,
+    };
+    for (param, v) in [
+        ("presence_penalty", sampling_options.presence_penalty),
+        ("frequency_penalty", sampling_options.frequency_penalty),
+    ] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::invalid(
+                Some(param),
+                format!("{param} {v} must lie in -2..=2"),
+            ));
+        }
+    }
+    if let Err(e) = sampling_options.validate() {
+        let param = if sampling_options.logit_bias.is_empty() {
+            "top_logprobs"
+        } else {
+            "logit_bias"
+        };
+        return Err(ApiError::invalid(Some(param), e.to_string()));
+    }
     let stops = options.stop.map(|s| s.into_vec()).unwrap_or_default();
     if stops.len() > MAX_STOPS {
         return Err(ApiError::invalid(
@@ -109,10 +247,10 @@ pub fn check(
     let namespace = Namespace::from_salt(options.cache_salt.as_deref())
         .map_err(|e| ApiError::invalid(Some("cache_salt"), e.to_string()))?;
     Ok(Checked {
-        // Never past the context: the engine would shift it.
-        max_tokens: max_tokens.min(context - prompt.len()),
+        max_tokens,
         prompt,
         sampling,
+        options: sampling_options,
         stops,
         namespace,
         stream: options.stream,
@@ -123,8 +261,10 @@ pub fn check(
 /// What a generation yields.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
-    /// More text.
-    Text(String),
+    /// More text, and the log-probabilities of the tokens that made it (when
+    /// asked for; a piece may carry tokens whose text came earlier or is
+    /// held back).
+    Text(String, Vec<TokenLogprobs>),
     /// The end: why, and the token counts.
     End {
         /// `stop` or `length`.
@@ -150,6 +290,11 @@ pub struct Generation {
     cached_tokens: usize,
     pending: VecDeque<Piece>,
     ended: bool,
+    /// Log-probabilities not yet handed out with a piece.
+    logprobs: Vec<TokenLogprobs>,
+    /// The ids that end the turn (other than end-of-sequence, which the
+    /// engine stops on itself).
+    end_of_turn: Vec<u32>,
     /// Where the access log line learns the request's counts.
     record: AccessRecord,
 }
@@ -195,9 +340,12 @@ impl Generation {
             cached_tokens: 0,
             pending: VecDeque::new(),
             ended: false,
+            logprobs: Vec::new(),
+            end_of_turn: state.tokenizer.end_of_turn_ids(),
             record,
         };
-        let sampler = Sampler::new(checked.sampling).map_err(|e| ApiError::invalid(None, e.to_string()))?;
+        let sampler = Sampler::with_options(checked.sampling, checked.options)
+            .map_err(|e| ApiError::invalid(None, e.to_string()))?;
         let job = Job {
             prompt: checked.prompt,
             max_tokens: checked.max_tokens,
@@ -232,13 +380,9 @@ impl Generation {
                     return Some(Err(ApiError::internal("The engine dropped the request")));
                 }
                 Some(JobEvent::Started { cached_tokens }) => self.cached_tokens = cached_tokens,
-                Some(JobEvent::Token(token)) => self.token(token),
+                Some(JobEvent::Token { token, logprobs }) => self.token(token, logprobs),
                 Some(JobEvent::Finished { cached_tokens, eos }) => {
                     self.cached_tokens = cached_tokens;
-                    let rest = self.stop.finish();
-                    if !rest.is_empty() {
-                        self.pending.push_back(Piece::Text(rest));
-                    }
                     self.end(if eos { "stop" } else { "length" });
                 }
                 Some(JobEvent::Failed(message)) => {
@@ -249,7 +393,10 @@ impl Generation {
         }
     }
 
-    fn token(&mut self, token: u32) {
+    fn token(&mut self, token: u32, logprobs: Option<TokenLogprobs>) {
+        if self.ended {
+            return;
+        }
         if self.completion_tokens == 0 {
             let ttft = self.started.elapsed();
             self.state.metrics.observe_ttft(ttft);
@@ -258,13 +405,23 @@ impl Generation {
         self.completion_tokens += 1;
         self.record.generated(self.completion_tokens);
         if token == self.tokenizer.eos_token_id() {
+            // The engine stops on it and says so next.
             return;
         }
+        if self.end_of_turn.contains(&token) {
+            // Another end-of-turn token: the turn is over; dropping the
+            // receiver cancels the request on the engine.
+            self.events = None;
+            self.end("stop");
+            return;
+        }
+        self.logprobs.extend(logprobs);
         self.tokens.push(token);
         let Some(new) = self.new_text() else { return };
         let out = self.stop.push(&new);
         if !out.text.is_empty() {
-            self.pending.push_back(Piece::Text(out.text));
+            let logprobs = std::mem::take(&mut self.logprobs);
+            self.pending.push_back(Piece::Text(out.text, logprobs));
         }
         if out.stopped {
             // Dropping the receiver cancels the request on the engine.
@@ -273,7 +430,14 @@ impl Generation {
         }
     }
 
+    /// Ends the answer: the text held back for stop sequences (unless one
+    /// was found) and the log-probabilities not yet handed out, then the end.
     fn end(&mut self, finish_reason: &'static str) {
+        let rest = self.stop.finish();
+        if !rest.is_empty() || !self.logprobs.is_empty() {
+            let logprobs = std::mem::take(&mut self.logprobs);
+            self.pending.push_back(Piece::Text(rest, logprobs));
+        }
         self.ended = true;
         let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
         self.record.finished(&usage, finish_reason);
@@ -283,7 +447,8 @@ impl Generation {
     /// Text decoded since the last call, or `None` while the tokens end in
     /// an incomplete UTF-8 character.
     fn new_text(&mut self) -> Option<String> {
-        let text = self.tokenizer.decode(&self.tokens).ok()?;
+        // Control tokens never reach the client's text.
+        let text = self.tokenizer.decode_text(&self.tokens).ok()?;
         if text.ends_with('\u{fffd}') {
             return None;
         }

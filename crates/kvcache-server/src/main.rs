@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvcache_engine::store::StoreOptions;
+use kvcache_server::config::ApiKey;
 use kvcache_server::{router, AppState, ServerConfig};
 
 /// Serve SmolLM2 through an OpenAI-compatible HTTP API (chat completions,
@@ -69,6 +70,19 @@ struct Args {
     /// silences the access log).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Accept this API key (repeatable): every /v1 request then needs
+    /// `Authorization: Bearer KEY` (401 without), and each key is a tenant of
+    /// its own: its prefixes are never shared with another key's, salt or not.
+    /// /health and /metrics stay open.
+    #[arg(long, value_name = "KEY")]
+    api_key: Vec<String>,
+    /// Read API keys from PATH: one a line, `KEY` or `KEY TENANT-NAME`; blank
+    /// lines and `#` comments skipped. Adds to --api-key.
+    #[arg(long, value_name = "PATH")]
+    api_keys_file: Option<PathBuf>,
+    /// Seconds a request body may take to arrive before the server answers 408.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    body_timeout: f64,
 }
 
 /// `--log-format`.
@@ -129,6 +143,30 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if !(args.idle_ttl.is_finite() && args.idle_ttl >= 0.0) {
         return Err("--idle-ttl must be a non-negative number of seconds".into());
     }
+    if !(args.body_timeout.is_finite() && args.body_timeout > 0.0) {
+        return Err("--body-timeout must be a positive number of seconds".into());
+    }
+    let mut api_keys: Vec<ApiKey> = args
+        .api_key
+        .iter()
+        .map(|key| ApiKey {
+            key: key.clone(),
+            tenant: None,
+        })
+        .collect();
+    if let Some(path) = &args.api_keys_file {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("--api-keys-file {}: {e}", path.display()))?;
+        api_keys.extend(
+            ApiKey::parse_file(&text).map_err(|e| format!("--api-keys-file {}: {e}", path.display()))?,
+        );
+    }
+    if api_keys
+        .iter()
+        .any(|k| k.key.is_empty() || k.key.chars().any(char::is_whitespace))
+    {
+        return Err("an API key must be non-empty and hold no whitespace".into());
+    }
     let config = ServerConfig {
         model_name: args.served_model_name,
         max_sequences: args.max_sequences,
@@ -143,7 +181,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             redis: args.redis,
         },
         store_queue: args.store_queue,
+        api_keys,
+        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        ..ServerConfig::default()
     };
+    if !config.api_keys.is_empty() {
+        tracing::info!(keys = config.api_keys.len(), "API keys required on /v1");
+    }
     if config.store_queue == 0 {
         return Err("--store-queue must be at least 1".into());
     }
@@ -162,10 +206,32 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("kvcache-server: listening on http://{}", listener.local_addr()?);
         tracing::info!(address = %listener.local_addr()?, "listening");
         axum::serve(listener, router(state))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
+            .with_graceful_shutdown(shutdown_signal())
             .await?;
         Ok::<(), Box<dyn std::error::Error>>(())
     })
+}
+
+/// SIGINT or SIGTERM: stop accepting, let the requests in flight (streams
+/// included) finish, then exit.
+async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down: finishing the requests in flight");
 }

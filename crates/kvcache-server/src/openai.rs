@@ -1,6 +1,11 @@
 //! The request and response bodies of OpenAI's chat completions and
-//! completions APIs, as far as this server implements them. Unknown fields
-//! are ignored; known fields of the wrong type are a 400.
+//! completions APIs, as far as this server implements them. Known fields of
+//! the wrong type are a 400; fields that would change the answer but are not
+//! implemented (`response_format` other than text, `tools`, `echo`, ...) are
+//! kept as raw JSON here and refused with a 400 naming them
+//! ([`crate::generation::refuse_unsupported`]); other unknown fields (`user`,
+//! `metadata`, `store`, `service_tier`, ...) do not change the answer and are
+//! ignored.
 
 use serde::{Deserialize, Serialize};
 
@@ -16,6 +21,24 @@ pub struct ChatRequest {
     pub options: GenerationOptions,
     /// Newer name of `max_tokens`.
     pub max_completion_tokens: Option<u64>,
+    /// Return the log-probability of each generated token.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: this many most likely alternatives per token (0..=20).
+    pub top_logprobs: Option<u32>,
+    /// Not implemented unless `{"type": "text"}`.
+    pub response_format: Option<serde_json::Value>,
+    /// Not implemented (400 unless empty).
+    pub tools: Option<serde_json::Value>,
+    /// Not implemented (400 unless `none`).
+    pub tool_choice: Option<serde_json::Value>,
+    /// Not implemented (400 unless empty).
+    pub functions: Option<serde_json::Value>,
+    /// Not implemented (400 unless `none`).
+    pub function_call: Option<serde_json::Value>,
+    /// Not implemented (400 unless `["text"]`).
+    pub modalities: Option<serde_json::Value>,
+    /// Not implemented (400).
+    pub audio: Option<serde_json::Value>,
 }
 
 /// One message of a chat.
@@ -59,6 +82,15 @@ pub struct CompletionRequest {
     /// The shared generation options.
     #[serde(flatten)]
     pub options: GenerationOptions,
+    /// Return the log-probability of each generated token and of this many
+    /// most likely alternatives (0..=5).
+    pub logprobs: Option<u32>,
+    /// Not implemented (400 when true).
+    pub echo: Option<bool>,
+    /// Not implemented (400 unless empty).
+    pub suffix: Option<String>,
+    /// Not implemented (400 unless 1).
+    pub best_of: Option<u32>,
 }
 
 /// A completion prompt in any of OpenAI's four shapes.
@@ -98,6 +130,12 @@ pub struct GenerationOptions {
     /// The tenant's cache salt (vLLM's field): prefixes are shared only between
     /// requests with the same salt.
     pub cache_salt: Option<String>,
+    /// Subtracted once from the logit of every token already generated (-2..=2).
+    pub presence_penalty: Option<f32>,
+    /// Subtracted from a token's logit per time it was generated (-2..=2).
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) to a bias in -100..=100 added to its logit.
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// `stop`: one string or several.

@@ -4,21 +4,26 @@
 use std::convert::Infallible;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::State;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode, Uri};
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use futures_util::stream::{self, Stream};
+use kvcache_engine::sampling::TokenLogprobs;
 use kvcache_engine::tokenizer::{Message, Role};
+use kvcache_engine::ChatTokenizer;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
 use crate::access::{self, AccessRecord};
 use crate::error::ApiError;
-use crate::generation::{check, Checked, Generation, Piece};
+use crate::generation::{
+    check, refuse_unsupported_chat, refuse_unsupported_completion, Checked, Generation, Piece,
+};
 use crate::openai::{ChatMessage, ChatRequest, CompletionRequest, MessageContent, Prompt, Usage};
 use crate::AppState;
 
@@ -28,11 +33,137 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
+        .layer(axum::middleware::from_fn(json_errors))
         .layer(axum::middleware::from_fn(access::layer))
         .with_state(state)
+}
+
+/// The tenant a request's API key names: the namespace prefix of its key,
+/// `None` when the server takes no keys.
+#[derive(Debug, Clone, Default)]
+pub struct Tenant(pub Option<String>);
+
+/// Before any handler: the API key of a `/v1` request when keys are
+/// configured (401 otherwise; `/health` and `/metrics` stay open), then the
+/// whole body, read within `body_timeout` (408) and `body_limit` (413).
+async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let mut tenant = Tenant(None);
+    if !state.config.api_keys.is_empty() && parts.uri.path().starts_with("/v1") {
+        let sent = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let Some(sent) = sent else {
+            return ApiError::unauthorized("You didn't provide an API key (Authorization: Bearer KEY)")
+                .into_response();
+        };
+        // Compare every key in full, whatever matches, so the time taken
+        // says nothing about how close a wrong key came.
+        let mut found = None;
+        for key in &state.config.api_keys {
+            if constant_time_eq(key.key.as_bytes(), sent.as_bytes()) {
+                found = Some(key);
+            }
+        }
+        let Some(key) = found else {
+            return ApiError::unauthorized("Incorrect API key provided").into_response();
+        };
+        tenant = Tenant(Some(key.namespace()));
+    }
+    parts.extensions.insert(tenant);
+    let limit = state.config.body_limit;
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return ApiError::too_large(limit).into_response();
+    }
+    let read = async {
+        use futures_util::StreamExt;
+        let mut stream = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk =
+                chunk.map_err(|e| ApiError::invalid(None, format!("Could not read the body: {e}")))?;
+            if bytes.len() + chunk.len() > limit {
+                return Err(ApiError::too_large(limit));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
+    };
+    let bytes = match tokio::time::timeout(state.config.body_timeout, read).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(e)) => return e.into_response(),
+        Err(_) => return ApiError::body_timeout(state.config.body_timeout).into_response(),
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes))).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, &x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(!x));
+    }
+    diff == 0
+}
+
+/// Answers that axum makes on its own (405, a rejected body) get OpenAI's
+/// JSON error body like every other refusal.
+async fn json_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 1 << 16).await.unwrap_or_default();
+    let message = match String::from_utf8_lossy(&text).trim() {
+        "" => status.canonical_reason().unwrap_or("error").to_string(),
+        t => t.to_string(),
+    };
+    let mut error = ApiError::invalid(None, message);
+    error.status = status;
+    if status.is_server_error() {
+        error.kind = "server_error";
+    }
+    let mut out = error.into_response();
+    for name in [header::ALLOW, header::RETRY_AFTER] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    out
+}
+
+/// Puts the request under its key's tenant: the namespace is the key's
+/// prefix, then `:` and the salt if the request sent one. Salts of two keys
+/// never meet, and requests without a salt are kept apart too.
+fn apply_tenant(tenant: &Tenant, salt: &mut Option<String>) -> Result<(), ApiError> {
+    kvcache_api::Namespace::from_salt(salt.as_deref())
+        .map_err(|e| ApiError::invalid(Some("cache_salt"), e.to_string()))?;
+    if let Some(prefix) = &tenant.0 {
+        *salt = Some(match salt.take() {
+            Some(s) => format!("{prefix}:{s}"),
+            None => prefix.clone(),
+        });
+    }
+    Ok(())
 }
 
 /// Parses a JSON body, answering malformed JSON and wrong types with a 400.
@@ -55,13 +186,25 @@ fn rejected(state: &AppState, record: &AccessRecord, error: ApiError) -> ApiErro
 async fn chat_completions(
     State(state): State<AppState>,
     Extension(record): Extension<AccessRecord>,
+    Extension(tenant): Extension<Tenant>,
     body: Bytes,
 ) -> Response {
     let started = Instant::now();
     let result = async {
-        let req: ChatRequest = parse(&body)?;
+        let mut req: ChatRequest = parse(&body)?;
+        refuse_unsupported_chat(&req)?;
+        apply_tenant(&tenant, &mut req.options.cache_salt)?;
         let prompt = chat_prompt(&state, &req.messages)?;
-        let checked = check(&state, &req.model, prompt, req.options, req.max_completion_tokens)?;
+        let logprobs = (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0) as usize);
+        let checked = check(
+            &state,
+            &req.model,
+            prompt,
+            req.options,
+            req.max_completion_tokens,
+            logprobs,
+            "messages",
+        )?;
         Ok::<_, ApiError>((req.model, checked))
     }
     .await;
@@ -74,11 +217,15 @@ async fn chat_completions(
 async fn completions(
     State(state): State<AppState>,
     Extension(record): Extension<AccessRecord>,
+    Extension(tenant): Extension<Tenant>,
     body: Bytes,
 ) -> Response {
     let started = Instant::now();
     let result = async {
-        let req: CompletionRequest = parse(&body)?;
+        let mut req: CompletionRequest = parse(&body)?;
+        refuse_unsupported_completion(&req)?;
+        apply_tenant(&tenant, &mut req.options.cache_salt)?;
+        let logprobs = req.logprobs.map(|n| n as usize);
         let prompt = match req.prompt {
             Prompt::Text(text) => encode(&state, &text)?,
             Prompt::Tokens(ids) => ids,
@@ -91,7 +238,7 @@ async fn completions(
                 ))
             }
         };
-        let checked = check(&state, &req.model, prompt, req.options, None)?;
+        let checked = check(&state, &req.model, prompt, req.options, None, logprobs, "prompt")?;
         Ok::<_, ApiError>((req.model, checked))
     }
     .await;
@@ -128,7 +275,13 @@ fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, A
             }
         };
         let content = match &m.content {
-            None => String::new(),
+            None if role == Role::Assistant => String::new(),
+            None => {
+                return Err(ApiError::invalid(
+                    Some(&format!("messages[{i}].content")),
+                    format!("messages[{i}] has no content"),
+                ))
+            }
             Some(MessageContent::Text(text)) => text.clone(),
             Some(MessageContent::Parts(parts)) => {
                 let mut text = String::new();
@@ -194,7 +347,7 @@ impl Header {
     }
 
     /// The whole answer of a non-streamed request.
-    fn complete(&self, text: String, finish_reason: &str, usage: Usage) -> Value {
+    fn complete(&self, text: String, finish_reason: &str, usage: Usage, logprobs: Value) -> Value {
         match self.kind {
             Kind::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -202,20 +355,21 @@ impl Header {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": finish_reason,
-                    "logprobs": null,
+                    "logprobs": logprobs,
                 }],
                 "usage": usage,
             }),
             Kind::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null}],
+                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
                 "usage": usage,
             }),
         }
     }
 
-    /// One streamed chunk: `text` (or the role, first) and `finish_reason`.
-    fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
+    /// One streamed chunk: `text` (or the role, first), `finish_reason` and
+    /// the log-probabilities of its tokens (`null` when not asked for).
+    fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>, logprobs: Value) -> Value {
         match self.kind {
             Kind::Chat => {
                 let delta = match (first, text) {
@@ -226,12 +380,12 @@ impl Header {
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": null}],
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
                 })
             }
             Kind::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish_reason, "logprobs": null}],
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish_reason, "logprobs": logprobs}],
             }),
         }
     }
@@ -249,6 +403,64 @@ impl Header {
     }
 }
 
+/// Log-probabilities as the API of `kind` writes them, from `offset`
+/// characters into the answer (completions' `text_offset`).
+#[derive(Debug, Clone)]
+struct Logprobs {
+    kind: Kind,
+    tokenizer: std::sync::Arc<ChatTokenizer>,
+    offset: usize,
+}
+
+impl Logprobs {
+    fn token(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self.tokenizer.token_bytes(id);
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    /// The `logprobs` of a choice holding the tokens of `lps`.
+    fn render(&mut self, lps: &[TokenLogprobs]) -> Value {
+        match self.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|lp| {
+                        let (token, bytes) = self.token(lp.token);
+                        let top: Vec<Value> = lp
+                            .top
+                            .iter()
+                            .map(|&(id, logprob)| {
+                                let (token, bytes) = self.token(id);
+                                json!({"token": token, "logprob": logprob, "bytes": bytes})
+                            })
+                            .collect();
+                        json!({"token": token, "logprob": lp.logprob, "bytes": bytes, "top_logprobs": top})
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Kind::Completion => {
+                let (mut tokens, mut token_logprobs, mut top, mut offsets) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for lp in lps {
+                    let (token, _) = self.token(lp.token);
+                    offsets.push(self.offset);
+                    self.offset += token.chars().count();
+                    tokens.push(token);
+                    token_logprobs.push(lp.logprob);
+                    let alternatives: serde_json::Map<String, Value> = lp
+                        .top
+                        .iter()
+                        .map(|&(id, l)| (self.token(id).0, json!(l)))
+                        .collect();
+                    top.push(Value::Object(alternatives));
+                }
+                json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+            }
+        }
+    }
+}
+
 async fn respond(
     state: AppState,
     kind: Kind,
@@ -258,6 +470,11 @@ async fn respond(
     record: AccessRecord,
 ) -> Response {
     let (stream, include_usage) = (checked.stream, checked.include_usage);
+    let logprobs = checked.options.logprobs.is_some().then(|| Logprobs {
+        kind,
+        tokenizer: state.tokenizer.clone(),
+        offset: 0,
+    });
     let generation = match Generation::start(&state, checked, started, record.clone()) {
         Ok(g) => g,
         Err(e) => {
@@ -267,17 +484,22 @@ async fn respond(
     };
     let header = Header::new(kind, model);
     if stream {
-        return Sse::new(sse_events(header, generation, include_usage, record))
+        return Sse::new(sse_events(header, generation, include_usage, logprobs, record))
             .keep_alive(KeepAlive::default())
             .into_response();
     }
     let mut generation = generation;
     let mut text = String::new();
+    let mut lps = Vec::new();
     while let Some(piece) = generation.next().await {
         match piece {
-            Ok(Piece::Text(t)) => text.push_str(&t),
+            Ok(Piece::Text(t, l)) => {
+                text.push_str(&t);
+                lps.extend(l);
+            }
             Ok(Piece::End { finish_reason, usage }) => {
-                return Json(header.complete(text, finish_reason, usage)).into_response()
+                let logprobs = logprobs.map_or(Value::Null, |mut l| l.render(&lps));
+                return Json(header.complete(text, finish_reason, usage, logprobs)).into_response();
             }
             Err(e) => {
                 tracing::error!(error = %e.message, "a request failed on the engine");
@@ -297,24 +519,27 @@ fn sse_events(
     header: Header,
     generation: Generation,
     include_usage: bool,
+    logprobs: Option<Logprobs>,
     record: AccessRecord,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     struct Streaming {
         header: Header,
         generation: Generation,
         include_usage: bool,
+        logprobs: Option<Logprobs>,
         queue: std::collections::VecDeque<SseEvent>,
         done: bool,
         record: AccessRecord,
     }
     let mut queue = std::collections::VecDeque::new();
     if header.kind == Kind::Chat {
-        queue.push_back(data(&header.chunk(None, true, None)));
+        queue.push_back(data(&header.chunk(None, true, None, Value::Null)));
     }
     let start = Streaming {
         header,
         generation,
         include_usage,
+        logprobs,
         queue,
         done: false,
         record,
@@ -328,10 +553,18 @@ fn sse_events(
                 return None;
             }
             match s.generation.next().await {
-                Some(Ok(Piece::Text(t))) => s.queue.push_back(data(&s.header.chunk(Some(&t), false, None))),
-                Some(Ok(Piece::End { finish_reason, usage })) => {
+                Some(Ok(Piece::Text(t, l))) => {
+                    let logprobs = s.logprobs.as_mut().map_or(Value::Null, |r| r.render(&l));
                     s.queue
-                        .push_back(data(&s.header.chunk(None, false, Some(finish_reason))));
+                        .push_back(data(&s.header.chunk(Some(&t), false, None, logprobs)));
+                }
+                Some(Ok(Piece::End { finish_reason, usage })) => {
+                    s.queue.push_back(data(&s.header.chunk(
+                        None,
+                        false,
+                        Some(finish_reason),
+                        Value::Null,
+                    )));
                     if s.include_usage {
                         s.queue.push_back(data(&s.header.usage_chunk(usage)));
                     }
@@ -364,6 +597,13 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
             "owned_by": "kvcache-rs",
         }],
     }))
+}
+
+async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    if id != state.config.model_name {
+        return ApiError::unknown_model(&id).into_response();
+    }
+    Json(json!({"id": id, "object": "model", "created": 0, "owned_by": "kvcache-rs"})).into_response()
 }
 
 /// 200 while the engine thread runs; 503 once it has ended (the process

@@ -19,7 +19,7 @@ use candle_core::Device;
 use kvcache_api::{CausalConfig, Fingerprint, Namespace};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, ReuseStats, Stats};
-use kvcache_engine::sampling::Sampler;
+use kvcache_engine::sampling::{Sampler, TokenLogprobs};
 use kvcache_engine::{store, Llama, ModelFile, WeightMode};
 use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
@@ -35,7 +35,12 @@ pub enum JobEvent {
         cached_tokens: usize,
     },
     /// A generated token.
-    Token(u32),
+    Token {
+        /// The token.
+        token: u32,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
+    },
     /// The request finished on its own (end of sequence or `max_tokens`).
     Finished {
         /// Prompt tokens taken from cached cells instead of evaluated.
@@ -323,26 +328,47 @@ fn serve(
         }
         let mut closed = Vec::new();
         let mut joined = Vec::new();
+        // Tokens and ends in order, sent once the pass is over and the
+        // tokens' log-probabilities can go with them.
+        let mut outgoing: Vec<(usize, JobEvent)> = Vec::new();
         let result = engine.step(&mut stats, &mut |event| match event {
             Event::Joined { id, .. } => joined.push(*id),
-            Event::Token { id, token } => {
-                if let Some(tx) = jobs.get(id) {
-                    if tx.send(JobEvent::Token(*token)).is_err() {
-                        closed.push(*id);
-                    }
-                }
-            }
+            Event::Token { id, token } => outgoing.push((
+                *id,
+                JobEvent::Token {
+                    token: *token,
+                    logprobs: None,
+                },
+            )),
             Event::Finished(f) => {
-                if let Some(tx) = jobs.remove(&f.id) {
-                    let eos = f.generated.last().copied() == eos;
-                    let _ = tx.send(JobEvent::Finished {
+                let eos = f.generated.last().copied() == eos;
+                outgoing.push((
+                    f.id,
+                    JobEvent::Finished {
                         cached_tokens: f.reused.max(f.restored),
                         eos,
-                    });
-                }
+                    },
+                ));
             }
             _ => {}
         });
+        let mut logprobs: std::collections::HashMap<usize, std::collections::VecDeque<TokenLogprobs>> =
+            Default::default();
+        for (id, lp) in engine.take_logprobs() {
+            logprobs.entry(id).or_default().push_back(lp);
+        }
+        for (id, mut event) in outgoing {
+            if let JobEvent::Token { logprobs: lp, .. } = &mut event {
+                *lp = logprobs.get_mut(&id).and_then(|q| q.pop_front());
+                if let Some(tx) = jobs.get(&id) {
+                    if tx.send(event).is_err() {
+                        closed.push(id);
+                    }
+                }
+            } else if let Some(tx) = jobs.remove(&id) {
+                let _ = tx.send(event);
+            }
+        }
         if let Err(error) = result {
             // A failed pass leaves the requests in it in an unknown state:
             // fail them all and start over with an empty engine state.

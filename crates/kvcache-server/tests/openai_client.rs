@@ -280,7 +280,8 @@ async fn bad_requests_get_openai_errors_and_the_server_carries_on() {
             "prompt longer than the context",
             json!({"model": MODEL, "prompt": long, "max_tokens": 2}).to_string(),
             "completions",
-            Some("messages"),
+            // The field at fault is the prompt (issue 24, item 7).
+            Some("prompt"),
         ),
         (
             "token id outside the vocabulary",
