@@ -54,6 +54,9 @@ struct Args {
     /// Print one line per request.
     #[arg(long)]
     verbose: bool,
+    /// Extra flags for the started server (e.g. `--server-arg=--attention=dense`).
+    #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
+    server_args: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -168,9 +171,10 @@ struct Server {
 }
 
 impl Server {
-    fn start(bin: &PathBuf) -> Result<Self, Box<dyn std::error::Error>> {
+    fn start(bin: &PathBuf, extra: &[String]) -> Result<Self, Box<dyn std::error::Error>> {
         let mut child = Command::new(bin)
             .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()?;
@@ -377,7 +381,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut reports = Vec::new();
     for &mode in modes {
         let server = match &args.server_bin {
-            Some(bin) => Some(Server::start(bin).map_err(|e| e.to_string())?),
+            Some(bin) => Some(Server::start(bin, &args.server_args).map_err(|e| e.to_string())?),
             None => None,
         };
         let url = match (&server, &args.url) {

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use kvcache_engine::attention::AttentionPath;
 use kvcache_engine::store::StoreOptions;
 
 /// How the server sizes its engine and guards its queue.
@@ -17,6 +18,8 @@ pub struct ServerConfig {
     pub max_batch: usize,
     /// Longest prompt chunk of one request in one pass.
     pub prefill_chunk: usize,
+    /// How the model's attention reads the cache (paged by default).
+    pub attention: AttentionPath,
     /// Requests admitted beyond `max_sequences` before new ones are refused
     /// with 503 and `Retry-After`.
     pub max_queue: usize,
@@ -96,6 +99,7 @@ impl Default for ServerConfig {
             context: 2048,
             max_batch: 256,
             prefill_chunk: 128,
+            attention: AttentionPath::Paged,
             max_queue: 64,
             idle_ttl: Duration::from_secs(300),
             default_max_tokens: 256,

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use kvcache_engine::attention::AttentionPath;
 use kvcache_engine::store::StoreOptions;
 use kvcache_server::config::ApiKey;
 use kvcache_server::{router, AppState, ServerConfig};
@@ -43,6 +44,11 @@ struct Args {
     /// Longest prompt chunk of one request in one forward pass.
     #[arg(long, default_value_t = 128)]
     prefill_chunk: usize,
+    /// How attention reads the cache: `paged` (each request's own cells, in their
+    /// stored type) or `dense` (the pass's whole cell range under a mask: the
+    /// reference, for comparison).
+    #[arg(long, value_enum, default_value_t = AttentionArg::Paged)]
+    attention: AttentionArg,
     /// Requests waiting beyond --max-sequences before new ones get 503 and Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -83,6 +89,13 @@ struct Args {
     /// Seconds a request body may take to arrive before the server answers 408.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     body_timeout: f64,
+}
+
+/// `--attention`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum AttentionArg {
+    Paged,
+    Dense,
 }
 
 /// `--log-format`.
@@ -173,6 +186,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         context: args.context,
         max_batch: args.max_batch,
         prefill_chunk: args.prefill_chunk,
+        attention: match args.attention {
+            AttentionArg::Paged => AttentionPath::Paged,
+            AttentionArg::Dense => AttentionPath::Dense,
+        },
         max_queue: args.max_queue,
         idle_ttl: Duration::from_secs_f64(args.idle_ttl),
         default_max_tokens: args.default_max_tokens,

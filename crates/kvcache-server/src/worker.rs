@@ -139,7 +139,10 @@ impl Worker {
             .spawn(move || {
                 let _running = guard;
                 let model = match file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}) {
-                    Ok(model) => model,
+                    Ok(mut model) => {
+                        model.set_attention(config.attention);
+                        model
+                    }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
