@@ -574,6 +574,33 @@ pub struct Fetched {
     pub tiers: Vec<(&'static str, usize)>,
 }
 
+/// What a [`PrefixStore`] did with a submitted run or set of states.
+/// Submitting never blocks: a store whose writer is behind drops the write, and
+/// the caller learns it here.
+#[must_use = "a dropped write is not stored: count it, retry later or say so"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Submitted {
+    /// Accepted: queued for writing, or written.
+    Queued,
+    /// Not stored: the store's writer queue was full (it held `queue_len`
+    /// writes) or the writer had shut down (`queue_len` 0).
+    Dropped {
+        /// The writes waiting in the queue when this one was dropped.
+        queue_len: usize,
+    },
+    /// Not stored: the input did not fit the store (another layout, an
+    /// unaligned start, too few tokens, states that do not stand at the
+    /// prefix's end), or the store keeps no such thing.
+    Rejected,
+}
+
+impl Submitted {
+    /// Whether the write was accepted.
+    pub fn is_queued(self) -> bool {
+        self == Submitted::Queued
+    }
+}
+
 /// A store of token prefixes' keys and values that outlives a cache (and the
 /// process): what `kvcache-store` implements, and what the prefix trie and
 /// engines call.
@@ -609,20 +636,28 @@ pub trait PrefixStore: Send + Sync {
 
     /// Stores `kv`, the keys and values of `tokens[kv.start()..kv.end()]`, for
     /// later fetches of any prompt beginning with `tokens[..kv.end()]`.
-    /// `kv.start()` must be a multiple of the block size. Returns at once.
-    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv);
+    /// `kv.start()` must be a multiple of the block size. Returns at once,
+    /// saying whether the run was accepted ([`Submitted`]).
+    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) -> Submitted;
 
     /// Stores whole-layer states standing at exactly `tokens.len()`: for each
     /// `(layer, state)`, the state of layer `layer` after `tokens` (so
     /// `state.offset == tokens.len()`). They serve later
     /// [`fetch_states`](Self::fetch_states) of exactly that prefix. Returns at
-    /// once. The default stores nothing (a store of rows only).
+    /// once, saying whether they were accepted. The default stores nothing (a
+    /// store of rows only) and answers [`Submitted::Rejected`].
     ///
     /// Layers that cannot cut their state into token rows (rotating windows,
     /// recurrent states) can be restored only at an offset where their whole
     /// state was stored: a prompt end, where the trie writes them.
-    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], states: Vec<(usize, HostState)>) {
+    fn submit_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        states: Vec<(usize, HostState)>,
+    ) -> Submitted {
         let _ = (namespace, tokens, states);
+        Submitted::Rejected
     }
 
     /// The states stored by [`submit_states`](Self::submit_states) for exactly

@@ -47,7 +47,7 @@ pub use config::{CausalConfig, DType, KvStorage, Placement, SlidingWindow, VLayo
 pub use error::{CacheError, Result};
 pub use host::{
     Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
-    PrefixStore, SeqState,
+    PrefixStore, SeqState, Submitted,
 };
 pub use mixed::MixedLayer;
 pub use paged::{CellRun, PagedKv, RowRuns, StoredKv};

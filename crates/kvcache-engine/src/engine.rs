@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::{
-    CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState,
+    CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState, Submitted,
 };
 
 use crate::sampling::{Sampler, TokenLogprobs};
@@ -244,6 +244,9 @@ pub struct Stats {
     /// Store answers the cache refused to import (the request evaluated its
     /// whole prompt instead).
     pub store_errors: usize,
+    /// Evaluated prompts the store did not take (its writer queue full, or
+    /// the input refused): not stored.
+    pub store_refused: usize,
 }
 
 impl Stats {
@@ -342,6 +345,7 @@ pub struct Engine<'m, C> {
     restored_tokens: usize,
     stored_tokens: usize,
     store_errors: usize,
+    store_refused: usize,
     reuse: ReuseStats,
     reuse_prefixes: bool,
     /// Log-probabilities of the picks whose sampler asked for them, in the
@@ -379,6 +383,7 @@ where
             restored_tokens: 0,
             stored_tokens: 0,
             store_errors: 0,
+            store_refused: 0,
             reuse: ReuseStats::default(),
             reuse_prefixes: false,
             logprobs: Vec::new(),
@@ -526,6 +531,7 @@ where
         stats.restored_tokens = std::mem::take(&mut self.restored_tokens);
         stats.stored_tokens = std::mem::take(&mut self.stored_tokens);
         stats.store_errors = std::mem::take(&mut self.store_errors);
+        stats.store_refused = std::mem::take(&mut self.store_refused);
         Ok(stats)
     }
 
@@ -579,8 +585,14 @@ where
         }
         match self.cache.export_seq(seq, from as Pos..prompt.len() as Pos) {
             Ok(state) => {
-                self.stored_tokens += state.kv.tokens();
-                link.store.submit(namespace, prompt, state.kv);
+                let tokens = state.kv.tokens();
+                match link.store.submit(namespace, prompt, state.kv) {
+                    Submitted::Queued => self.stored_tokens += tokens,
+                    refused => {
+                        tracing::debug!(?refused, seq, "prefix store: prompt not stored");
+                        self.store_refused += 1;
+                    }
+                }
             }
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: export failed, prompt not stored");

@@ -31,7 +31,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore};
+use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore, Submitted};
 use kvcache_store::redis_server::RedisServer;
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
 
@@ -146,7 +146,7 @@ fn measure(
                 // takes ownership of what the caller hands it.
                 let handed = kv.clone();
                 let started = Instant::now();
-                store.submit(&ns, &tokens, handed);
+                assert_eq!(store.submit(&ns, &tokens, handed), Submitted::Queued);
                 store.flush();
                 samples[0][0].push(started.elapsed());
                 let started = Instant::now();

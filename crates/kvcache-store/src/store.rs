@@ -115,34 +115,13 @@ struct Core {
     drops: std::sync::Mutex<DropLog>,
 }
 
-/// What a submit did with its run (or states). Submitting never blocks: a
-/// full writer queue drops the write, and the caller learns it here (as well
-/// as from [`StoreStats::dropped`] and a log line).
-#[must_use = "a dropped write is not stored: count it, retry later or say so"]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Submitted {
-    /// In the writer's queue: written to every tier soon
-    /// ([`TieredStore::flush`] waits for it).
-    Queued,
-    /// Not stored: the queue was full (it held `queue_len` writes, the
-    /// configured [`StoreConfig::queue_capacity`]) or the writer had shut
-    /// down (`queue_len` 0). Counted in [`StoreStats::dropped`].
-    Dropped {
-        /// The writes waiting in the queue when this one was dropped.
-        queue_len: usize,
-    },
-    /// Not stored: the input was invalid (wrong layout, unaligned start, too
-    /// few tokens, states that do not fit). Counted in
-    /// [`StoreStats::rejected`].
-    Rejected,
-}
-
-impl Submitted {
-    /// Whether the write was queued.
-    pub fn is_queued(self) -> bool {
-        self == Submitted::Queued
-    }
-}
+/// What a submit did with its run (or states), as every [`PrefixStore`]
+/// answers: for this store, `Queued` means in the writer's queue (written to
+/// every tier soon; [`TieredStore::flush`] waits for it), `Dropped` a full
+/// queue (its bound is [`StoreConfig::queue_capacity`]; counted in
+/// [`StoreStats::dropped`] and logged), `Rejected` invalid input (counted in
+/// [`StoreStats::rejected`]).
+pub use kvcache_api::Submitted;
 
 /// Drops since the last warning, and when it was: one `warn` a second at most.
 #[derive(Debug, Default)]
@@ -973,17 +952,19 @@ impl PrefixStore for TieredStore {
         self.core.fetch(namespace, tokens, from, deadline)
     }
 
-    /// [`TieredStore::try_submit`] with its answer ignored (the trait returns
-    /// nothing): a dropped run is still counted and logged. Callers that hold
-    /// a `TieredStore` should call `try_submit` and act on a drop.
-    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) {
-        let _ = self.try_submit(namespace, tokens, kv);
+    /// [`TieredStore::try_submit`].
+    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) -> Submitted {
+        self.try_submit(namespace, tokens, kv)
     }
 
-    /// [`TieredStore::try_submit_states`] with its answer ignored (as
-    /// [`submit`](Self::submit)).
-    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], states: Vec<(usize, HostState)>) {
-        let _ = self.try_submit_states(namespace, tokens, states);
+    /// [`TieredStore::try_submit_states`].
+    fn submit_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        states: Vec<(usize, HostState)>,
+    ) -> Submitted {
+        self.try_submit_states(namespace, tokens, states)
     }
 
     fn fetch_states(

@@ -3,6 +3,7 @@
 
 mod common;
 
+use kvcache_api::Submitted;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -257,7 +258,7 @@ fn a_damaged_block_through_the_store_shortens_the_answer() {
     let ns = Namespace::shared();
     let tokens = prompt(81, 12);
     let kv = kv_of(layout(), &tokens, 0..12);
-    store.submit(&ns, &tokens, kv.clone());
+    assert_eq!(store.submit(&ns, &tokens, kv.clone()), Submitted::Queued);
     store.flush();
     // Damage the second block.
     let keys: Vec<BlockKey> = KeyChain::new(Scope::new(&FP, &ns), 4, &tokens)
@@ -313,7 +314,10 @@ fn redis_stopped_mid_run_then_restarted() {
     let store = redis_store(&server, &cfg);
     let ns = Namespace::new("r").unwrap();
     let a = prompt(90, 20);
-    store.submit(&ns, &a, kv_of(layout(), &a, 0..20));
+    assert_eq!(
+        store.submit(&ns, &a, kv_of(layout(), &a, 0..20)),
+        Submitted::Queued
+    );
     store.flush();
     assert!(store.fetch(&ns, &a, 0, SECOND).is_some());
 
@@ -330,7 +334,10 @@ fn redis_stopped_mid_run_then_restarted() {
     );
     for s in 0..20 {
         let p = prompt(100 + s, 20);
-        store.submit(&ns, &p, kv_of(layout(), &p, 0..20));
+        assert_ne!(
+            store.submit(&ns, &p, kv_of(layout(), &p, 0..20)),
+            Submitted::Rejected
+        );
     }
     store.flush();
     let stats = store.stats();
@@ -344,7 +351,10 @@ fn redis_stopped_mid_run_then_restarted() {
     let b = prompt(120, 20);
     let mut got = None;
     for _ in 0..50 {
-        store.submit(&ns, &b, kv_of(layout(), &b, 0..20));
+        assert_eq!(
+            store.submit(&ns, &b, kv_of(layout(), &b, 0..20)),
+            Submitted::Queued
+        );
         store.flush();
         got = store.fetch(&ns, &b, 0, SECOND);
         if got.is_some() {
@@ -368,7 +378,10 @@ fn a_frozen_redis_costs_a_fetch_its_deadline_not_more() {
     let store = redis_store(&server, &cfg);
     let ns = Namespace::shared();
     let a = prompt(130, 16);
-    store.submit(&ns, &a, kv_of(layout(), &a, 0..16));
+    assert_eq!(
+        store.submit(&ns, &a, kv_of(layout(), &a, 0..16)),
+        Submitted::Queued
+    );
     store.flush();
     assert!(store.fetch(&ns, &a, 0, SECOND).is_some());
 

@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use kvcache_api::Submitted;
 use kvcache_api::{Fingerprint, Namespace, PrefixStore};
 use kvcache_store::{BlockKey, KeyChain, Scope};
 
@@ -75,7 +76,7 @@ fn stored_prompt_comes_back_whole(store: kvcache_store::TieredStore) {
     let ns = Namespace::new("t1").unwrap();
     let tokens = prompt(1, 21); // blocks 0..8, 8..16, tail 16..21
     let kv = kv_of(layout(), &tokens, 0..21);
-    store.submit(&ns, &tokens, kv.clone());
+    assert_eq!(store.submit(&ns, &tokens, kv.clone()), Submitted::Queued);
     store.flush();
     assert_eq!(store.stats().blocks_written, 3);
 
@@ -128,8 +129,14 @@ fn longest_matching_tail_wins(store: kvcache_store::TieredStore) {
     let ns = Namespace::shared();
     let long = prompt(2, 21);
     let short = long[..18].to_vec();
-    store.submit(&ns, &short, kv_of(layout(), &short, 0..18));
-    store.submit(&ns, &long, kv_of(layout(), &long, 0..21));
+    assert_eq!(
+        store.submit(&ns, &short, kv_of(layout(), &short, 0..18)),
+        Submitted::Queued
+    );
+    assert_eq!(
+        store.submit(&ns, &long, kv_of(layout(), &long, 0..21)),
+        Submitted::Queued
+    );
     store.flush();
     let full = kv_of(layout(), &long, 0..21);
 
@@ -149,7 +156,10 @@ fn longest_matching_tail_wins(store: kvcache_store::TieredStore) {
     );
     // A prompt shorter than one block matches a root tail only.
     let tiny = prompt(3, 5);
-    store.submit(&ns, &tiny, kv_of(layout(), &tiny, 0..5));
+    assert_eq!(
+        store.submit(&ns, &tiny, kv_of(layout(), &tiny, 0..5)),
+        Submitted::Queued
+    );
     store.flush();
     assert_eq!(
         store.fetch(&ns, &tiny, 0, SECOND).unwrap().kv,
@@ -167,7 +177,10 @@ fn prefixes_never_cross_namespaces_or_models() {
         Namespace::new("tenant-b").unwrap(),
     );
     let tokens = prompt(4, 20);
-    store.submit(&a, &tokens, kv_of(layout(), &tokens, 0..20));
+    assert_eq!(
+        store.submit(&a, &tokens, kv_of(layout(), &tokens, 0..20)),
+        Submitted::Queued
+    );
     store.flush();
     assert!(store.fetch(&a, &tokens, 0, SECOND).is_some());
     assert!(store.fetch(&b, &tokens, 0, SECOND).is_none());
@@ -188,11 +201,17 @@ fn later_runs_extend_earlier_ones() {
     let tokens = prompt(5, 30);
     let full = kv_of(layout(), &tokens, 0..30);
     // The first turn stores 16 tokens, the second the rest from the known prefix.
-    store.submit(&ns, &tokens[..16], full.slice(0..16).unwrap());
+    assert_eq!(
+        store.submit(&ns, &tokens[..16], full.slice(0..16).unwrap()),
+        Submitted::Queued
+    );
     store.flush();
     let known = store.known_prefix(&ns, &tokens);
     assert_eq!(known, 16);
-    store.submit(&ns, &tokens, full.slice(known..30).unwrap());
+    assert_eq!(
+        store.submit(&ns, &tokens, full.slice(known..30).unwrap()),
+        Submitted::Queued
+    );
     store.flush();
     assert_eq!(store.known_prefix(&ns, &tokens), 30);
     let got = store.fetch(&ns, &tokens, 0, SECOND).unwrap();
@@ -206,10 +225,19 @@ fn bad_submissions_are_counted_not_stored() {
     let ns = Namespace::shared();
     let tokens = prompt(6, 20);
     // Unaligned start, more rows than tokens, another layout.
-    store.submit(&ns, &tokens, kv_of(layout(), &tokens, 3..10));
-    store.submit(&ns, &tokens[..10], kv_of(layout(), &tokens, 0..20));
+    assert_eq!(
+        store.submit(&ns, &tokens, kv_of(layout(), &tokens, 3..10)),
+        Submitted::Rejected
+    );
+    assert_eq!(
+        store.submit(&ns, &tokens[..10], kv_of(layout(), &tokens, 0..20)),
+        Submitted::Rejected
+    );
     let other = kvcache_api::KvLayout::new(1, 1, 2, kvcache_api::DType::F32);
-    store.submit(&ns, &tokens, kv_of(other, &tokens, 0..8));
+    assert_eq!(
+        store.submit(&ns, &tokens, kv_of(other, &tokens, 0..8)),
+        Submitted::Rejected
+    );
     store.flush();
     let stats = store.stats();
     assert_eq!((stats.rejected, stats.submitted, stats.blocks_written), (3, 0, 0));

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::{
     config, layout, memory_store, opaque_memory_store, prompt, redis_available, RedisServer, FP, SECOND,
 };
-use kvcache_api::{DType, Fingerprint, HostArray, HostState, Namespace, PrefixStore};
+use kvcache_api::{DType, Fingerprint, HostArray, HostState, Namespace, PrefixStore, Submitted};
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
 
 /// Tokens per block in these tests: a part carries 4 * 72 = 288 bytes.
@@ -51,7 +51,10 @@ fn round_trip(store: &TieredStore, big: usize) {
     for len in [3, 4, 9] {
         let tokens = prompt(len as u32, len);
         let states = states_for(&tokens, len as u8, big);
-        store.submit_states(&tenant, &tokens, states.clone());
+        assert_eq!(
+            store.submit_states(&tenant, &tokens, states.clone()),
+            Submitted::Queued
+        );
         store.flush();
         assert_eq!(
             store.fetch_states(&tenant, &tokens, SECOND),
@@ -142,8 +145,14 @@ fn namespaces_never_share_states() {
     let tokens = prompt(1, 6);
     let a = states_for(&tokens, 1, 8);
     let b = states_for(&tokens, 2, 8);
-    store.submit_states(&ns("a"), &tokens, a.clone());
-    store.submit_states(&Namespace::shared(), &tokens, b.clone());
+    assert_eq!(
+        store.submit_states(&ns("a"), &tokens, a.clone()),
+        Submitted::Queued
+    );
+    assert_eq!(
+        store.submit_states(&Namespace::shared(), &tokens, b.clone()),
+        Submitted::Queued
+    );
     store.flush();
     assert_eq!(store.fetch_states(&ns("a"), &tokens, SECOND), Some(a));
     assert_eq!(store.fetch_states(&Namespace::shared(), &tokens, SECOND), Some(b));
@@ -156,24 +165,39 @@ fn invalid_submissions_are_refused_and_counted() {
     let tokens = prompt(1, 6);
     let tenant = ns("a");
     // A state not standing at the end of the tokens.
-    store.submit_states(&tenant, &tokens, vec![state(0, 5, 1, 4)]);
+    assert_eq!(
+        store.submit_states(&tenant, &tokens, vec![state(0, 5, 1, 4)]),
+        Submitted::Rejected
+    );
     // A layer beyond the layout's 3.
-    store.submit_states(&tenant, &tokens, vec![state(3, 6, 1, 4)]);
+    assert_eq!(
+        store.submit_states(&tenant, &tokens, vec![state(3, 6, 1, 4)]),
+        Submitted::Rejected
+    );
     // A layer twice.
-    store.submit_states(&tenant, &tokens, vec![state(1, 6, 1, 4), state(1, 6, 2, 4)]);
+    assert_eq!(
+        store.submit_states(&tenant, &tokens, vec![state(1, 6, 1, 4), state(1, 6, 2, 4)]),
+        Submitted::Rejected
+    );
     // Bytes that do not fit the shape.
     let mut bad = state(0, 6, 1, 4);
     bad.1.arrays[0].data.pop();
-    store.submit_states(&tenant, &tokens, vec![bad]);
+    assert_eq!(
+        store.submit_states(&tenant, &tokens, vec![bad]),
+        Submitted::Rejected
+    );
     // Nothing at all.
-    store.submit_states(&tenant, &tokens, vec![]);
+    assert_eq!(store.submit_states(&tenant, &tokens, vec![]), Submitted::Rejected);
     store.flush();
     let s = store.stats();
     assert_eq!((s.rejected, s.states_submitted, s.states_written), (5, 0, 0));
     assert_eq!(store.fetch_states(&tenant, &tokens, SECOND), None);
     // Layers may come in any order; they are served sorted.
     let (first, second) = (state(2, 6, 3, 4), state(0, 6, 3, 4));
-    store.submit_states(&tenant, &tokens, vec![first.clone(), second.clone()]);
+    assert_eq!(
+        store.submit_states(&tenant, &tokens, vec![first.clone(), second.clone()]),
+        Submitted::Queued
+    );
     store.flush();
     assert_eq!(
         store.fetch_states(&tenant, &tokens, SECOND),
@@ -190,7 +214,10 @@ fn states_stay_within_the_memory_budget_least_recent_first() {
     let mut kept = Vec::new();
     for i in 0..12u32 {
         let tokens = prompt(i, 5);
-        store.submit_states(&tenant, &tokens, states_for(&tokens, i as u8, 80));
+        assert_eq!(
+            store.submit_states(&tenant, &tokens, states_for(&tokens, i as u8, 80)),
+            Submitted::Queued
+        );
         store.flush();
         let used = store.stats().tiers[0].used_bytes.unwrap();
         assert!(used <= budget, "{used} bytes after entry {i}");
@@ -212,7 +239,10 @@ fn a_damaged_or_truncated_file_is_a_counted_miss() {
         let store = disk_store(dir.path(), FP, 1 << 20);
         let tenant = ns("a");
         let tokens = prompt(3, 7);
-        store.submit_states(&tenant, &tokens, states_for(&tokens, 3, 200));
+        assert_eq!(
+            store.submit_states(&tenant, &tokens, states_for(&tokens, 3, 200)),
+            Submitted::Queued
+        );
         store.flush();
         let files: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
@@ -247,7 +277,10 @@ fn a_damaged_or_truncated_file_is_a_counted_miss() {
         assert_eq!(s.state_hits, 0);
         assert!(!path.exists(), "{damage}: the damaged file is removed");
         // Written again, it is served again.
-        store.submit_states(&tenant, &tokens, states_for(&tokens, 3, 200));
+        assert_eq!(
+            store.submit_states(&tenant, &tokens, states_for(&tokens, 3, 200)),
+            Submitted::Queued
+        );
         store.flush();
         assert_eq!(
             store.fetch_states(&tenant, &tokens, SECOND),
@@ -260,7 +293,10 @@ fn a_damaged_or_truncated_file_is_a_counted_miss() {
 fn usable_as_a_trait_object_with_the_default_elsewhere() {
     let store: Arc<dyn PrefixStore> = Arc::new(memory_store(BLOCK, 1 << 20));
     let tokens = prompt(5, 4);
-    store.submit_states(&Namespace::shared(), &tokens, states_for(&tokens, 5, 4));
+    assert_eq!(
+        store.submit_states(&Namespace::shared(), &tokens, states_for(&tokens, 5, 4)),
+        Submitted::Queued
+    );
     // The writer runs behind the caller: poll briefly.
     let deadline = std::time::Instant::now() + SECOND * 5;
     let mut found = None;

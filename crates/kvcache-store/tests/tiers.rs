@@ -203,7 +203,7 @@ fn tiered_store_round_trips_and_promotes() {
     let kv = kv_of(layout(), &tokens, 0..45);
     {
         let store = open();
-        store.submit(&ns, &tokens, kv.clone());
+        assert_eq!(store.submit(&ns, &tokens, kv.clone()), Submitted::Queued);
         store.flush();
         let got = store.fetch(&ns, &tokens, 0, SECOND).unwrap();
         assert_eq!((got.kv.clone(), got.tiers), (kv.clone(), vec![("memory", 45)]));
@@ -239,7 +239,7 @@ fn dropping_the_store_finishes_queued_writes() {
         let disk = DiskTier::open(cfg.context(), dir.path(), 1 << 24).unwrap();
         let store = TieredStore::new(cfg.clone(), vec![Box::new(disk)]).unwrap();
         for p in &prompts {
-            store.submit(&ns, p, kv_of(layout(), p, 0..24));
+            assert_eq!(store.submit(&ns, p, kv_of(layout(), p, 0..24)), Submitted::Queued);
         }
     }
     let disk = DiskTier::open(cfg.context(), dir.path(), 1 << 24).unwrap();
@@ -312,7 +312,10 @@ fn a_full_queue_drops_writes_instead_of_blocking() {
     let closed = gate.lock().unwrap();
     for s in 0..10 {
         let p = prompt(40 + s, 8);
-        store.submit(&ns, &p, kv_of(layout(), &p, 0..8)); // returns at once
+        assert_ne!(
+            store.submit(&ns, &p, kv_of(layout(), &p, 0..8)),
+            Submitted::Rejected
+        ); // returns at once
     }
     let stats = store.stats();
     // One run is with the writer (blocked on the gate), two wait in the queue.
@@ -455,7 +458,7 @@ fn usable_from_many_threads_as_a_trait_object() {
                 for s in 0..5 {
                     let p = prompt(50 + s, 20);
                     let kv: HostKv = kv_of(layout(), &p, 0..20);
-                    store.submit(&ns, &p, kv.clone());
+                    assert_eq!(store.submit(&ns, &p, kv.clone()), Submitted::Queued);
                     // Whatever comes back is a prefix of what was submitted.
                     for _ in 0..3 {
                         if let Some(got) = store.fetch(&ns, &p, 0, SECOND) {
@@ -566,7 +569,7 @@ fn tiered_store_over_redis_promotes_into_memory() {
     let ns = Namespace::new("r").unwrap();
     let tokens = prompt(70, 29);
     let kv = kv_of(layout(), &tokens, 0..29);
-    open().submit(&ns, &tokens, kv.clone()); // dropped at once: the write still happens
+    assert_eq!(open().submit(&ns, &tokens, kv.clone()), Submitted::Queued); // dropped at once: the write still happens
     let store = open();
     let got = store.fetch(&ns, &tokens, 5, SECOND).unwrap();
     assert_eq!(

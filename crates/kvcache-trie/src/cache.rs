@@ -659,13 +659,20 @@ impl<C: SnapshotCache> PrefixCache<C> {
             rows = Some(kv);
         }
         if let Some(kv) = rows {
-            link.store.submit(namespace, prompt, kv);
-            self.counters.store_writes += 1;
-            self.counters.store_tokens_written += (held - from) as u64;
+            if link.store.submit(namespace, prompt, kv).is_queued() {
+                self.counters.store_writes += 1;
+                self.counters.store_tokens_written += (held - from) as u64;
+            } else {
+                self.counters.store_writes_refused += 1;
+            }
         }
         if !states.is_empty() {
-            self.counters.store_states_written += states.len() as u64;
-            link.store.submit_states(namespace, prompt, states);
+            let count = states.len() as u64;
+            if link.store.submit_states(namespace, prompt, states).is_queued() {
+                self.counters.store_states_written += count;
+            } else {
+                self.counters.store_writes_refused += 1;
+            }
         }
     }
 

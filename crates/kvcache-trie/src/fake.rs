@@ -38,7 +38,7 @@ use std::time::Duration;
 use kvcache_api::paging::{Payload, Rewind, RowCache, Rows, RowsSnapshot, State, StateCache, StateSnapshot};
 use kvcache_api::{
     CacheError, DType, Fetched, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, MixedLayer,
-    Namespace, PrefixStore, Result, Snapshot, SnapshotCache,
+    Namespace, PrefixStore, Result, Snapshot, SnapshotCache, Submitted,
 };
 
 /// Bytes a [`FakeRecurrent`] snapshot reports: a recurrent state has a fixed size.
@@ -561,14 +561,14 @@ impl PrefixStore for MemStore {
         })
     }
 
-    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) {
+    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: HostKv) -> Submitted {
         let mut inner = self.lock();
         if self.layout.expect(kv.layout()).is_err()
             || !kv.start().is_multiple_of(self.block)
             || kv.end() > tokens.len()
         {
             inner.refused += 1;
-            return;
+            return Submitted::Rejected;
         }
         inner.submits += 1;
         let mut start = kv.start();
@@ -580,19 +580,26 @@ impl PrefixStore for MemStore {
                 .insert((namespace.clone(), tokens[..end].to_vec()), block);
             start = end;
         }
+        Submitted::Queued
     }
 
-    fn submit_states(&self, namespace: &Namespace, tokens: &[u32], mut states: Vec<(usize, HostState)>) {
+    fn submit_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        mut states: Vec<(usize, HostState)>,
+    ) -> Submitted {
         let mut inner = self.lock();
         let fits = states
             .iter()
             .all(|(layer, state)| *layer < self.layout.layers && state.offset == tokens.len());
         if states.is_empty() || !fits {
             inner.refused += 1;
-            return;
+            return Submitted::Rejected;
         }
         states.sort_by_key(|(layer, _)| *layer);
         inner.states.insert((namespace.clone(), tokens.to_vec()), states);
+        Submitted::Queued
     }
 
     fn fetch_states(

@@ -39,8 +39,11 @@ pub struct Stats {
     pub store_rejected: u64,
     /// Tokens the store's tiers served, by tier name, as the store reported them.
     pub store_tier_tokens: BTreeMap<&'static str, u64>,
-    /// Writes submitted to the store when sessions closed.
+    /// Writes submitted to the store when sessions closed (and accepted).
     pub store_writes: u64,
+    /// Writes the store did not take (its queue full, or the input refused):
+    /// those prompts are not stored.
+    pub store_writes_refused: u64,
     /// Prompt tokens those writes held.
     pub store_tokens_written: u64,
     /// Whole layer states written to the store (layers that cannot cut rows,

@@ -7,6 +7,7 @@
 
 mod trie_support;
 
+use kvcache_api::Submitted;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -544,7 +545,10 @@ fn a_refused_state_gives_every_layer_back_what_it_held() {
     let window = &mut states[1].1.arrays[0];
     window.shape = vec![3];
     window.data.truncate(12);
-    store.submit_states(&Namespace::shared(), &prompt, states);
+    assert_eq!(
+        store.submit_states(&Namespace::shared(), &prompt, states),
+        Submitted::Queued
+    );
 
     let (mut c, n) = cache_with("krw", NO_LIMIT, &store);
     store.set_offline(true);
