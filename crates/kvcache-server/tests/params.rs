@@ -5,19 +5,11 @@
 
 mod common;
 
-use common::Server;
+use common::{tokenizer, Server};
 use kvcache_engine::tokenizer::ChatTokenizer;
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
-
-fn tokenizer() -> ChatTokenizer {
-    let path = kvcache_engine::paths::model_path().expect("model");
-    kvcache_engine::ModelFile::open(path)
-        .unwrap()
-        .tokenizer()
-        .unwrap()
-}
 
 async fn post(server: &Server, path: &str, body: &Value) -> (u16, Value) {
     let response = reqwest::Client::new()

@@ -7,6 +7,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+/// The tokenizer of the model the test servers run (SmolLM2's, from its file).
+pub fn tokenizer() -> kvcache_engine::tokenizer::ChatTokenizer {
+    let path = kvcache_engine::paths::model_path().expect("model");
+    kvcache_engine::ModelFile::open(path)
+        .unwrap()
+        .tokenizer()
+        .unwrap()
+}
+
 /// A running `kvcache-server` process.
 pub struct Server {
     child: Child,
