@@ -35,7 +35,7 @@ pub fn events<'a>(tokenizer: &'a ChatTokenizer, questions: &'a [String]) -> impl
         }
         Event::Finished(f) => {
             let text = tokenizer
-                .decode(&f.generated)
+                .decode_text(&f.generated)
                 .unwrap_or_else(|e| format!("<{e}>"));
             let decode_s = (f.total - f.time_to_first_token).as_secs_f64();
             println!(
