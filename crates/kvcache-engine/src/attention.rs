@@ -43,7 +43,7 @@
 //! per cell of the tiles it touches, about what it sees: the pass's range and
 //! other sequences' cells are never read. The inner loops are plain arithmetic
 //! compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
-//! [`crate::kernels`] does.
+//! `crate::kernels` does.
 //!
 //! `cached_attention` is the glue both models run in their cached forward
 //! pass: `put`, then the paged view where the [`AttentionPath`] asks for it and

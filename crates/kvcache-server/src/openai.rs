@@ -3,7 +3,8 @@
 //! the wrong type are a 400; fields that would change the answer but are not
 //! implemented (`response_format` other than text, `tools`, `echo`, ...) are
 //! kept as raw JSON here and refused with a 400 naming them
-//! ([`crate::generation::refuse_unsupported`]); other unknown fields (`user`,
+//! ([`crate::generation::refuse_unsupported_chat`],
+//! [`crate::generation::refuse_unsupported_completion`]); other unknown fields (`user`,
 //! `metadata`, `store`, `service_tier`, ...) do not change the answer and are
 //! ignored.
 
