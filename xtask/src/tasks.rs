@@ -78,8 +78,8 @@ pub fn demo(layout: &Layout, args: &[String]) -> Result<()> {
     cargo.run(&run)
 }
 
-/// Whether the demo's arguments name Gemma 3 (`--model gemma3`), which it
-/// then needs rather than merely gets when it can be fetched.
+/// Whether the demo's or the server's arguments name Gemma 3 (`--model
+/// gemma3`), which they then need rather than merely get when it can be fetched.
 fn asks_for_gemma(args: &[String]) -> bool {
     let gemma = |name: &str| matches!(name, "gemma3" | "gemma");
     args.iter()
@@ -94,6 +94,9 @@ fn asks_for_gemma(args: &[String]) -> bool {
 /// prepared model; extra arguments go to the server.
 pub fn serve(layout: &Layout, args: &[String]) -> Result<()> {
     let cargo = prepare(layout, Model::Needed)?;
+    if asks_for_gemma(args) && cargo.env(crate::model::GEMMA_ENV).is_none() {
+        bail!("serve --model gemma3: Gemma 3 270M could not be prepared (the reason is above)");
+    }
     let mut run = strings(&["run", "--release", "-p", "kvcache-server", "--"]);
     run.extend_from_slice(args);
     cargo.run(&run)

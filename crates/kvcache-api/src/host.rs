@@ -611,6 +611,11 @@ impl Submitted {
 /// answer in time answers `None`, and the caller recomputes. Writes return at
 /// once; the store does its I/O behind the caller's back.
 pub trait PrefixStore: Send + Sync {
+    /// The model whose keys and values this store holds: a cache imports
+    /// what [`fetch`](Self::fetch) returns only when its own fingerprint is
+    /// this one.
+    fn fingerprint(&self) -> Fingerprint;
+
     /// The layout of every value this store takes and returns.
     fn layout(&self) -> &KvLayout;
 

@@ -79,6 +79,14 @@ impl LayerGroupCache {
         &self.groups
     }
 
+    /// Sets the model fingerprint of every group (see
+    /// [`CausalKvCache::set_fingerprint`]).
+    pub fn set_fingerprint(&mut self, fingerprint: kvcache_api::Fingerprint) {
+        for group in &mut self.groups {
+            group.set_fingerprint(fingerprint);
+        }
+    }
+
     /// The group of `layer`, if it is mapped.
     pub fn group_of(&self, layer: usize) -> Option<usize> {
         self.group_of_layer.get(layer).copied()

@@ -12,15 +12,18 @@
 //! E1 alternates the policies request by request (one server each, in one process),
 //! so their times to first token are taken under the same machine load.
 
+#[path = "../src/replicas.rs"]
+mod replicas;
+
 use candle_core::Device;
-use kvcache_engine::bench::{
+use kvcache_bench::bench::{
     e1_chat_reuse_interleaved, e2_batched_decode, E1Verdict, E2Config, SAMPLE_QUESTIONS,
 };
+use kvcache_bench::store_bench::{e3_restart, e4_replicas};
+use kvcache_bench::trace::Trace;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::replica::ReplicaSetup;
-use kvcache_engine::store_bench::{e3_restart, e4_replicas};
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, ModelFile, WeightMode};
+use replicas::Replicas;
 
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -125,8 +128,14 @@ fn store_benches(
     let trace = Trace::load(&trace_path)?;
     let requests = knob("KVCACHE_E1_REQUESTS", 80);
     let predict = knob("KVCACHE_E1_PREDICT", 32);
-    let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvcache-demo"));
-    let setup = ReplicaSetup::new(&exe, model, &trace_path, predict);
+    let replicas = Replicas {
+        exe: env!("CARGO_BIN_EXE_kvcache-demo").into(),
+        model: model.to_owned(),
+        trace: trace_path,
+        n_predict: predict,
+        device: "cpu",
+    };
+    let setup = replicas.setup();
     let verbose = std::env::var("KVCACHE_E1_VERBOSE").is_ok_and(|v| v == "1");
     let mut log = |line: &str| {
         if verbose {

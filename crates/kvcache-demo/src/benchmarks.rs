@@ -1,11 +1,11 @@
 //! `--bench-e1` .. `--bench-e4`: the benchmarks of docs/BENCHMARKS.md, run
 //! from the command line with a line per request.
 
-use kvcache_engine::bench::{e1_chat_reuse, e2_batched_decode, E1Row, E1Verdict, E2Config};
+use kvcache_bench::bench::{e1_chat_reuse, e2_batched_decode, E1Row, E1Verdict, E2Config};
+use kvcache_bench::replica::ReplicaSetup;
+use kvcache_bench::store_bench::{e3_restart, e4_replicas};
+use kvcache_bench::trace::Trace;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::replica::ReplicaSetup;
-use kvcache_engine::store_bench::{e3_restart, e4_replicas};
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, ChatTokenizer, Llama, Result};
 
 use crate::cli::Cli;

@@ -188,7 +188,7 @@ pub struct StoreArgs {
     /// Serve trace requests as commands on stdin (what E3, E4 and the store demo start)
     ///
     /// One command a line on stdin (`run I`, `recompute I`, `flush`), one JSON
-    /// answer a line on stdout; see kvcache_engine::replica.
+    /// answer a line on stdout; see kvcache_bench::replica.
     #[arg(long)]
     pub replica: bool,
 }
@@ -323,7 +323,7 @@ impl Cli {
     /// The user messages: `--prompt`s, else the built-in questions.
     pub fn questions(&self) -> Vec<String> {
         if self.demo.prompts.is_empty() {
-            kvcache_engine::bench::SAMPLE_QUESTIONS
+            kvcache_bench::bench::SAMPLE_QUESTIONS
                 .iter()
                 .map(|q| q.to_string())
                 .collect()
@@ -408,30 +408,28 @@ mod tests {
         assert_eq!(cli.model.kv_type, KvStorage::F32);
         assert_eq!(
             cli.questions().len(),
-            kvcache_engine::bench::SAMPLE_QUESTIONS.len()
+            kvcache_bench::bench::SAMPLE_QUESTIONS.len()
         );
     }
 
     #[test]
     fn the_flags_other_code_passes_keep_their_spelling() {
-        // What kvcache_engine::replica's ReplicaSetup, Replica::spawn and
-        // hand_off, and the E3/E4 benchmarks, start replicas with.
-        let cli = parse(&[
-            "--replica",
-            "--model",
-            "m.gguf",
-            "--trace",
-            "t.json",
-            "--e1-predict",
-            "8",
-            "--device",
-            "cpu",
-            "--store-dir",
-            "/tmp/s",
-            "--redis",
-            "redis+unix:///tmp/r.sock",
-        ])
-        .unwrap();
+        // What the store demo and E3/E4 start replicas of this program with
+        // (crate::replicas, also benches/end_to_end.rs).
+        let replicas = crate::replicas::Replicas {
+            exe: PathBuf::from("kvcache-demo"),
+            model: PathBuf::from("m.gguf"),
+            trace: PathBuf::from("t.json"),
+            n_predict: 8,
+            device: DeviceName::Cpu.as_flag(),
+        };
+        let store = kvcache_engine::store::StoreOptions {
+            dir: Some(PathBuf::from("/tmp/s")),
+            redis: Some("redis+unix:///tmp/r.sock".into()),
+        };
+        let command = replicas.command(&store);
+        let args: Vec<&str> = command.get_args().map(|a| a.to_str().unwrap()).collect();
+        let cli = parse(&args).unwrap();
         assert_eq!(cli.mode(), Mode::Replica);
         assert_eq!(cli.model.model, Some(ModelChoice::File(PathBuf::from("m.gguf"))));
         assert_eq!(cli.trace_path(), PathBuf::from("t.json"));

@@ -10,6 +10,7 @@ mod gemma_parts;
 mod mlx_chat;
 mod parts;
 mod progress;
+mod replicas;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -19,11 +20,12 @@ use std::time::Instant;
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use clap::Parser;
-use kvcache_engine::replica::{self, ReplicaOptions, ReplicaSetup};
+use kvcache_bench::replica::{self, ReplicaOptions};
 use kvcache_engine::store::StoreOptions;
 use kvcache_engine::{gemma, paths, ChatTokenizer, EngineError, Llama, ModelFile, Result, WeightMode};
 
 use crate::cli::{Backend, Cli, DeviceName, Mode, ModelChoice, Part};
+use crate::replicas::Replicas;
 
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread starts.
@@ -66,9 +68,7 @@ fn run(cli: &Cli) -> Result<()> {
     }
     match mode {
         Mode::Replica => return serve_replica(&path, device, weights, cli),
-        Mode::StoreBench => {
-            return benchmarks::store(&replica_setup(&parts::current_exe()?, &path, cli), cli)
-        }
+        Mode::StoreBench => return benchmarks::store(&replicas(&path, cli)?.setup(), cli),
         Mode::E1 | Mode::E2 | Mode::Demo => {}
     }
     let (model, tokenizer) = load(&path, &device, weights)?;
@@ -97,7 +97,7 @@ fn demo(path: &Path, model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Res
         }
     }
     if !cli.skips(Part::Store) {
-        parts::store(&replica_setup(&parts::current_exe()?, path, cli), cli)?;
+        parts::store(&replicas(path, cli)?.setup(), cli)?;
     }
     let candle_parts = [Part::Batching, Part::Window, Part::Shift];
     if mlx && candle_parts.iter().any(|&p| !cli.skips(p)) {
@@ -203,7 +203,12 @@ fn serve_replica(path: &Path, device: Device, weights: WeightMode, cli: &Cli) ->
 }
 
 /// Replicas of this binary with this run's model, trace, tokens and device.
-fn replica_setup<'a>(exe: &'a Path, path: &Path, cli: &Cli) -> ReplicaSetup<'a> {
-    ReplicaSetup::new(exe, path, &cli.trace_path(), cli.bench.e1_predict)
-        .with("--device", cli.model.device.as_flag())
+fn replicas(path: &Path, cli: &Cli) -> Result<Replicas> {
+    Ok(Replicas {
+        exe: parts::current_exe()?,
+        model: path.to_owned(),
+        trace: cli.trace_path(),
+        n_predict: cli.bench.e1_predict,
+        device: cli.model.device.as_flag(),
+    })
 }

@@ -3,11 +3,11 @@
 use std::path::Path;
 
 use kvcache_api::CausalCache;
+use kvcache_bench::conversation::{self, ConversationPlan, Generate};
+use kvcache_bench::replica::{self, ReplicaSetup};
+use kvcache_bench::trace::Trace;
+use kvcache_bench::workloads::{self, PassMix};
 use kvcache_engine::chat::{ChatServer, Reuse};
-use kvcache_engine::conversation::{self, ConversationPlan, Generate};
-use kvcache_engine::replica::{self, ReplicaSetup};
-use kvcache_engine::trace::Trace;
-use kvcache_engine::workloads::{self, PassMix};
 use kvcache_engine::{paths, ChatTokenizer, EngineError, Llama, Result};
 
 use crate::cli::Cli;

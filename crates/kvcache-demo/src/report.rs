@@ -2,9 +2,9 @@
 
 use std::io::Write;
 
-use kvcache_engine::conversation::ConversationTurn;
+use kvcache_bench::conversation::ConversationTurn;
+use kvcache_bench::replica::TurnLine;
 use kvcache_engine::engine::{Event, Stats};
-use kvcache_engine::replica::TurnLine;
 use kvcache_engine::ChatTokenizer;
 use kvcache_trie::Stats as TrieStats;
 

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::Value;
 
+use crate::gguf::Metadata;
 use crate::{EngineError, Result};
 
 /// The shape of a Llama-architecture model (RoPE, grouped-query attention,
@@ -92,52 +93,20 @@ impl LlamaConfig {
 
     /// Reads the `llama.*` keys of a GGUF header.
     pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<Self> {
-        let arch = md
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .map(String::as_str)
-            .unwrap_or("");
-        if arch != "llama" {
-            return Err(EngineError::Format(format!("architecture {arch:?} is not llama")));
-        }
-        let get = |key: &str| {
-            md.get(key)
-                .ok_or_else(|| EngineError::Format(format!("missing metadata key {key}")))
-        };
-        let usize_of = |key: &str| -> Result<usize> {
-            let v = get(key)?;
-            v.to_u64()
-                .or_else(|_| v.to_u32().map(u64::from))
-                .map(|x| x as usize)
-                .map_err(|e| EngineError::Format(format!("{key}: {e}")))
-        };
-        let f32_of = |key: &str| -> Result<f32> {
-            get(key)?
-                .to_f32()
-                .map_err(|e| EngineError::Format(format!("{key}: {e}")))
-        };
-        let dim = usize_of("llama.embedding_length")?;
-        let n_heads = usize_of("llama.attention.head_count")?;
-        let n_kv_heads = usize_of("llama.attention.head_count_kv").unwrap_or(n_heads);
-        let head_dim = usize_of("llama.rope.dimension_count").unwrap_or(dim / n_heads.max(1));
-        let vocab_size = match usize_of("llama.vocab_size") {
-            Ok(v) => v,
-            Err(_) => get("tokenizer.ggml.tokens")?
-                .to_vec()
-                .map_err(|e| EngineError::Format(e.to_string()))?
-                .len(),
-        };
+        let md = Metadata::of(md, "llama")?;
+        let dim = md.usize("embedding_length")?;
+        let n_heads = md.usize("attention.head_count")?;
         let config = LlamaConfig {
-            n_layers: usize_of("llama.block_count")?,
+            n_layers: md.usize("block_count")?,
             dim,
             n_heads,
-            n_kv_heads,
-            head_dim,
-            ffn_dim: usize_of("llama.feed_forward_length")?,
-            vocab_size,
-            rope_base: f64::from(f32_of("llama.rope.freq_base").unwrap_or(10_000.0)),
-            rms_eps: f64::from(f32_of("llama.attention.layer_norm_rms_epsilon")?),
-            context_length: usize_of("llama.context_length").unwrap_or(2048),
+            n_kv_heads: md.usize("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim: md.usize("rope.dimension_count").unwrap_or(dim / n_heads.max(1)),
+            ffn_dim: md.usize("feed_forward_length")?,
+            vocab_size: md.usize("vocab_size").or_else(|_| md.token_count())?,
+            rope_base: f64::from(md.f32("rope.freq_base").unwrap_or(10_000.0)),
+            rms_eps: f64::from(md.f32("attention.layer_norm_rms_epsilon")?),
+            context_length: md.usize("context_length").unwrap_or(2048),
         };
         config.validate()?;
         Ok(config)

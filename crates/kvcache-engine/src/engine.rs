@@ -25,11 +25,12 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::{
-    CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState, Submitted,
+    CacheError, CausalCache, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState, Submitted,
 };
 
+use crate::model::{BatchToken, Model};
 use crate::sampling::{Sampler, TokenLogprobs};
-use crate::{BatchToken, EngineError, Llama, Result};
+use crate::{EngineError, Llama, Result, Tokenizer};
 
 /// Index of the largest value (the first one on ties); 0 for an empty slice.
 pub fn argmax(row: &[f32]) -> u32 {
@@ -45,8 +46,8 @@ pub fn argmax(row: &[f32]) -> u32 {
 /// Prefills `prompt` into sequence `seq` (from position 0) and decodes up to
 /// `max_new` tokens greedily, stopping after `eos` if given. Returns the new tokens.
 /// The sequence is left in the cache.
-pub fn greedy<C>(
-    model: &Llama,
+pub fn greedy<M, C>(
+    model: &M,
     cache: &mut C,
     seq: SeqId,
     prompt: &[u32],
@@ -54,6 +55,7 @@ pub fn greedy<C>(
     eos: Option<u32>,
 ) -> Result<Vec<u32>>
 where
+    M: Model,
     C: CausalCache<Tensor = Tensor> + ?Sized,
 {
     if prompt.is_empty() {
@@ -83,8 +85,9 @@ where
 }
 
 /// Runs `batch` and returns the greedy choice after its last token.
-fn last_token<C>(model: &Llama, batch: &[BatchToken], cache: &mut C) -> Result<u32>
+fn last_token<M, C>(model: &M, batch: &[BatchToken], cache: &mut C) -> Result<u32>
 where
+    M: Model,
     C: CausalCache<Tensor = Tensor> + ?Sized,
 {
     let hidden = model.hidden(batch, cache)?;
@@ -104,16 +107,43 @@ pub struct Request {
     pub max_new_tokens: usize,
     /// The tenant's namespace: prefixes are reused within it only.
     pub namespace: Namespace,
+    /// Texts that end the request once its generated text contains one
+    /// (OpenAI's `stop`); matched on the text a user is shown, so they need
+    /// the engine's tokenizer ([`Engine::set_tokenizer`]).
+    pub stop: Vec<String>,
 }
 
 impl Request {
-    /// A request in the shared namespace.
+    /// A request in the shared namespace, without stop sequences.
     pub fn new(id: usize, prompt: Vec<u32>, max_new_tokens: usize) -> Self {
         Request {
             id,
             prompt,
             max_new_tokens,
             namespace: Namespace::shared(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It generated one of [`EngineConfig::stop_tokens`] (the model ended its
+    /// turn), the last of its generated tokens.
+    StopToken,
+    /// Its text came to contain `Request::stop[index]`.
+    StopSequence(usize),
+    /// It generated `max_new_tokens`.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it: `stop` or `length`.
+    pub fn openai(&self) -> &'static str {
+        match self {
+            FinishReason::StopToken | FinishReason::StopSequence(_) => "stop",
+            FinishReason::Length => "length",
         }
     }
 }
@@ -130,8 +160,9 @@ pub struct EngineConfig {
     pub context: Option<usize>,
     /// Tokens kept at the start of a sequence by a context shift.
     pub keep: usize,
-    /// Stop a sequence when it generates this token.
-    pub eos: Option<u32>,
+    /// Tokens that end a request when generated (end of turn, end of
+    /// sequence); the token is kept as its last generated one.
+    pub stop_tokens: Vec<u32>,
 }
 
 impl Default for EngineConfig {
@@ -141,7 +172,7 @@ impl Default for EngineConfig {
             prefill_chunk: 128,
             context: None,
             keep: 4,
-            eos: None,
+            stop_tokens: Vec::new(),
         }
     }
 }
@@ -168,6 +199,8 @@ pub struct Finished {
     /// Prompt tokens taken from another sequence's cells instead of evaluated
     /// ([`Engine::set_prefix_reuse`]).
     pub reused: usize,
+    /// Why it ended.
+    pub reason: FinishReason,
 }
 
 /// What happened during [`Engine::run`], in order.
@@ -272,6 +305,8 @@ struct Slot {
     reused: usize,
     /// Picks the request's tokens; `None` is greedy.
     sampler: Option<Sampler>,
+    /// Bytes of the generated text already searched for stop sequences.
+    stop_scanned: usize,
 }
 
 /// A finished sequence whose cells stay in the cache for later requests of
@@ -281,6 +316,8 @@ struct Idle {
     namespace: Namespace,
     /// Exactly the tokens in the cache, from position 0.
     tokens: Vec<u32>,
+    /// How many of them were the finished request's prompt.
+    prompt_len: usize,
     last_used: Instant,
 }
 
@@ -308,18 +345,16 @@ pub struct ReuseStats {
     pub cancelled: usize,
 }
 
-/// The store an engine reuses prefixes through, the model its entries belong
-/// to, and how long a read may take.
+/// The store an engine reuses prefixes through and how long a read may take.
 struct StoreLink {
     store: Arc<dyn PrefixStore>,
-    fingerprint: Fingerprint,
     deadline: Duration,
 }
 
 impl std::fmt::Debug for StoreLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreLink")
-            .field("fingerprint", &self.fingerprint)
+            .field("fingerprint", &self.store.fingerprint())
             .field("deadline", &self.deadline)
             .finish_non_exhaustive()
     }
@@ -332,8 +367,8 @@ impl std::fmt::Debug for StoreLink {
 /// ([`Engine::step`], with [`Engine::submit_sampled`] and [`Engine::cancel`]
 /// between steps, as a server does).
 #[derive(Debug)]
-pub struct Engine<'m, C> {
-    model: &'m Llama,
+pub struct Engine<'m, C, M = Llama> {
+    model: &'m M,
     cache: C,
     config: EngineConfig,
     queue: VecDeque<Queued>,
@@ -348,17 +383,20 @@ pub struct Engine<'m, C> {
     store_refused: usize,
     reuse: ReuseStats,
     reuse_prefixes: bool,
+    /// Turns generated tokens into text for stop sequences.
+    tokenizer: Option<Arc<dyn Tokenizer>>,
     /// Log-probabilities of the picks whose sampler asked for them, in the
     /// order of their [`Event::Token`]s ([`Engine::take_logprobs`]).
     logprobs: Vec<(usize, TokenLogprobs)>,
 }
 
-impl<'m, C> Engine<'m, C>
+impl<'m, C, M> Engine<'m, C, M>
 where
     C: CausalCache<Tensor = Tensor>,
+    M: Model,
 {
     /// An engine with `cache.config().max_sequences` slots.
-    pub fn new(model: &'m Llama, cache: C, config: EngineConfig) -> Result<Self> {
+    pub fn new(model: &'m M, cache: C, config: EngineConfig) -> Result<Self> {
         let slots = cache.config().max_sequences;
         if config.max_batch == 0 || config.prefill_chunk == 0 {
             return Err(EngineError::InvalidArgument(
@@ -387,6 +425,7 @@ where
             reuse: ReuseStats::default(),
             reuse_prefixes: false,
             logprobs: Vec::new(),
+            tokenizer: None,
         })
     }
 
@@ -399,15 +438,12 @@ where
         std::mem::take(&mut self.logprobs)
     }
 
-    /// Reuses prefixes through `store`, whose entries belong to the model
-    /// `fingerprint` (the cache must carry the same one, or every import is
-    /// refused and counted), waiting at most `deadline` for a read.
-    pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, fingerprint: Fingerprint, deadline: Duration) {
-        self.store = Some(StoreLink {
-            store,
-            fingerprint,
-            deadline,
-        });
+    /// Reuses prefixes through `store`, waiting at most `deadline` for a
+    /// read. Its entries belong to the model of its
+    /// [`fingerprint`](PrefixStore::fingerprint): the cache must carry the
+    /// same one, or every import is refused and counted.
+    pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, deadline: Duration) {
+        self.store = Some(StoreLink { store, deadline });
     }
 
     /// Keeps finished sequences' cells (when `on`) and starts new requests from
@@ -419,6 +455,12 @@ where
             self.evict_idle(Duration::ZERO)?;
         }
         Ok(())
+    }
+
+    /// Turns generated tokens into text with `tokenizer`, so that requests
+    /// can end on stop sequences ([`Request::stop`]).
+    pub fn set_tokenizer(&mut self, tokenizer: Arc<dyn Tokenizer>) {
+        self.tokenizer = Some(tokenizer);
     }
 
     /// Queues a greedy request; it joins when a slot is free.
@@ -433,6 +475,18 @@ where
         if req.prompt.is_empty() || req.max_new_tokens == 0 {
             return Err(EngineError::InvalidArgument(format!(
                 "request {}: empty prompt or nothing to generate",
+                req.id
+            )));
+        }
+        if !req.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(EngineError::InvalidArgument(format!(
+                "request {}: stop sequences need the engine's tokenizer (Engine::set_tokenizer)",
+                req.id
+            )));
+        }
+        if req.stop.iter().any(String::is_empty) {
+            return Err(EngineError::InvalidArgument(format!(
+                "request {}: an empty stop sequence",
                 req.id
             )));
         }
@@ -560,7 +614,7 @@ where
             return 0;
         };
         let state = SeqState {
-            fingerprint: link.fingerprint,
+            fingerprint: link.store.fingerprint(),
             kv: found.kv,
         };
         match self.cache.import_seq(seq, &state) {
@@ -621,7 +675,8 @@ where
     }
 
     /// The sequence holding the longest prefix of `prompt` in `namespace`
-    /// (running or idle), leaving the last prompt token to evaluate: `(seq, len)`.
+    /// (running or idle) that it can resume from, leaving the last prompt
+    /// token to evaluate: `(seq, len)`.
     fn longest_prefix(&self, namespace: &Namespace, prompt: &[u32]) -> Option<(SeqId, usize)> {
         let limit = prompt.len() - 1;
         let running = self.slots.iter().enumerate().filter_map(|(seq, s)| {
@@ -633,10 +688,12 @@ where
             let i = i.as_ref()?;
             (i.namespace == *namespace).then(|| (seq, &i.tokens[..]))
         });
+        // A sequence whose window layers no longer hold the positions just
+        // before `len` cannot be resumed there (nor anywhere before).
         running
             .chain(idle)
             .map(|(seq, tokens)| (seq, common_prefix(tokens, prompt).min(limit)))
-            .filter(|&(_, len)| len > 0)
+            .filter(|&(seq, len)| len > 0 && self.cache.can_resume(seq, len as Pos))
             .max_by_key(|&(seq, len)| (len, std::cmp::Reverse(seq)))
     }
 
@@ -664,8 +721,18 @@ where
             } else {
                 None
             };
-            let Some(seq) = self.free_seq(source.map(|s| s.0))? else {
-                break;
+            // A request that extends the whole prompt of a finished one
+            // continues it (the next turn of a conversation): it takes that
+            // sequence over rather than sharing its cells from another slot,
+            // so the finished turn's cells are not kept twice.
+            let continues = source
+                .filter(|&(src, len)| self.idle[src].as_ref().is_some_and(|idle| len >= idle.prompt_len));
+            let seq = match continues {
+                Some((src, _)) => src,
+                None => match self.free_seq(source.map(|s| s.0))? {
+                    Some(seq) => seq,
+                    None => break,
+                },
             };
             let Queued { req, sampler } = self.queue.pop_front().expect("front exists");
             let reused = match source {
@@ -716,6 +783,7 @@ where
                 restored,
                 reused,
                 sampler,
+                stop_scanned: 0,
             });
         }
         Ok(())
@@ -877,22 +945,59 @@ where
                 id: slot.req.id,
                 token,
             });
-            let done = slot.generated.len() == slot.req.max_new_tokens || Some(token) == self.config.eos;
-            if done {
-                self.finish(seq, on_event)?;
+            let length = slot.generated.len() == slot.req.max_new_tokens;
+            let reason = if self.config.stop_tokens.contains(&token) {
+                Some(FinishReason::StopToken)
+            } else if let Some(i) = self.stop_sequence(seq) {
+                Some(FinishReason::StopSequence(i))
+            } else if length {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                self.finish(seq, reason, on_event)?;
             }
         }
         Ok(())
     }
 
+    /// The first of the request's stop sequences its generated text (as a
+    /// user is shown it: control tokens left out) now contains, searching
+    /// only where the latest token could have completed one.
+    fn stop_sequence(&mut self, seq: SeqId) -> Option<usize> {
+        let slot = self.slots[seq].as_mut().expect("live");
+        if slot.req.stop.is_empty() {
+            return None;
+        }
+        let tokenizer = self.tokenizer.as_ref().expect("checked at submit");
+        let text = tokenizer.decode_text(&slot.generated).ok()?;
+        let longest = slot.req.stop.iter().map(String::len).max().unwrap_or(0);
+        let mut from = slot.stop_scanned.saturating_sub(longest.saturating_sub(1));
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let found = slot
+            .req
+            .stop
+            .iter()
+            .enumerate()
+            .filter_map(|(i, stop)| text[from..].find(stop.as_str()).map(|at| (at, i)))
+            .min()
+            .map(|(_, i)| i);
+        slot.stop_scanned = text.len();
+        found
+    }
+
     /// Ends the request in `seq`: its cells are kept for reuse (when enabled and
     /// never shifted) or freed.
-    fn finish(&mut self, seq: SeqId, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
+    fn finish(&mut self, seq: SeqId, reason: FinishReason, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
         let mut s = self.slots[seq].take().expect("live");
         if self.reuse_prefixes && s.shifts == 0 {
             s.tokens.truncate(s.cached);
             self.idle[seq] = Some(Idle {
                 namespace: s.req.namespace.clone(),
+                prompt_len: s.req.prompt.len().min(s.tokens.len()),
                 tokens: s.tokens,
                 last_used: Instant::now(),
             });
@@ -909,6 +1014,7 @@ where
             context_shifts: s.shifts,
             restored: s.restored,
             reused: s.reused,
+            reason,
         }));
         Ok(())
     }

@@ -450,14 +450,14 @@ mod tests {
     }
 
     fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::model::SplitMix64(seed);
+        let mut rng = crate::weights::SplitMix64(seed);
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| rng.next_sym() * 4.0).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        crate::check::max_abs_diff(a, b).unwrap()
+        crate::testing::max_abs_diff(a, b)
     }
 
     #[test]

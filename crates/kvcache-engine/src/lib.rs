@@ -1,39 +1,42 @@
 //! A small inference engine on the kvcache-rs caches: the library the demo
-//! binary, the benchmarks and a server are built on, and a worked example of
-//! adopting both cache designs. Its model, SmolLM2 (a Llama), is proven equal
-//! to recomputing everything without a cache.
+//! binary, the benchmarks (the `kvcache-bench` crate: workloads, traces,
+//! replica processes, E1-E5 and E8) and a server are built on, and a worked
+//! example of adopting both cache designs. Its models, SmolLM2 (a Llama) and
+//! Gemma 3 (window and global layers), are proven equal to recomputing
+//! everything without a cache.
 //!
 //! Models and text:
-//! - [`model`]: the Llama forward pass on candle, full recompute (the
-//!   reference) and through a [`kvcache_api::CausalCache`] or per-layer
+//! - [`model`]: what the engine asks of a model, [`Model`] (hidden states
+//!   through a causal cache or per-layer caches, logits, the shape of its
+//!   cache), and [`BatchToken`].
+//! - [`llama`]: the Llama on candle, full recompute (the reference) and
+//!   through a [`kvcache_api::CausalCache`] or per-layer
 //!   [`kvcache_api::LayerCache`]s; [`ModelFile`] loads it from GGUF.
+//! - [`gemma`]: Gemma 3 on candle, its window layers through a
+//!   `kvcache_causal::LayerGroupCache`, its tokenizer and turn format.
+//! - Written once for both: `gguf` (a GGUF header and its tensors, shapes
+//!   checked: [`GgufFile`]), `weights` ([`WeightMode`], the matrix type and
+//!   random test weights), `decoder` (embedding, blocks, the attention and
+//!   feed-forward code), `rope` ([`Rope`], either layout).
 //! - [`attention`]: attention over a causal cache, dense (the reference) or
 //!   paged ([`attention::paged_attention`]: a CPU kernel walking each row's
 //!   visible cells in their stored type, the models' default).
-//! - [`tokenizer`]: the GGUF-embedded byte-level BPE and the ChatML template.
-//! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): the same
-//!   Llama on mlx-rs arrays through `kvcache_mlx`'s layer caches and `kvcache_trie`'s prefix trie.
+//! - [`tokenizer`]: the [`Tokenizer`] trait (text, chat template, control
+//!   tokens kept out of what users see) and SmolLM2's byte-level BPE with
+//!   ChatML.
+//! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): both
+//!   models on mlx-rs arrays through `kvcache_mlx`'s layer caches and
+//!   `kvcache_trie`'s prefix trie.
 //!
 //! Serving:
-//! - [`engine`]: greedy generation and continuous batching over a causal cache,
-//!   with context shift and a prefix store.
-//! - [`workloads`]: continuous batching, a sliding window and a context shift,
-//!   each as an engine ready to run.
+//! - [`engine`]: greedy generation and continuous batching over a causal
+//!   cache for any [`Model`], with context shift, a prefix store, and
+//!   request ends it decides and reports ([`engine::FinishReason`]).
 //! - [`chat`]: one live sequence with prefix-trie, single-entry or no reuse
 //!   (`trie_turn`: one turn through the trie for any model).
-//! - [`conversation`]: several multi-turn conversations answered in interleaved
-//!   turns through a chat server.
 //! - [`store`]: the prefix store of a model file (fingerprint, layout, tiers).
-//! - [`replica`]: an engine process answering trace requests over a shared
-//!   store, the handle that drives one, and a conversation handed from one
-//!   process to the next.
 //!
-//! Measuring and checking:
-//! - [`trace`]: the E1 chat trace.
-//! - [`mod@bench`]: benchmarks E1 (chat reuse) and E2 (batched vs sequential decode).
-//! - [`store_bench`]: benchmarks E3 (restart over a disk store) and E4 (two
-//!   replicas over Redis).
-//! - [`check`]: runs cache schedules and compares with full recompute.
+//! Programs:
 //! - [`paths`]: where the model and fixtures live.
 //! - [`threads`]: candle's CPU threads set for a small machine (programs call
 //!   [`threads::tune_cpu_threads`] first thing).
@@ -43,32 +46,36 @@
 #![deny(missing_docs)]
 
 pub mod attention;
-pub mod bench;
 pub mod chat;
-pub mod check;
 mod config;
-pub mod conversation;
-pub mod e5;
+mod decoder;
 pub mod engine;
 mod error;
 pub mod gemma;
+mod gguf;
 mod kernels;
-pub mod kv_accuracy;
+pub mod llama;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
 pub mod model;
 pub mod paths;
 mod q8;
-pub mod replica;
+mod rope;
 pub mod sampling;
 pub mod store;
-pub mod store_bench;
+#[cfg(test)]
+#[path = "../tests/common/testing.rs"]
+mod testing;
 pub mod threads;
 pub mod tokenizer;
-pub mod trace;
-pub mod workloads;
+mod weights;
 
 pub use config::LlamaConfig;
 pub use error::{EngineError, Result};
-pub use model::{BatchToken, Llama, LoadProgress, ModelFile, Rope, WeightMode};
+pub use gguf::{GgufFile, LoadProgress};
+pub use llama::{Llama, ModelFile};
+pub use model::{BatchToken, CellUse, Model};
+pub use rope::Rope;
 pub use tokenizer::ChatTokenizer;
+pub use tokenizer::Tokenizer;
+pub use weights::WeightMode;

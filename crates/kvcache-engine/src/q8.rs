@@ -145,7 +145,7 @@ mod tests {
 
     #[test]
     fn the_product_equals_the_dequantized_matrixs() {
-        let mut rng = crate::model::SplitMix64(11);
+        let mut rng = crate::weights::SplitMix64(11);
         let (rows, cols) = (1000, 96);
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.next_sym()).collect();
         let w = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
@@ -158,7 +158,7 @@ mod tests {
             let got = q8.matmul_t(&x).unwrap().unwrap();
             let want = x.matmul(&dense.t().unwrap()).unwrap();
             assert_eq!(got.dims(), &[m, rows]);
-            let diff = crate::check::max_abs_diff(&got, &want).unwrap();
+            let diff = crate::testing::max_abs_diff(&got, &want);
             // Summation order only: the weights are the same f32 values.
             assert!(diff < 1e-5, "m = {m}: {diff}");
         }

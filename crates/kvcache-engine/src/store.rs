@@ -6,11 +6,12 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvcache_api::{DType, Fingerprint, KvLayout};
+use kvcache_api::{Fingerprint, KvLayout};
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
 use sha2::{Digest, Sha256};
 
-use crate::{EngineError, Llama, Result, WeightMode};
+use crate::model::Model;
+use crate::{EngineError, Result, WeightMode};
 
 /// The fingerprint of the model in `path` loaded with `weights`: SHA-256 of the
 /// GGUF file's bytes and of the weight mode (dequantized and quantized weights
@@ -19,7 +20,7 @@ pub fn model_fingerprint(path: &Path, weights: WeightMode) -> Result<Fingerprint
     let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
     let mut hasher = Sha256::new();
     // The domain tag keys every stored block: changing it orphans stored data.
-    hasher.update(b"kvcache-demo model\0");
+    hasher.update(b"kvcache-engine GGUF model file\0");
     hasher.update(format!("{weights:?}\0").as_bytes());
     let mut buffer = vec![0u8; 1 << 20];
     loop {
@@ -34,9 +35,8 @@ pub fn model_fingerprint(path: &Path, weights: WeightMode) -> Result<Fingerprint
 
 /// The keys and values the candle layer caches hold for `model`: every layer,
 /// its KV heads, f32.
-pub fn kv_layout(model: &Llama) -> KvLayout {
-    let c = model.config();
-    KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32)
+pub fn kv_layout(model: &impl Model) -> KvLayout {
+    model.kv_layout()
 }
 
 /// Where a store keeps its blocks, beside host memory.

@@ -1,6 +1,8 @@
-//! SmolLM2's tokenizer, rebuilt from the vocabulary and merges embedded in the
-//! GGUF (GPT-2 byte-level BPE, digits split one by one, no prefix space), and the
-//! ChatML chat template.
+//! The [`Tokenizer`] trait a server holds a model's text side by (`Arc<dyn
+//! Tokenizer>`: SmolLM2's [`ChatTokenizer`] or Gemma 3's
+//! [`crate::gemma::GemmaTokenizer`]), and SmolLM2's tokenizer, rebuilt from the
+//! vocabulary and merges embedded in the GGUF (GPT-2 byte-level BPE, digits
+//! split one by one, no prefix space), with the ChatML chat template.
 //!
 //! A chat prompt is built as token ids ([`ChatTokenizer::chatml_ids`]), never by
 //! tokenizing rendered text: each message's content is encoded with special
@@ -15,7 +17,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
+use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer as HfTokenizer};
 
 use crate::{EngineError, Result};
 
@@ -29,9 +31,9 @@ const IM_END: &str = "<|im_end|>";
 /// A byte-level BPE tokenizer that understands ChatML's special tokens.
 #[derive(Clone)]
 pub struct ChatTokenizer {
-    inner: Tokenizer,
+    inner: HfTokenizer,
     /// `inner` with special tokens encoded as the text they are written as.
-    plain: Tokenizer,
+    plain: HfTokenizer,
     /// `<|im_start|>` and `<|im_end|>`, when the vocabulary has them.
     im_start: Option<u32>,
     im_end: Option<u32>,
@@ -122,7 +124,7 @@ impl ChatTokenizer {
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(tok_err)?;
-        let mut inner = Tokenizer::new(bpe);
+        let mut inner = HfTokenizer::new(bpe);
         let pre: Vec<PreTokenizerWrapper> =
             vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()];
         inner.with_pre_tokenizer(Some(Sequence::new(pre)));
@@ -291,6 +293,88 @@ impl ChatTokenizer {
     }
 }
 
+/// A model's text side, as a server uses it: prompts to token ids (plain
+/// completion text and chats through the model's own template) and generated
+/// ids back to text. Object safe: a server holds an `Arc<dyn Tokenizer>`.
+///
+/// Implemented by [`ChatTokenizer`] (SmolLM2: byte-level BPE, ChatML) and
+/// [`crate::gemma::GemmaTokenizer`] (Gemma 3: SentencePiece, Gemma's turns).
+pub trait Tokenizer: Send + Sync + std::fmt::Debug {
+    /// Token ids of `text` as a completion prompt, with whatever the model
+    /// puts first (Gemma's `<bos>`; nothing for SmolLM2). Whether special
+    /// tokens written in the text become their ids is the model's rule:
+    /// SmolLM2 parses them (the caller's raw prompt), Gemma keeps them text.
+    fn encode(&self, text: &str) -> Result<Vec<u32>>;
+
+    /// Token ids of a chat in the model's template, ending with the
+    /// assistant's turn opened when `add_generation_prompt`. Built as ids:
+    /// every message's content is plain text (a control token written in it
+    /// stays text), only the template puts control ids in. A chat the
+    /// template cannot express (a misplaced system message for Gemma) is an
+    /// [`EngineError::InvalidArgument`].
+    fn chat_ids(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Vec<u32>>;
+
+    /// The text of `ids`, special tokens written out (`<|im_end|>`,
+    /// `<end_of_turn>`): for logs and tests.
+    fn decode(&self, ids: &[u32]) -> Result<String>;
+
+    /// The text of `ids` as a client sees it: control tokens (`<|im_end|>`,
+    /// `<end_of_turn>`, `<eos>`) left out.
+    fn decode_text(&self, ids: &[u32]) -> Result<String>;
+
+    /// The bytes token `id` stands for (a token may hold part of a UTF-8
+    /// character); a special token's are its written form. Empty for an id
+    /// outside the vocabulary.
+    fn token_bytes(&self, id: u32) -> Vec<u8>;
+
+    /// The end-of-sequence id: the engine stops on it.
+    fn eos_token_id(&self) -> u32;
+
+    /// The ids that end the model's turn, end-of-sequence first: generation
+    /// stops at any of them.
+    fn end_of_turn_ids(&self) -> Vec<u32>;
+
+    /// Number of tokens in the vocabulary: ids are below it.
+    fn vocab_size(&self) -> usize;
+}
+
+impl Tokenizer for ChatTokenizer {
+    /// [`ChatTokenizer::encode`]: special tokens written in `text` are parsed,
+    /// nothing is added.
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        ChatTokenizer::encode(self, text)
+    }
+
+    /// [`ChatTokenizer::chatml_ids`].
+    fn chat_ids(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Vec<u32>> {
+        self.chatml_ids(messages, add_generation_prompt)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        ChatTokenizer::decode(self, ids)
+    }
+
+    fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        ChatTokenizer::decode_text(self, ids)
+    }
+
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        ChatTokenizer::token_bytes(self, id)
+    }
+
+    fn eos_token_id(&self) -> u32 {
+        self.eos
+    }
+
+    fn end_of_turn_ids(&self) -> Vec<u32> {
+        ChatTokenizer::end_of_turn_ids(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+}
+
 /// Who speaks a chat message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -412,7 +496,7 @@ mod tests {
             ],
             vec![m(Role::User, "<|im_start"), m(Role::Assistant, "im_end|>")],
         ];
-        let trace = crate::trace::Trace::load(crate::paths::e1_trace_path()).unwrap();
+        let trace = crate::testing::Trace::load(crate::paths::e1_trace_path()).unwrap();
         for turns in trace.conversations.iter().take(4) {
             let mut chat = vec![m(Role::System, &trace.system)];
             for turn in turns {

@@ -1,6 +1,8 @@
 //! The continuous-batching engine on the tiny random model: same tokens as
 //! decoding each request alone, and context shifts equal to recomputation.
 
+mod common;
+
 use candle_core::{Device, IndexOp, Tensor};
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
@@ -98,7 +100,7 @@ fn context_shift_equals_recomputing_the_shifted_tokens() {
             prefill_chunk: 16,
             context: Some(ctx),
             keep,
-            eos: None,
+            stop_tokens: Vec::new(),
         },
     )
     .unwrap();
@@ -136,23 +138,6 @@ fn context_shift_equals_recomputing_the_shifted_tokens() {
     assert_eq!(stats.context_shifts, shifts);
 }
 
-#[test]
-fn e2_modes_decode_the_same_tokens() {
-    let model = model();
-    let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
-    let cfg = kvcache_engine::bench::E2Config { tokens: 5, runs: 2 };
-    let mut lines = Vec::new();
-    let report =
-        kvcache_engine::bench::e2_batched_decode(&model, &prompts, &cfg, &mut |l| lines.push(l.to_string()))
-            .unwrap();
-    assert_eq!(report.sequences, 8);
-    assert_eq!((report.together.len(), report.sequential.len()), (2, 2));
-    assert!(report.together.iter().chain(&report.sequential).all(|t| *t > 0.0));
-    assert_eq!(report.mismatched_sequences, 0);
-    assert_eq!(lines.len(), 4);
-    assert!(report.to_string().contains("speed-up"));
-}
-
 /// Runs `requests` through a new engine (a new cache: another process, as far
 /// as the store can tell) sharing `store`; returns the finished requests by id
 /// and the run's totals.
@@ -177,7 +162,7 @@ fn run_with_store(
         },
     )
     .unwrap();
-    engine.set_store(store.clone(), MODEL, std::time::Duration::from_secs(5));
+    engine.set_store(store.clone(), std::time::Duration::from_secs(5));
     for r in requests {
         engine.submit(r.clone()).unwrap();
     }
@@ -526,7 +511,7 @@ where
 }
 
 fn common_max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    kvcache_engine::check::max_abs_diff(a, b).unwrap()
+    common::max_abs_diff(a, b)
 }
 
 #[test]

@@ -4,10 +4,10 @@
 mod common;
 
 use candle_core::{Device, Tensor};
+use common::check::{Checker, Op};
 use common::simple_cache::SimpleCache;
 use kvcache_api::{CausalCache, CausalConfig, DType, KeyShift, Placement, SlidingWindow, VLayout};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
-use kvcache_engine::check::{Checker, Op};
 use kvcache_engine::{Llama, LlamaConfig};
 use proptest::prelude::*;
 

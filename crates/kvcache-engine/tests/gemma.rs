@@ -10,12 +10,12 @@ mod gemma_common;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, IndexOp, Tensor, D};
+use gemma_common::testing::Trace;
 use gemma_common::{conversation, Pair};
 use kvcache_api::CausalConfig;
 use kvcache_engine::gemma::{
     gemma_path_for_tests, Activation, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer, TokenKind,
 };
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, WeightMode};
 
 fn file() -> Option<&'static GemmaFile> {

@@ -31,7 +31,10 @@
 //! model (loading it twice, mlx and candle, about 40 s).
 #![cfg(any(target_os = "macos", kvcache_mlx))]
 
+mod common;
+
 use candle_core::Device;
+use common::testing::Trace;
 use kvcache_api::{LayerCache, MixedLayer, SnapshotCache};
 use kvcache_engine::engine::argmax;
 use std::time::Instant;
@@ -40,7 +43,6 @@ use kvcache_engine::gemma::tokenizer::end_of_reply;
 use kvcache_engine::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
 use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, EngineError, WeightMode};
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use kvcache_trie::PrefixCache;

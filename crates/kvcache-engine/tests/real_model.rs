@@ -5,17 +5,17 @@
 //! download cache. Without it each test prints one line and passes, unless `CI` is
 //! set, where a missing model is a failure.
 
+mod common;
+
 use std::sync::OnceLock;
 
 use candle_core::{Device, IndexOp};
+use common::check::{Checker, Op};
+use common::testing::Trace;
 use kvcache_api::{CausalCache, CausalConfig, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
-use kvcache_engine::bench::e1_chat_reuse;
-use kvcache_engine::chat::Reuse;
-use kvcache_engine::check::{Checker, Op};
 use kvcache_engine::engine::greedy;
 use kvcache_engine::tokenizer::{chatml, Message, Role};
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, BatchToken, ChatTokenizer, Llama, LlamaConfig, WeightMode};
 
 const TOL: f32 = 1e-3;
@@ -212,23 +212,4 @@ fn quantized_weights_pick_the_same_next_token() {
         kvcache_engine::engine::argmax(&rf)
     );
     assert_eq!(cache.config().max_sequences, 1);
-}
-
-#[test]
-fn prefix_trie_evaluates_the_minimum_on_the_e1_trace() {
-    let Some(l) = loaded() else { return };
-    let trace = Trace::load(paths::e1_trace_path()).unwrap();
-    // Turn 1 of conversations 0 and 1: the second reuses the shared system prompt.
-    let trie = e1_chat_reuse(&l.model, &trace, Reuse::Trie, 2, 2, 1 << 30, &mut |_| {}).unwrap();
-    for (row, r) in trie.rows.iter().zip(&trace.requests) {
-        assert_eq!(
-            row.outcome.matched, r.best_prefix_with_earlier,
-            "request {}",
-            r.idx
-        );
-        assert_eq!(row.outcome.evaluated, r.min_prefill, "request {}", r.idx);
-        assert_eq!(row.outcome.generated.len(), 2);
-    }
-    assert_eq!(trie.evaluated(), 372 + 69);
-    assert_eq!(trie.evaluated(), trie.min_prefill());
 }

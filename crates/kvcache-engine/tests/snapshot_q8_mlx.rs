@@ -15,12 +15,13 @@
 //! Without the model it prints one line and passes (unless `CI` is set).
 #![cfg(any(target_os = "macos", kvcache_mlx))]
 
+mod common;
 mod mlx_support;
 
+use common::testing::Trace;
 use kvcache_engine::engine::argmax;
 use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{HostWeights, MlxLlama};
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, ModelFile};
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
 use kvcache_trie::PrefixCache;

@@ -6,15 +6,17 @@
 //! Needs the model (`cargo xtask test` provides it); without it each test
 //! prints one line and passes, unless `CI` is set.
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 
 use candle_core::{Device, IndexOp};
+use common::testing::Trace;
 use kvcache_api::{Fingerprint, Namespace};
 use kvcache_causal::layer_cache::CandleKv;
 use kvcache_engine::chat::{trie_turn, TurnOutcome};
 use kvcache_engine::store::{self, StoreOptions};
-use kvcache_engine::trace::Trace;
 use kvcache_engine::{paths, Llama, ModelFile, WeightMode};
 use kvcache_trie::PrefixCache;
 

@@ -24,7 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use kvcache_engine::trace::{Request, Trace};
+use kvcache_bench::trace::{Request, Trace};
 use serde_json::{json, Value};
 
 /// Replays the E1 trace against kvcache-server (E6 sequential, E7 concurrent).

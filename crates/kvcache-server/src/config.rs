@@ -20,6 +20,11 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// How the model's attention reads the cache (paged by default).
     pub attention: AttentionPath,
+    /// Positions of each sequence the sliding-window layers keep (a model
+    /// with such layers, e.g. Gemma 3): at least the window; a conversation
+    /// resumes without recomputing when its next turn parts from what the
+    /// cache holds at most `window_memory - window` positions before its end.
+    pub window_memory: usize,
     /// Requests admitted beyond `max_sequences` before new ones are refused
     /// with 503 and `Retry-After`.
     pub max_queue: usize,
@@ -100,6 +105,7 @@ impl Default for ServerConfig {
             max_batch: 256,
             prefill_chunk: 128,
             attention: AttentionPath::Paged,
+            window_memory: 1024,
             max_queue: 64,
             idle_ttl: Duration::from_secs(300),
             default_max_tokens: 256,

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvcache_api::Namespace;
+use kvcache_engine::engine::FinishReason;
 use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams, StopText, TokenLogprobs};
-use kvcache_engine::ChatTokenizer;
+use kvcache_engine::Tokenizer;
 use tokio::sync::mpsc;
 
 use crate::access::AccessRecord;
@@ -278,7 +279,7 @@ pub enum Piece {
 pub struct Generation {
     events: Option<mpsc::UnboundedReceiver<JobEvent>>,
     state: AppState,
-    tokenizer: Arc<ChatTokenizer>,
+    tokenizer: Arc<dyn Tokenizer>,
     prompt_tokens: usize,
     /// Generated tokens, end-of-sequence excluded.
     tokens: Vec<u32>,
@@ -292,8 +293,7 @@ pub struct Generation {
     ended: bool,
     /// Log-probabilities not yet handed out with a piece.
     logprobs: Vec<TokenLogprobs>,
-    /// The ids that end the turn (other than end-of-sequence, which the
-    /// engine stops on itself).
+    /// The ids that end the turn (the engine ends the request on them).
     end_of_turn: Vec<u32>,
     /// Where the access log line learns the request's counts.
     record: AccessRecord,
@@ -335,7 +335,7 @@ impl Generation {
             tokens: Vec::new(),
             completion_tokens: 0,
             decoded: 0,
-            stop: StopText::new(checked.stops),
+            stop: StopText::new(checked.stops.clone()),
             started,
             cached_tokens: 0,
             pending: VecDeque::new(),
@@ -350,6 +350,7 @@ impl Generation {
             prompt: checked.prompt,
             max_tokens: checked.max_tokens,
             namespace: checked.namespace,
+            stop: checked.stops,
             sampler,
             events: tx,
         };
@@ -381,9 +382,18 @@ impl Generation {
                 }
                 Some(JobEvent::Started { cached_tokens }) => self.cached_tokens = cached_tokens,
                 Some(JobEvent::Token { token, logprobs }) => self.token(token, logprobs),
-                Some(JobEvent::Finished { cached_tokens, eos }) => {
+                Some(JobEvent::Finished {
+                    cached_tokens,
+                    reason,
+                }) => {
                     self.cached_tokens = cached_tokens;
-                    self.end(if eos { "stop" } else { "length" });
+                    if matches!(reason, FinishReason::StopSequence(_)) {
+                        // The engine matched the stop on the whole text,
+                        // which may end in a character still incomplete
+                        // here: hand the filter what it has not seen.
+                        self.push_text(true);
+                    }
+                    self.end(reason.openai());
                 }
                 Some(JobEvent::Failed(message)) => {
                     self.ended = true;
@@ -404,28 +414,28 @@ impl Generation {
         }
         self.completion_tokens += 1;
         self.record.generated(self.completion_tokens);
-        if token == self.tokenizer.eos_token_id() {
-            // The engine stops on it and says so next.
-            return;
-        }
         if self.end_of_turn.contains(&token) {
-            // Another end-of-turn token: the turn is over; dropping the
-            // receiver cancels the request on the engine.
-            self.events = None;
-            self.end("stop");
+            // The engine ends the request on it and says so next.
             return;
         }
         self.logprobs.extend(logprobs);
         self.tokens.push(token);
-        let Some(new) = self.new_text() else { return };
+        self.push_text(false);
+    }
+
+    /// Hands the text decoded since the last call to the stop filter and
+    /// queues what it lets through; `force` takes a trailing incomplete
+    /// character too. A stop sequence found ends the answer: the engine has
+    /// ended the request on the same token (keeping its prefix for reuse)
+    /// and its end, which follows, finds the answer over.
+    fn push_text(&mut self, force: bool) {
+        let Some(new) = self.new_text(force) else { return };
         let out = self.stop.push(&new);
         if !out.text.is_empty() {
             let logprobs = std::mem::take(&mut self.logprobs);
             self.pending.push_back(Piece::Text(out.text, logprobs));
         }
-        if out.stopped {
-            // Dropping the receiver cancels the request on the engine.
-            self.events = None;
+        if out.stopped && !self.ended {
             self.end("stop");
         }
     }
@@ -445,11 +455,11 @@ impl Generation {
     }
 
     /// Text decoded since the last call, or `None` while the tokens end in
-    /// an incomplete UTF-8 character.
-    fn new_text(&mut self) -> Option<String> {
+    /// an incomplete UTF-8 character (unless `force`).
+    fn new_text(&mut self, force: bool) -> Option<String> {
         // Control tokens never reach the client's text.
         let text = self.tokenizer.decode_text(&self.tokens).ok()?;
-        if text.ends_with('\u{fffd}') {
+        if !force && text.ends_with('\u{fffd}') {
             return None;
         }
         let new = text.get(self.decoded..)?.to_string();

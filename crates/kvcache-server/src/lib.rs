@@ -1,7 +1,8 @@
 //! An OpenAI-compatible HTTP server on the kvcache-rs engine: the reference
 //! integration of the crates, as an engine author would deploy them.
 //!
-//! - [`worker`]: one thread owns the model (SmolLM2) and the causal cache and
+//! - [`worker`]: one thread owns the model (SmolLM2, or Gemma 3 with its
+//!   window layers in a `LayerGroupCache`) and the causal cache and
 //!   runs continuous batching: every running request decodes in the same
 //!   forward pass, requests join and leave between passes, a request whose
 //!   client went away is cancelled and its cells freed.
@@ -32,7 +33,8 @@ pub mod worker;
 
 use std::sync::Arc;
 
-use kvcache_engine::{ChatTokenizer, ModelFile};
+use kvcache_engine::gemma::GemmaFile;
+use kvcache_engine::{ModelFile, Tokenizer};
 
 pub use config::ServerConfig;
 pub use error::ApiError;
@@ -45,7 +47,7 @@ pub struct AppState {
     /// The engine thread.
     pub worker: Worker,
     /// The model's tokenizer and chat template.
-    pub tokenizer: Arc<ChatTokenizer>,
+    pub tokenizer: Arc<dyn Tokenizer>,
     /// Limits and names.
     pub config: Arc<ServerConfig>,
     /// The server's counters.
@@ -62,12 +64,16 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// Opens the model at `path`, loads it on the engine thread and returns
+    /// Opens the model at `path` (a Llama such as SmolLM2, or Gemma 3: the
+    /// file's header says which), loads it on the engine thread and returns
     /// the state the routes serve from.
     pub fn load(path: &std::path::Path, config: ServerConfig) -> kvcache_engine::Result<AppState> {
         let file = ModelFile::open(path)?;
-        let tokenizer = Arc::new(file.tokenizer()?);
-        let worker = Worker::start(file, &config)?;
+        let tokenizer: Arc<dyn Tokenizer> = match file.architecture() {
+            Some("gemma3") => Arc::new(GemmaFile::open(path)?.tokenizer()?),
+            _ => Arc::new(file.tokenizer()?),
+        };
+        let worker = Worker::start(file, tokenizer.clone(), &config)?;
         Ok(AppState {
             worker,
             tokenizer,

@@ -11,9 +11,13 @@ use kvcache_engine::store::StoreOptions;
 use kvcache_server::config::ApiKey;
 use kvcache_server::{router, AppState, ServerConfig};
 
-/// Serve SmolLM2 through an OpenAI-compatible HTTP API (chat completions,
-/// completions, models), with continuous batching and prefix reuse across
-/// requests on the kvcache-rs causal cache.
+/// Serve SmolLM2 or Gemma 3 through an OpenAI-compatible HTTP API (chat
+/// completions, completions, models), with continuous batching and prefix
+/// reuse across requests on the kvcache-rs causal cache.
+///
+/// Gemma 3's sliding-window layers keep --window-memory positions of each
+/// sequence, its global layers every position; its chat template has no
+/// system role: a system message's text opens the first user turn.
 ///
 /// Requests with the same `cache_salt` share cached prefixes; different salts
 /// never do. `GET /metrics` reports the cache in Prometheus' text format.
@@ -26,12 +30,15 @@ struct Args {
     /// Port to listen on (0: any free port).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// The GGUF model file [default: $KVCACHE_MODEL, else the model `cargo xtask prepare` cached].
+    /// The model: `smollm2` ($KVCACHE_MODEL, else the file `cargo xtask
+    /// prepare` cached), `gemma3` ($KVCACHE_GEMMA, which `cargo xtask serve
+    /// --model gemma3` sets), or a GGUF file (Llama or Gemma 3 architecture).
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// The model name clients send and `/v1/models` lists [default:
+    /// SmolLM2-135M-Instruct, or gemma-3-270m for a Gemma 3 file].
     #[arg(long)]
-    model: Option<PathBuf>,
-    /// The model name clients send and `/v1/models` lists.
-    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
-    served_model_name: String,
+    served_model_name: Option<String>,
     /// Sequences in the cache: running requests plus finished ones kept for reuse.
     #[arg(long, default_value_t = 16)]
     max_sequences: usize,
@@ -49,6 +56,12 @@ struct Args {
     /// reference, for comparison).
     #[arg(long, value_enum, default_value_t = AttentionArg::Paged)]
     attention: AttentionArg,
+    /// Positions of each sequence a sliding-window layer keeps (Gemma 3; at
+    /// least the window): a conversation's next turn reuses the cache when it
+    /// parts from what the cache holds at most this minus the window
+    /// positions before its end.
+    #[arg(long, value_name = "POSITIONS", default_value_t = 1024)]
+    window_memory: usize,
     /// Requests waiting beyond --max-sequences before new ones get 503 and Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -148,11 +161,15 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let model = args
-        .model
-        .clone()
-        .or_else(kvcache_engine::paths::model_path)
-        .ok_or("no model: pass --model, set KVCACHE_MODEL, or run `cargo xtask prepare --model`")?;
+    let model = match args.model.as_str() {
+        "smollm2" => kvcache_engine::paths::model_path()
+            .ok_or("no model: pass --model FILE, set KVCACHE_MODEL, or run `cargo xtask prepare --model`")?,
+        "gemma3" | "gemma" => std::env::var_os(kvcache_engine::gemma::GEMMA_ENV)
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .ok_or("--model gemma3: KVCACHE_GEMMA is unset; run `cargo xtask serve -- --model gemma3`")?,
+        path => PathBuf::from(path),
+    };
     if !(args.idle_ttl.is_finite() && args.idle_ttl >= 0.0) {
         return Err("--idle-ttl must be a non-negative number of seconds".into());
     }
@@ -180,12 +197,21 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err("an API key must be non-empty and hold no whitespace".into());
     }
+    let header = kvcache_engine::ModelFile::open(&model)?;
+    let default_name = match header.architecture() {
+        Some("gemma3") => "gemma-3-270m",
+        _ => "SmolLM2-135M-Instruct",
+    };
     let config = ServerConfig {
-        model_name: args.served_model_name,
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| default_name.to_string()),
         max_sequences: args.max_sequences,
         context: args.context,
         max_batch: args.max_batch,
         prefill_chunk: args.prefill_chunk,
+        window_memory: args.window_memory,
         attention: match args.attention {
             AttentionArg::Paged => AttentionPath::Paged,
             AttentionArg::Dense => AttentionPath::Dense,

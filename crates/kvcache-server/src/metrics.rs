@@ -83,7 +83,7 @@ impl Metrics {
         metric(
             "kvcache_requests_cancelled_total",
             "counter",
-            "Requests cancelled because their client went away or a stop sequence ended them.",
+            "Requests cancelled because their client went away.",
             g.reuse.cancelled as f64,
         );
         metric(
@@ -103,6 +103,12 @@ impl Metrics {
             "gauge",
             "KV cells held by at least one sequence.",
             g.cells_in_use as f64,
+        );
+        metric(
+            "kvcache_cache_bytes_in_use",
+            "gauge",
+            "Bytes of keys and values the cells in use hold (every layer group).",
+            g.bytes_in_use as f64,
         );
         metric(
             "kvcache_cells_total",

@@ -15,7 +15,7 @@ use axum::{Extension, Json, Router};
 use futures_util::stream::{self, Stream};
 use kvcache_engine::sampling::TokenLogprobs;
 use kvcache_engine::tokenizer::{Message, Role};
-use kvcache_engine::ChatTokenizer;
+use kvcache_engine::Tokenizer;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
@@ -255,8 +255,11 @@ fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))
 }
 
-/// The ChatML prompt of `messages`, ending with the assistant's turn opened;
-/// each message's content is plain text.
+/// The prompt of `messages` in the model's chat template (ChatML for
+/// SmolLM2, Gemma's turns for Gemma 3), ending with the assistant's turn
+/// opened; each message's content is plain text. Roles map to the engine's
+/// (`developer` is a system message); what a system message becomes is the
+/// template's choice, and a chat it cannot express is a 400.
 fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(Some("messages"), "messages must not be empty"));
@@ -302,11 +305,11 @@ fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, A
         chat.push(Message::new(role, content));
     }
     // Built as ids, never as text: a message that writes `<|im_end|>` or
-    // `<|im_start|>` gets those characters as text, not the template's
+    // `<end_of_turn>` gets those characters as text, not the template's
     // control tokens (no injected turn).
     state
         .tokenizer
-        .chatml_ids(&chat, true)
+        .chat_ids(&chat, true)
         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))
 }
 
@@ -408,7 +411,7 @@ impl Header {
 #[derive(Debug, Clone)]
 struct Logprobs {
     kind: Kind,
-    tokenizer: std::sync::Arc<ChatTokenizer>,
+    tokenizer: std::sync::Arc<dyn Tokenizer>,
     offset: usize,
 }
 

@@ -3,8 +3,9 @@
 //!
 //! Requests arrive over a channel ([`Worker::submit`]) and join between
 //! forward passes; each pass decodes one token for every running request.
-//! Tokens go back over the request's own channel; a request whose receiver is
-//! gone (its client disconnected, or a stop sequence ended it) is cancelled
+//! Tokens go back over the request's own channel. The engine decides how a
+//! request ends (a stop token, a stop sequence, `max_tokens`) and says why;
+//! a request whose receiver is gone (its client disconnected) is cancelled
 //! and its cells freed before the next pass. Finished sequences stay in the
 //! cache for prefix reuse within their namespace (the cache salt) and age out
 //! after the configured idle time, or sooner when their slot or cells are
@@ -16,11 +17,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use kvcache_api::{CausalConfig, Fingerprint, Namespace};
-use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
-use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, ReuseStats, Stats};
+use kvcache_api::{CacheError, CausalCache, CausalConfig, Fingerprint, Namespace};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats, Stats};
+use kvcache_engine::gemma::GemmaFile;
 use kvcache_engine::sampling::{Sampler, TokenLogprobs};
-use kvcache_engine::{store, Llama, ModelFile, WeightMode};
+use kvcache_engine::{store, CellUse, EngineError, Model, ModelFile, Tokenizer, WeightMode};
 use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
@@ -45,8 +46,8 @@ pub enum JobEvent {
     Finished {
         /// Prompt tokens taken from cached cells instead of evaluated.
         cached_tokens: usize,
-        /// Whether it stopped on the end-of-sequence token.
-        eos: bool,
+        /// Why the engine ended it.
+        reason: FinishReason,
     },
     /// The engine failed; the message says why.
     Failed(String),
@@ -61,6 +62,8 @@ pub struct Job {
     pub max_tokens: usize,
     /// The tenant's namespace: prefixes are reused within it only.
     pub namespace: Namespace,
+    /// Texts that end the request (OpenAI's `stop`).
+    pub stop: Vec<String>,
     /// Picks the tokens.
     pub sampler: Sampler,
     /// Where the tokens go.
@@ -74,6 +77,8 @@ pub struct Gauges {
     pub cells_in_use: usize,
     /// Cells the cache has.
     pub cells_total: usize,
+    /// Bytes of keys and values the cells in use hold.
+    pub bytes_in_use: usize,
     /// Requests holding a sequence.
     pub active: usize,
     /// Requests waiting for a sequence inside the engine.
@@ -124,9 +129,15 @@ impl std::fmt::Debug for CommandBox {
 }
 
 impl Worker {
-    /// Loads the model from `file` on a new thread and starts the engine loop
-    /// there; returns once the model is loaded.
-    pub fn start(file: ModelFile, config: &ServerConfig) -> kvcache_engine::Result<Worker> {
+    /// Loads the model of `file` (its header names the architecture: `llama`
+    /// or `gemma3`) on a new thread and starts the engine loop there; returns
+    /// once the model is loaded. `tokenizer` is the model's: its end-of-turn
+    /// tokens end a request, and its text is what stop sequences match.
+    pub fn start(
+        file: ModelFile,
+        tokenizer: Arc<dyn Tokenizer>,
+        config: &ServerConfig,
+    ) -> kvcache_engine::Result<Worker> {
         let (tx, rx) = std_mpsc::channel::<CommandBox>();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let gauges = Arc::new(Mutex::new(Gauges::default()));
@@ -138,34 +149,20 @@ impl Worker {
             .name("kvcache-engine".into())
             .spawn(move || {
                 let _running = guard;
-                let model = match file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}) {
-                    Ok(mut model) => {
-                        model.set_attention(config.attention);
-                        model
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
+                let setup = EngineSetup {
+                    config: &config,
+                    tokenizer,
+                    commands: rx,
+                    gauges: &thread_gauges,
+                    ready: ready_tx,
                 };
-                let eos = file.tokenizer().ok().map(|t| t.eos_token_id());
-                let built = store_fingerprint(&file, &config).and_then(|fingerprint| {
-                    let mut engine = build_engine(&model, &config, eos, fingerprint)?;
-                    let store = open_store(&model, &config, fingerprint, &mut engine)?;
-                    Ok((engine, store))
-                });
-                let engine = match built {
-                    Ok((engine, store)) => {
-                        let _ = ready_tx.send(Ok(store));
-                        engine
+                match file.architecture() {
+                    Some("gemma3") => {
+                        let loaded = GemmaFile::open(file.path())
+                            .and_then(|gemma| gemma.load(&Device::Cpu, WeightMode::F32, &mut |_| {}));
+                        setup.run(loaded, &file)
                     }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                if let Err(error) = serve(engine, &config, eos, rx, &thread_gauges) {
-                    tracing::error!(%error, "engine thread stopped");
+                    _ => setup.run(file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}), &file),
                 }
             })
             .map_err(|e| kvcache_engine::EngineError::io("kvcache-engine thread", e))?;
@@ -219,18 +216,63 @@ impl Worker {
     }
 }
 
-/// The cache of a server with a prefix store carries the model's fingerprint:
-/// the store's entries belong to that model and no other.
-fn build_engine<'m>(
-    model: &'m Llama,
+/// What the engine thread needs besides its model.
+struct EngineSetup<'a> {
+    config: &'a ServerConfig,
+    tokenizer: Arc<dyn Tokenizer>,
+    commands: std_mpsc::Receiver<CommandBox>,
+    gauges: &'a Mutex<Gauges>,
+    ready: std_mpsc::Sender<kvcache_engine::Result<Option<Arc<TieredStore>>>>,
+}
+
+impl EngineSetup<'_> {
+    /// Builds the engine over the loaded `model` and serves until every
+    /// [`Worker`] handle is dropped; tells [`Worker::start`] when it is
+    /// ready, or why it could not start.
+    fn run<M: Model>(self, model: kvcache_engine::Result<M>, file: &ModelFile) {
+        let built = model.and_then(|mut model| {
+            model.set_attention(self.config.attention);
+            let fingerprint = store_fingerprint(file, self.config)?;
+            Ok((model, fingerprint))
+        });
+        let (model, fingerprint) = match built {
+            Ok(built) => built,
+            Err(e) => {
+                let _ = self.ready.send(Err(e));
+                return;
+            }
+        };
+        let built = build_engine(&model, self.config, self.tokenizer, fingerprint).and_then(|mut engine| {
+            let store = open_store(&model, self.config, fingerprint, &mut engine)?;
+            Ok((engine, store))
+        });
+        let engine = match built {
+            Ok((engine, store)) => {
+                let _ = self.ready.send(Ok(store));
+                engine
+            }
+            Err(e) => {
+                let _ = self.ready.send(Err(e));
+                return;
+            }
+        };
+        if let Err(error) = serve(engine, self.config, self.commands, self.gauges) {
+            tracing::error!(%error, "engine thread stopped");
+        }
+    }
+}
+
+/// The engine over `model`'s cache, with prefix reuse on; the cache of a
+/// server with a prefix store carries the model's fingerprint: the store's
+/// entries belong to that model and no other.
+fn build_engine<'m, M: Model>(
+    model: &'m M,
     config: &ServerConfig,
-    eos: Option<u32>,
+    tokenizer: Arc<dyn Tokenizer>,
     fingerprint: Option<Fingerprint>,
-) -> kvcache_engine::Result<Engine<'m, CausalKvCache>> {
-    let c = model.config();
-    let shift = RopeShift::new(RopeLayout::Normal, c.head_dim, c.rope_base as f32)?;
+) -> kvcache_engine::Result<Engine<'m, M::Cache, M>> {
     let cache_config = CausalConfig::new(config.max_sequences, config.context, config.max_batch);
-    let mut cache = CausalKvCache::new(cache_config, Device::Cpu, Some(Box::new(shift)))?;
+    let mut cache = model.new_cache(&cache_config, config.window_memory, &Device::Cpu)?;
     if let Some(fingerprint) = fingerprint {
         cache.set_fingerprint(fingerprint);
     }
@@ -242,9 +284,10 @@ fn build_engine<'m>(
             prefill_chunk: config.prefill_chunk,
             context: Some(config.context),
             keep: 4,
-            eos,
+            stop_tokens: tokenizer.end_of_turn_ids(),
         },
     )?;
+    engine.set_tokenizer(tokenizer);
     engine.set_prefix_reuse(true)?;
     Ok(engine)
 }
@@ -263,28 +306,35 @@ fn store_fingerprint(file: &ModelFile, config: &ServerConfig) -> kvcache_engine:
 }
 
 /// Opens the prefix store of the model `fingerprint` names and links `engine`
-/// to it (nothing without a fingerprint: no store configured).
-fn open_store(
-    model: &Llama,
+/// to it (nothing without a fingerprint: no store configured). A cache that
+/// cannot export whole prefixes (one whose window layers keep only their
+/// window) refuses the store.
+fn open_store<M: Model>(
+    model: &M,
     config: &ServerConfig,
     fingerprint: Option<Fingerprint>,
-    engine: &mut Engine<'_, CausalKvCache>,
+    engine: &mut Engine<'_, M::Cache, M>,
 ) -> kvcache_engine::Result<Option<Arc<TieredStore>>> {
     let Some(fingerprint) = fingerprint else {
         return Ok(None);
     };
+    if let Err(CacheError::NotSupported(why)) = engine.cache().export_seq(0, 0..1) {
+        return Err(EngineError::InvalidArgument(format!(
+            "a prefix store needs a cache that exports prefixes; {}'s does not: {why}",
+            model.architecture()
+        )));
+    }
     let settings =
         StoreConfig::new(fingerprint, store::kv_layout(model)).with_queue_capacity(config.store_queue);
     let tiers = store::open_with(settings, &config.store)?;
-    engine.set_store(tiers.clone(), fingerprint, STORE_DEADLINE);
+    engine.set_store(tiers.clone(), STORE_DEADLINE);
     Ok(Some(tiers))
 }
 
 /// The engine loop: runs until every [`Worker`] handle is dropped.
-fn serve(
-    mut engine: Engine<'_, CausalKvCache>,
+fn serve<M: Model>(
+    mut engine: Engine<'_, M::Cache, M>,
     config: &ServerConfig,
-    eos: Option<u32>,
     commands: std_mpsc::Receiver<CommandBox>,
     gauges: &Mutex<Gauges>,
 ) -> kvcache_engine::Result<()> {
@@ -309,6 +359,7 @@ fn serve(
                 prompt: job.prompt,
                 max_new_tokens: job.max_tokens,
                 namespace: job.namespace,
+                stop: job.stop,
             };
             match engine.submit_sampled(request, Some(job.sampler)) {
                 Ok(()) => {
@@ -344,12 +395,11 @@ fn serve(
                 },
             )),
             Event::Finished(f) => {
-                let eos = f.generated.last().copied() == eos;
                 outgoing.push((
                     f.id,
                     JobEvent::Finished {
                         cached_tokens: f.reused.max(f.restored),
-                        eos,
+                        reason: f.reason.clone(),
                     },
                 ));
             }
@@ -397,8 +447,9 @@ fn serve(
         }
         let mut g = gauges.lock().unwrap_or_else(PoisonError::into_inner);
         *g = Gauges {
-            cells_in_use: engine.cache().used_cells(),
-            cells_total: engine.cache().num_cells(),
+            cells_in_use: engine.cache().cells_in_use(),
+            cells_total: engine.cache().cells_total(),
+            bytes_in_use: engine.cache().bytes_in_use(),
             active: engine.active(),
             queued: engine.queued(),
             idle: engine.idle_sequences(),

@@ -930,6 +930,10 @@ impl Core {
 }
 
 impl PrefixStore for TieredStore {
+    fn fingerprint(&self) -> Fingerprint {
+        self.core.config.fingerprint
+    }
+
     fn layout(&self) -> &KvLayout {
         &self.core.config.layout
     }

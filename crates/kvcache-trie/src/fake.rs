@@ -495,6 +495,11 @@ impl MemStore {
 }
 
 impl PrefixStore for MemStore {
+    /// One unnamed model: all zeros, as a cache's fingerprint is until set.
+    fn fingerprint(&self) -> kvcache_api::Fingerprint {
+        kvcache_api::Fingerprint([0; 32])
+    }
+
     fn layout(&self) -> &KvLayout {
         &self.layout
     }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::Value;
 
+use crate::gguf::Metadata;
 use crate::{EngineError, Result};
 
 pub use crate::kernels::Activation;
@@ -60,55 +61,25 @@ pub struct GemmaConfig {
 impl GemmaConfig {
     /// Reads the header of a `gemma3` GGUF; the implicit choices take Gemma 3's values.
     pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<Self> {
-        let arch = md
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .ok_or_else(|| EngineError::Format("no general.architecture".into()))?;
-        if arch != "gemma3" {
-            return Err(EngineError::Format(format!(
-                "architecture {arch:?} is not gemma3"
-            )));
-        }
-        let get = |key: &str| {
-            md.get(&format!("gemma3.{key}"))
-                .ok_or_else(|| EngineError::Format(format!("no gemma3.{key} in the GGUF header")))
-        };
-        let int = |key: &str| -> Result<usize> {
-            let v = get(key)?;
-            v.to_u32()
-                .map(|x| x as usize)
-                .or_else(|_| v.to_u64().map(|x| x as usize))
-                .map_err(|e| EngineError::Format(format!("gemma3.{key}: {e}")))
-        };
-        let float = |key: &str| -> Result<f64> {
-            get(key)?
-                .to_f32()
-                .map(f64::from)
-                .map_err(|e| EngineError::Format(format!("gemma3.{key}: {e}")))
-        };
-        let vocab_size = md
-            .get("tokenizer.ggml.tokens")
-            .and_then(|v| v.to_vec().ok())
-            .map(Vec::len)
-            .ok_or_else(|| EngineError::Format("no tokenizer.ggml.tokens".into()))?;
-        let dim = int("embedding_length")?;
-        let head_dim = int("attention.key_length")?;
-        if int("attention.value_length")? != head_dim {
+        let md = Metadata::of(md, "gemma3")?;
+        let dim = md.usize("embedding_length")?;
+        let head_dim = md.usize("attention.key_length")?;
+        if md.usize("attention.value_length")? != head_dim {
             return Err(EngineError::Format("key and value widths differ".into()));
         }
         let config = GemmaConfig {
-            n_layers: int("block_count")?,
+            n_layers: md.usize("block_count")?,
             dim,
-            n_heads: int("attention.head_count")?,
-            n_kv_heads: int("attention.head_count_kv")?,
+            n_heads: md.usize("attention.head_count")?,
+            n_kv_heads: md.usize("attention.head_count_kv")?,
             head_dim,
-            ffn_dim: int("feed_forward_length")?,
-            vocab_size,
-            rms_eps: float("attention.layer_norm_rms_epsilon")?,
-            context_length: int("context_length")?,
-            window: int("attention.sliding_window")?,
+            ffn_dim: md.usize("feed_forward_length")?,
+            vocab_size: md.token_count()?,
+            rms_eps: f64::from(md.f32("attention.layer_norm_rms_epsilon")?),
+            context_length: md.usize("context_length")?,
+            window: md.usize("attention.sliding_window")?,
             global_every: 6,
-            rope_base_global: float("rope.freq_base")?,
+            rope_base_global: f64::from(md.f32("rope.freq_base")?),
             rope_base_window: 10_000.0,
             embed_scale: (dim as f64).sqrt(),
             qk_norm: true,
@@ -168,6 +139,23 @@ impl GemmaConfig {
     /// Query heads per key/value head.
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
+    }
+
+    /// Whether `other` has the same dimensions (layers, widths, heads,
+    /// vocabulary), so the same weights fit it whatever its other choices.
+    pub fn same_dims(&self, other: &GemmaConfig) -> bool {
+        let dims = |c: &GemmaConfig| {
+            (
+                c.n_layers,
+                c.dim,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                c.ffn_dim,
+                c.vocab_size,
+            )
+        };
+        dims(self) == dims(other)
     }
 
     /// Checks that the dimensions fit together.

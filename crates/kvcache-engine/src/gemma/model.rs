@@ -18,14 +18,13 @@
 //! head_dim]` (what [`CausalCache::put`] takes), logits `[n, vocab_size]`.
 //! RoPE rotates halves (NeoX layout: GGUF keeps Gemma's Hugging Face layout).
 
-use std::fs::File;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
-use candle_core::quantized::{gguf_file, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor, D};
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor, D};
 use kvcache_api::{
-    Batch, CausalCache, CausalConfig, ForwardMode, LayerCache, MixedLayer, Pos, SlidingWindow, SnapshotCache,
+    Batch, CausalCache, CausalConfig, DType, ForwardMode, KvLayout, LayerCache, MixedLayer, Pos,
+    SlidingWindow, SnapshotCache,
 };
 use kvcache_causal::layer_cache::{CandleKv, CandleWindow};
 use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
@@ -33,82 +32,121 @@ use kvcache_causal::{CausalKvCache, LayerGroupCache, RopeLayout, RopeShift};
 use super::{GemmaConfig, GemmaTokenizer};
 pub use crate::attention::Attend;
 use crate::attention::{self, AttentionPath};
-use crate::kernels;
-use crate::model::SplitMix64;
+use crate::decoder::{check_tokens, AttendFn, FeedForward, Qkv, Trunk};
+use crate::gguf::{GgufFile, Tensors};
+use crate::model::Model;
 use crate::q8::Q8Matrix;
-use crate::{BatchToken, EngineError, LoadProgress, Result, WeightMode};
+use crate::weights::{DenseKernel, Draw, GgufWeights, Linear, RandomWeights, WeightSource, WeightSpec};
+use crate::{BatchToken, EngineError, LoadProgress, Result, Rope, WeightMode};
 
-/// A weight matrix `[out, in]` applied as `x @ W^T`.
+/// Gemma's dense products: `gemm` for every number of rows.
 ///
-/// Not the Llama's `Linear`: its few-row kernel made Gemma slower (E5 on two
+/// Not the Llama's few-row kernel: it made Gemma slower (E5 on two
 /// conversations: time to first token on later turns 558 -> 623 ms, whole run
 /// 15.0 -> 20.3 s), where gemm's matrix-vector path does better. (The tied
 /// output head's few-row products go to [`Q8Matrix`] instead.)
-#[derive(Debug, Clone)]
-enum Linear {
-    Dense(Tensor),
-    Quant(QMatMul),
-}
-
-impl Linear {
-    fn new(q: QTensor, mode: WeightMode, device: &Device) -> Result<Self> {
-        Ok(match mode {
-            WeightMode::F32 => Linear::Dense(q.dequantize(device)?),
-            WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(q)?),
-        })
-    }
-
-    /// `x: [n, in]` to `[n, out]`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(match self {
-            Linear::Dense(w) => x.matmul(&w.t()?)?,
-            Linear::Quant(q) => q.forward(x)?,
-        })
-    }
-}
+const KERNEL: DenseKernel = DenseKernel::Gemm;
 
 #[derive(Debug, Clone)]
 struct Block {
     attn_norm: Tensor,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    qkv: Qkv,
     q_norm: Tensor,
     k_norm: Tensor,
     wo: Linear,
     post_attn_norm: Tensor,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    ffn: FeedForward,
     post_ffw_norm: Tensor,
+}
+
+impl Block {
+    /// Block `layer`'s weights from `source`.
+    fn new(c: &GemmaConfig, layer: usize, source: &mut dyn WeightSource) -> Result<Self> {
+        let [attn_norm, wq, wk, wv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, gate, up, down, post_ffw_norm] =
+            block_weights(c, layer);
+        Ok(Block {
+            attn_norm: source.tensor(&attn_norm)?,
+            qkv: Qkv::new(source, [&wq, &wk, &wv])?,
+            q_norm: source.tensor(&q_norm)?,
+            k_norm: source.tensor(&k_norm)?,
+            wo: source.linear(&wo)?,
+            post_attn_norm: source.tensor(&post_attn_norm)?,
+            ffn_norm: source.tensor(&ffn_norm)?,
+            ffn: FeedForward::new(source, [&gate, &up, &down])?,
+            post_ffw_norm: source.tensor(&post_ffw_norm)?,
+        })
+    }
+}
+
+/// Block `layer`'s weights, in the order [`Gemma::random`] (and the mlx
+/// model's `random`, so the two hold the same numbers) draws them: matrices
+/// of variance about `1 / in`, the per-head query and key norm weights near
+/// 2 (attention far from uniform), the other norm weights near 1.
+pub(crate) fn block_weights(c: &GemmaConfig, layer: usize) -> [WeightSpec; 13] {
+    let (dim, qd, kvd, ffn, hd) = (
+        c.dim,
+        c.n_heads * c.head_dim,
+        c.n_kv_heads * c.head_dim,
+        c.ffn_dim,
+        c.head_dim,
+    );
+    let qk_norm = Draw::new(0.5, 2.0);
+    let w = |name: &str, shape: Vec<usize>, draw: Draw| WeightSpec::block(layer, name, shape, draw);
+    [
+        w("attn_norm", vec![dim], Draw::NORM),
+        w("attn_q", vec![qd, dim], Draw::matrix(dim)),
+        w("attn_k", vec![kvd, dim], Draw::matrix(dim)),
+        w("attn_v", vec![kvd, dim], Draw::matrix(dim)),
+        w("attn_q_norm", vec![hd], qk_norm),
+        w("attn_k_norm", vec![hd], qk_norm),
+        w("attn_output", vec![dim, qd], Draw::matrix(qd)),
+        w("post_attention_norm", vec![dim], Draw::NORM),
+        w("ffn_norm", vec![dim], Draw::NORM),
+        w("ffn_gate", vec![ffn, dim], Draw::matrix(dim)),
+        w("ffn_up", vec![ffn, dim], Draw::matrix(dim)),
+        w("ffn_down", vec![dim, ffn], Draw::matrix(ffn)),
+        w("post_ffw_norm", vec![dim], Draw::NORM),
+    ]
+}
+
+/// The weights around the blocks: the token embedding (`[vocab, dim]`, also
+/// the output projection, tied), drawn first, and the final norm, drawn last.
+pub(crate) fn outer_weights(c: &GemmaConfig) -> [WeightSpec; 2] {
+    WeightSpec::trunk(c.vocab_size, c.dim, Draw::new(0.3, 0.0))
+}
+
+/// The RoPE of the window layers and of the global layers, in that order
+/// (index `usize::from(config.is_global(layer))`).
+pub(crate) fn ropes(c: &GemmaConfig) -> [Rope; 2] {
+    [c.rope_base_window, c.rope_base_global].map(|base| Rope::with_layout(RopeLayout::NeoX, c.head_dim, base))
 }
 
 /// A GGUF file holding a Gemma 3 model, header read.
 #[derive(Debug)]
 pub struct GemmaFile {
-    path: PathBuf,
-    content: gguf_file::Content,
+    gguf: GgufFile,
 }
 
 impl GemmaFile {
     /// Reads the header of the GGUF at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
-        let mut file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))?;
-        Ok(GemmaFile { path, content })
+        GgufFile::open(path).map(GemmaFile::from)
+    }
+
+    /// The header, whatever the architecture.
+    pub fn gguf(&self) -> &GgufFile {
+        &self.gguf
     }
 
     /// The model's hyper-parameters.
     pub fn config(&self) -> Result<GemmaConfig> {
-        GemmaConfig::from_gguf_metadata(&self.content.metadata)
+        GemmaConfig::from_gguf_metadata(self.gguf.metadata())
     }
 
     /// The tokenizer of the header.
     pub fn tokenizer(&self) -> Result<GemmaTokenizer> {
-        GemmaTokenizer::from_gguf_metadata(&self.content.metadata)
+        GemmaTokenizer::from_gguf_metadata(self.gguf.metadata())
     }
 
     /// Reads every weight onto `device`.
@@ -118,53 +156,15 @@ impl GemmaFile {
         mode: WeightMode,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Gemma> {
-        let mut file = File::open(&self.path).map_err(|e| EngineError::io(&self.path, e))?;
-        Gemma::from_gguf(&self.content, &mut file, device, mode, progress)
+        self.gguf
+            .build(|content, file| Gemma::from_gguf(content, file, device, mode, progress))
     }
 }
 
-/// RoPE over halves (`(x[i], x[i + d/2])` rotate together by `pos * base^(-2i/d)`).
-#[derive(Debug, Clone)]
-struct Rope {
-    inv_freq: Arc<[f64]>,
-}
-
-impl Rope {
-    fn new(head_dim: usize, base: f64) -> Self {
-        let inv_freq = (0..head_dim / 2)
-            .map(|i| 1.0 / base.powf(2.0 * i as f64 / head_dim as f64))
-            .collect();
-        Rope { inv_freq }
-    }
-
-    /// `cos` and `sin`, `[n, 1, 1, head_dim / 2]` each.
-    fn tables(&self, positions: &[Pos], device: &Device) -> Result<(Tensor, Tensor)> {
-        let (n, half) = (positions.len(), self.inv_freq.len());
-        let mut cos = Vec::with_capacity(n * half);
-        let mut sin = Vec::with_capacity(n * half);
-        for &p in positions {
-            for &f in self.inv_freq.iter() {
-                let angle = f64::from(p) * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        Ok((
-            Tensor::from_vec(cos, (n, 1, 1, half), device)?,
-            Tensor::from_vec(sin, (n, 1, 1, half), device)?,
-        ))
-    }
-
-    /// Rotates `x: [n, heads, head_dim]` row `i` by the tables' row `i`.
-    fn apply(x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
-        let (n, heads, head_dim) = x.dims3()?;
-        let half = head_dim / 2;
-        let x = x.reshape((n, heads, 2, half))?;
-        let x1 = x.narrow(2, 0, 1)?;
-        let x2 = x.narrow(2, 1, 1)?;
-        let o1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-        let o2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-        Ok(Tensor::cat(&[o1, o2], 2)?.reshape((n, heads, head_dim))?)
+/// A header already read, whatever it names (checked when the model is read).
+impl From<GgufFile> for GemmaFile {
+    fn from(gguf: GgufFile) -> Self {
+        GemmaFile { gguf }
     }
 }
 
@@ -178,19 +178,15 @@ pub type GemmaLayer = MixedLayer<CandleKv, CandleWindow>;
 pub struct Gemma {
     config: GemmaConfig,
     device: Device,
-    /// `[vocab_size, dim]`, f32.
-    embed: Tensor,
-    blocks: Vec<Block>,
-    /// `[dim]`.
-    norm: Tensor,
+    trunk: Trunk<Block>,
     /// The tied embedding as the output projection.
     output: Linear,
     /// With f32 weights from a Q8_0 embedding, the same projection read from
     /// its Q8_0 blocks for the few-row products of decoding and first tokens
     /// (the same values, a quarter of the bytes).
     output_q8: Option<Q8Matrix>,
-    rope_window: Rope,
-    rope_global: Rope,
+    /// The window layers' RoPE and the global layers' (see [`ropes`]).
+    ropes: [Rope; 2],
     /// How [`hidden`](Gemma::hidden) attends through a causal cache.
     attention: AttentionPath,
 }
@@ -205,137 +201,41 @@ impl Gemma {
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
         let config = GemmaConfig::from_gguf_metadata(&content.metadata)?;
-        let total = content.tensor_infos.len();
-        let mut done = 0;
-        let mut get = |name: &str, dims: &[usize]| -> Result<QTensor> {
-            let t = content
-                .tensor(reader, name, device)
-                .map_err(|e| EngineError::Format(format!("tensor {name}: {e}")))?;
-            if t.shape().dims() != dims {
-                return Err(EngineError::Format(format!(
-                    "{name} has shape {:?}, expected {dims:?}",
-                    t.shape().dims()
-                )));
-            }
-            done += 1;
-            progress(LoadProgress { done, total });
-            Ok(t)
-        };
-        let c = &config;
-        let embed_q = get("token_embd.weight", &[c.vocab_size, c.dim])?;
-        let embed = embed_q.dequantize(device)?;
-        let (dim, qd, kvd, ffn, hd) = (
-            c.dim,
-            c.n_heads * c.head_dim,
-            c.n_kv_heads * c.head_dim,
-            c.ffn_dim,
-            c.head_dim,
-        );
-        let mut blocks = Vec::with_capacity(c.n_layers);
-        for l in 0..c.n_layers {
-            let mut lin = |name: &str, dims: [usize; 2]| -> Result<Linear> {
-                Linear::new(get(&format!("blk.{l}.{name}.weight"), &dims)?, mode, device)
-            };
-            let (wq, wk, wv, wo) = (
-                lin("attn_q", [qd, dim])?,
-                lin("attn_k", [kvd, dim])?,
-                lin("attn_v", [kvd, dim])?,
-                lin("attn_output", [dim, qd])?,
-            );
-            let (gate, up, down) = (
-                lin("ffn_gate", [ffn, dim])?,
-                lin("ffn_up", [ffn, dim])?,
-                lin("ffn_down", [dim, ffn])?,
-            );
-            let mut vector = |name: &str, len: usize| -> Result<Tensor> {
-                Ok(get(&format!("blk.{l}.{name}.weight"), &[len])?.dequantize(device)?)
-            };
-            blocks.push(Block {
-                attn_norm: vector("attn_norm", dim)?,
-                q_norm: vector("attn_q_norm", hd)?,
-                k_norm: vector("attn_k_norm", hd)?,
-                post_attn_norm: vector("post_attention_norm", dim)?,
-                ffn_norm: vector("ffn_norm", dim)?,
-                post_ffw_norm: vector("post_ffw_norm", dim)?,
-                wq,
-                wk,
-                wv,
-                wo,
-                gate,
-                up,
-                down,
-            });
-        }
-        let norm = get("output_norm.weight", &[dim])?.dequantize(device)?;
-        let (output, output_q8) = match mode {
-            WeightMode::F32 => (Linear::Dense(embed.clone()), Q8Matrix::from_qtensor(&embed_q)?),
-            WeightMode::Quantized => (Linear::Quant(QMatMul::from_qtensor(embed_q)?), None),
-        };
-        Ok(Gemma {
-            rope_window: Rope::new(config.head_dim, config.rope_base_window),
-            rope_global: Rope::new(config.head_dim, config.rope_base_global),
-            config,
-            device: device.clone(),
-            embed,
-            blocks,
-            norm,
-            output,
-            output_q8,
-            attention: AttentionPath::default(),
-        })
+        let tensors = Tensors::new(content, reader, device, progress);
+        let mut source = GgufWeights::new(tensors, mode, KERNEL, device);
+        Gemma::build(config, &mut source, mode, device)
     }
 
     /// A model with deterministic pseudo-random f32 weights (for tests):
-    /// matrices of variance about `1 / in`, larger for queries and keys so
-    /// attention is far from uniform, norm weights near 1.
+    /// matrices of variance about `1 / in`, query and key norm weights near 2
+    /// so attention is far from uniform, the other norm weights near 1.
     pub fn random(config: GemmaConfig, seed: u64, device: &Device) -> Result<Self> {
         config.validate()?;
-        let mut rng = SplitMix64(seed);
-        let mut mat = |rows: usize, cols: usize, scale: f32, offset: f32| -> Result<Tensor> {
-            let data: Vec<f32> = (0..rows * cols)
-                .map(|_| offset + scale * rng.next_sym())
-                .collect();
-            Ok(Tensor::from_vec(data, (rows, cols), device)?)
+        let mut source = RandomWeights::new(seed, KERNEL, device);
+        Gemma::build(config, &mut source, WeightMode::F32, device)
+    }
+
+    /// The model with weights from `source` (held as `mode` says).
+    fn build(
+        config: GemmaConfig,
+        source: &mut dyn WeightSource,
+        mode: WeightMode,
+        device: &Device,
+    ) -> Result<Self> {
+        let [embed, norm] = outer_weights(&config);
+        let block = |l, source: &mut dyn WeightSource| Block::new(&config, l, source);
+        let (trunk, stored) = Trunk::new(source, (&embed, &norm), config.n_layers, block)?;
+        let output_q8 = match (mode, &stored) {
+            (WeightMode::F32, Some(stored)) => Q8Matrix::from_qtensor(stored)?,
+            _ => None,
         };
-        let a = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
-        let c = &config;
-        let (dim, qd, kvd, ffn, hd) = (
-            c.dim,
-            c.n_heads * c.head_dim,
-            c.n_kv_heads * c.head_dim,
-            c.ffn_dim,
-            c.head_dim,
-        );
-        let embed = mat(c.vocab_size, dim, 0.3, 0.0)?;
-        let mut blocks = Vec::with_capacity(c.n_layers);
-        for _ in 0..c.n_layers {
-            blocks.push(Block {
-                attn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
-                wq: Linear::Dense(mat(qd, dim, a(dim), 0.0)?),
-                wk: Linear::Dense(mat(kvd, dim, a(dim), 0.0)?),
-                wv: Linear::Dense(mat(kvd, dim, a(dim), 0.0)?),
-                q_norm: mat(1, hd, 0.5, 2.0)?.squeeze(0)?,
-                k_norm: mat(1, hd, 0.5, 2.0)?.squeeze(0)?,
-                wo: Linear::Dense(mat(dim, qd, a(qd), 0.0)?),
-                post_attn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
-                ffn_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
-                gate: Linear::Dense(mat(ffn, dim, a(dim), 0.0)?),
-                up: Linear::Dense(mat(ffn, dim, a(dim), 0.0)?),
-                down: Linear::Dense(mat(dim, ffn, a(ffn), 0.0)?),
-                post_ffw_norm: mat(1, dim, 0.2, 1.0)?.squeeze(0)?,
-            });
-        }
-        let norm = mat(1, dim, 0.2, 1.0)?.squeeze(0)?;
         Ok(Gemma {
-            rope_window: Rope::new(c.head_dim, c.rope_base_window),
-            rope_global: Rope::new(c.head_dim, c.rope_base_global),
-            output: Linear::Dense(embed.clone()),
-            output_q8: None,
+            output: Linear::tied(&trunk.embed, stored, mode, KERNEL)?,
+            output_q8,
+            ropes: ropes(&config),
             config,
             device: device.clone(),
-            embed,
-            blocks,
-            norm,
+            trunk,
             attention: AttentionPath::default(),
         })
     }
@@ -343,33 +243,14 @@ impl Gemma {
     /// The same weights under other implicit choices (`config` must keep every
     /// dimension): how the tests show each choice beats its alternative.
     pub fn with_choices(&self, config: GemmaConfig) -> Result<Self> {
-        let c = &self.config;
-        let same = (
-            c.n_layers,
-            c.dim,
-            c.n_heads,
-            c.n_kv_heads,
-            c.head_dim,
-            c.ffn_dim,
-            c.vocab_size,
-        ) == (
-            config.n_layers,
-            config.dim,
-            config.n_heads,
-            config.n_kv_heads,
-            config.head_dim,
-            config.ffn_dim,
-            config.vocab_size,
-        );
-        if !same {
+        if !self.config.same_dims(&config) {
             return Err(EngineError::InvalidArgument(
                 "with_choices keeps the model's dimensions".into(),
             ));
         }
         config.validate()?;
         let mut m = self.clone();
-        m.rope_window = Rope::new(config.head_dim, config.rope_base_window);
-        m.rope_global = Rope::new(config.head_dim, config.rope_base_global);
+        m.ropes = ropes(&config);
         m.config = config;
         Ok(m)
     }
@@ -550,7 +431,7 @@ impl Gemma {
     {
         let b = Batch::from_tokens(batch.iter().map(|t| (t.seq, t.pos)))?;
         let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
-        self.check_tokens(&tokens)?;
+        check_tokens(&tokens, self.config.vocab_size)?;
         cache.start_forward(&b, ForwardMode::Compute)?;
         let (path, scale) = (self.attention, self.config.attn_scale as f32);
         self.layers(&tokens, b.positions(), &mut |layer, q, k, v| {
@@ -574,16 +455,9 @@ impl Gemma {
         })
     }
 
-    /// The layer loop: `attend(layer, q, keys, values)` gets this pass's roped
-    /// queries `[n, n_heads, head_dim]`, keys and values `[n, kv_heads,
-    /// head_dim]` and returns the attention's output `[n, n_heads * head_dim]`.
+    /// The layer loop, each layer's attention by `attend` (see [`AttendFn`]).
     /// Returns the final normed hidden states `[n, dim]`.
-    fn layers(
-        &self,
-        tokens: &[u32],
-        positions: &[Pos],
-        attend: &mut dyn FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+    fn layers(&self, tokens: &[u32], positions: &[Pos], attend: &mut AttendFn<'_>) -> Result<Tensor> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 || positions.len() != n {
@@ -592,55 +466,36 @@ impl Gemma {
                 positions.len()
             )));
         }
-        self.check_tokens(tokens)?;
-        let ids = Tensor::from_slice(tokens, n, &self.device)?;
-        let mut x = (self.embed.index_select(&ids, 0)? * c.embed_scale)?;
-        let window_tables = self.rope_window.tables(positions, &self.device)?;
-        let global_tables = self.rope_global.tables(positions, &self.device)?;
-        for (l, block) in self.blocks.iter().enumerate() {
-            let tables = if c.is_global(l) {
-                &global_tables
-            } else {
-                &window_tables
-            };
+        let mut x = (self.trunk.embed(tokens)? * c.embed_scale)?;
+        let tables = [
+            self.ropes[0].tables(positions, &self.device)?,
+            self.ropes[1].tables(positions, &self.device)?,
+        ];
+        for (l, block) in self.trunk.blocks.iter().enumerate() {
+            let kind = usize::from(c.is_global(l));
+            let (rope, tables) = (&self.ropes[kind], &tables[kind]);
             let h = self.norm(&x, &block.attn_norm)?;
-            let mut q = block.wq.forward(&h)?.reshape((n, c.n_heads, c.head_dim))?;
-            let mut k = block.wk.forward(&h)?.reshape((n, c.n_kv_heads, c.head_dim))?;
-            let v = block.wv.forward(&h)?.reshape((n, c.n_kv_heads, c.head_dim))?;
+            let (mut q, mut k, v) = block.qkv.forward(&h, (c.n_heads, c.n_kv_heads, c.head_dim))?;
             if c.qk_norm {
                 q = self.norm(&q, &block.q_norm)?;
                 k = self.norm(&k, &block.k_norm)?;
             }
-            let q = Rope::apply(&q, tables)?;
-            let k = Rope::apply(&k, tables)?;
+            let q = rope.apply_tables(&q, tables)?;
+            let k = rope.apply_tables(&k, tables)?;
             let attn = attend(l, &q, &k, &v.contiguous()?)?;
             x = (x + self.norm(&block.wo.forward(&attn)?, &block.post_attn_norm)?)?;
             let h = self.norm(&x, &block.ffn_norm)?;
-            let (g, u) = (block.gate.forward(&h)?, block.up.forward(&h)?);
-            let f = kernels::gated(&g, &u, c.activation)?;
-            let f = block.down.forward(&f)?;
+            let f = block.ffn.forward(&h, c.activation)?;
             x = (x + self.norm(&f, &block.post_ffw_norm)?)?;
         }
-        self.norm(&x, &self.norm)
+        self.norm(&x, &self.trunk.norm)
     }
 
     /// Rotates `x: [n, heads, head_dim]` row `i` by `positions[i]` with the RoPE
     /// of layer `layer` (negative positions rotate back; rotations compose, so
     /// this also moves roped keys by a position delta).
     pub fn rope(&self, layer: usize, x: &Tensor, positions: &[Pos]) -> Result<Tensor> {
-        let rope = if self.config.is_global(layer) {
-            &self.rope_global
-        } else {
-            &self.rope_window
-        };
-        if x.dim(0)? != positions.len() || x.dim(2)? != 2 * rope.inv_freq.len() {
-            return Err(EngineError::InvalidArgument(format!(
-                "rope: x {:?} with {} positions",
-                x.dims(),
-                positions.len()
-            )));
-        }
-        Rope::apply(x, &rope.tables(positions, x.device())?)
+        self.ropes[usize::from(self.config.is_global(layer))].apply(x, positions)
     }
 
     /// Logits `[n, vocab_size]` from final hidden states `[n, dim]`.
@@ -655,22 +510,74 @@ impl Gemma {
         self.output.forward(hidden)
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        match tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            Some(t) => Err(EngineError::InvalidArgument(format!(
-                "token {t} outside the vocabulary of {}",
-                self.config.vocab_size
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// RMSNorm over the last dimension with weight `w + norm_offset`.
     fn norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
         let w = (w + self.config.norm_offset)?;
         Ok(x.broadcast_div(&(ms + self.config.rms_eps)?.sqrt()?)?
             .broadcast_mul(&w)?)
+    }
+}
+
+/// Gemma 3: the engine's cache is a [`LayerGroupCache`] (window layers
+/// keeping `window_memory` positions, global layers everything, each group
+/// shifting keys with its own RoPE base), the trie's layers
+/// [`GemmaLayer`]s.
+impl Model for Gemma {
+    type Cache = LayerGroupCache;
+    type Layer = GemmaLayer;
+
+    fn architecture(&self) -> &'static str {
+        "gemma3"
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        let c = &self.config;
+        KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32)
+    }
+
+    fn set_attention(&mut self, path: AttentionPath) {
+        self.attention = path;
+    }
+
+    fn attention_path(&self) -> AttentionPath {
+        self.attention
+    }
+
+    fn new_cache(
+        &self,
+        base: &CausalConfig,
+        window_memory: usize,
+        device: &Device,
+    ) -> Result<LayerGroupCache> {
+        Gemma::new_cache(self, base, window_memory, device)
+    }
+
+    fn hidden<C>(&self, batch: &[BatchToken], cache: &mut C) -> Result<Tensor>
+    where
+        C: CausalCache<Tensor = Tensor> + ?Sized,
+    {
+        Gemma::hidden(self, batch, cache)
+    }
+
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Gemma::logits(self, hidden)
+    }
+
+    fn new_layers(&self) -> Result<Vec<GemmaLayer>> {
+        Gemma::new_layers(self, &self.device)
+    }
+
+    fn hidden_layers(&self, tokens: &[u32], layers: &mut [GemmaLayer]) -> Result<Tensor> {
+        Gemma::hidden_layers(self, tokens, layers)
     }
 }
 

@@ -12,6 +12,12 @@
 //! 3. A character that is no token becomes its UTF-8 bytes, `<0xNN>` each.
 //!
 //! Decoding reverses it: `▁` back to a space, byte tokens back to bytes.
+//!
+//! Chats follow Hugging Face's Gemma 3 template ([`gemma_chat`] as text,
+//! [`Tokenizer::chat_ids`] as ids): `<bos>`, then per message
+//! `<start_of_turn>{user|model}\n{content}<end_of_turn>\n`, then
+//! `<start_of_turn>model\n` to prompt a reply. Gemma has no system turn: a
+//! first system message's content and `"\n\n"` open the next message's.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -20,6 +26,7 @@ use ahash::AHashMap;
 
 use candle_core::quantized::gguf_file::Value;
 
+use crate::tokenizer::{Message, Role, Tokenizer};
 use crate::{EngineError, Result};
 
 /// The space marker of SentencePiece pieces.
@@ -44,6 +51,12 @@ pub enum TokenKind {
 }
 
 impl TokenKind {
+    /// Whether a token of this kind is never text a client sees: control,
+    /// unknown and unused tokens.
+    pub fn is_special(self) -> bool {
+        matches!(self, TokenKind::Control | TokenKind::Unknown | TokenKind::Unused)
+    }
+
     fn from_gguf(code: i32) -> Result<Self> {
         Ok(match code {
             1 => TokenKind::Normal,
@@ -331,6 +344,18 @@ impl GemmaTokenizer {
     /// user-defined tokens as written (`<start_of_turn>`). Ids outside the
     /// vocabulary are an error.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.decode_with(ids, false)
+    }
+
+    /// The text of `ids` as a client sees it: [`GemmaTokenizer::decode`]
+    /// without control, unknown and unused tokens (`<bos>`, `<eos>`,
+    /// `<start_of_turn>`, `<end_of_turn>`, `<unused0>`). User-defined tokens
+    /// (newline runs, tags) are text and stay.
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.decode_with(ids, true)
+    }
+
+    fn decode_with(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
             let kind = *self.kinds.get(id as usize).ok_or_else(|| {
@@ -339,19 +364,38 @@ impl GemmaTokenizer {
                     self.pieces.len()
                 ))
             })?;
-            let piece = &self.pieces[id as usize];
-            match kind {
-                TokenKind::Byte => bytes.push(self.byte_of(id)),
-                TokenKind::Normal => {
-                    for c in piece.chars() {
-                        let c = if c == SPACE { ' ' } else { c };
-                        bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
-                    }
-                }
-                _ => bytes.extend_from_slice(piece.as_bytes()),
+            if skip_special && kind.is_special() {
+                continue;
             }
+            self.push_bytes(id, kind, &mut bytes);
         }
         Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// Appends the bytes of token `id` (of `kind`) to `bytes`.
+    fn push_bytes(&self, id: u32, kind: TokenKind, bytes: &mut Vec<u8>) {
+        let piece = &self.pieces[id as usize];
+        match kind {
+            TokenKind::Byte => bytes.push(self.byte_of(id)),
+            TokenKind::Normal => {
+                for c in piece.chars() {
+                    let c = if c == SPACE { ' ' } else { c };
+                    bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+                }
+            }
+            _ => bytes.extend_from_slice(piece.as_bytes()),
+        }
+    }
+
+    /// The bytes token `id` stands for: a space for `▁`, byte `0xNN` for
+    /// `<0xNN>`, a control token's written form. Empty for an id outside the
+    /// vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        if let Some(&kind) = self.kinds.get(id as usize) {
+            self.push_bytes(id, kind, &mut bytes);
+        }
+        bytes
     }
 
     fn byte_of(&self, id: u32) -> u8 {
@@ -384,6 +428,26 @@ impl GemmaTokenizer {
         ids.push(self.end_of_turn);
         ids.extend(self.encode("\n", false, false));
         ids
+    }
+
+    /// The ids of [`gemma_chat`]`(messages, add_generation_prompt)` with
+    /// every message's content as plain text: `<bos>`, `<start_of_turn>` and
+    /// `<end_of_turn>` come from the template alone, so a message that writes
+    /// `<end_of_turn>` cannot close its turn. For content free of control
+    /// tokens the ids equal `encode(&gemma_chat(..)?, false, true)`'s.
+    pub fn chat_ids(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Vec<u32>> {
+        let turns = gemma_turns(messages)?;
+        let mut ids = vec![self.bos];
+        for (role, content) in &turns {
+            ids.push(self.start_of_turn);
+            ids.extend(self.encode(&format!("{role}\n{content}"), false, false));
+            ids.extend(self.encode_reply_end(""));
+        }
+        if add_generation_prompt {
+            ids.push(self.start_of_turn);
+            ids.extend(self.encode(MODEL_TURN, false, false));
+        }
+        Ok(ids)
     }
 
     /// The piece of token `id`, if it exists.
@@ -420,6 +484,116 @@ impl GemmaTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()
     }
+}
+
+impl Tokenizer for GemmaTokenizer {
+    /// `<bos>`, then `text` with control tokens written in it kept as text
+    /// (a prompt cannot open a turn of its own).
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(GemmaTokenizer::encode(self, text, true, false))
+    }
+
+    /// [`GemmaTokenizer::chat_ids`].
+    fn chat_ids(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Vec<u32>> {
+        GemmaTokenizer::chat_ids(self, messages, add_generation_prompt)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        GemmaTokenizer::decode(self, ids)
+    }
+
+    fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        GemmaTokenizer::decode_text(self, ids)
+    }
+
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        GemmaTokenizer::token_bytes(self, id)
+    }
+
+    fn eos_token_id(&self) -> u32 {
+        self.eos
+    }
+
+    /// `<eos>` and `<end_of_turn>`.
+    fn end_of_turn_ids(&self) -> Vec<u32> {
+        if self.eos == self.end_of_turn {
+            vec![self.eos]
+        } else {
+            vec![self.eos, self.end_of_turn]
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+}
+
+/// A chat's turns in Gemma's template: (`user` or `model`, content), after
+/// Hugging Face's Gemma 3 template: a first system message's content and
+/// `"\n\n"` are put before the next message's content (a turn of their own,
+/// as the user's, when nothing follows); contents are trimmed of surrounding
+/// whitespace, the system message's is not. A system message anywhere but
+/// first is an [`EngineError::InvalidArgument`]. Roles need not alternate.
+fn gemma_turns(messages: &[Message]) -> Result<Vec<(&'static str, String)>> {
+    let (prefix, rest, offset) = match messages.split_first() {
+        Some((first, rest)) if first.role == Role::System => {
+            (Some(format!("{}\n\n", first.content)), rest, 1)
+        }
+        _ => (None, messages, 0),
+    };
+    if let Some(i) = rest.iter().position(|m| m.role == Role::System) {
+        return Err(EngineError::InvalidArgument(format!(
+            "messages[{}] is a system message: Gemma takes one system message, the first",
+            i + offset
+        )));
+    }
+    let mut turns: Vec<(&'static str, String)> = rest
+        .iter()
+        .map(|m| {
+            let role = if m.role == Role::Assistant {
+                "model"
+            } else {
+                "user"
+            };
+            (role, m.content.trim().to_string())
+        })
+        .collect();
+    if let Some(prefix) = prefix {
+        match turns.first_mut() {
+            Some((_, content)) => content.insert_str(0, &prefix),
+            None => turns.push(("user", prefix)),
+        }
+    }
+    Ok(turns)
+}
+
+/// Renders `messages` with Gemma 3's chat template, as text (to show or log;
+/// to prompt a model use [`GemmaTokenizer::chat_ids`], which keeps control
+/// tokens inside messages as text): `<bos>`, then
+/// `<start_of_turn>{user|model}\n{content}<end_of_turn>\n` per message (a
+/// first system message's content and `"\n\n"` open the next message's),
+/// then `<start_of_turn>model\n` when `add_generation_prompt`. A system
+/// message anywhere but first is an [`EngineError::InvalidArgument`].
+///
+/// ```
+/// use kvcache_engine::gemma::tokenizer::gemma_chat;
+/// use kvcache_engine::tokenizer::{Message, Role};
+///
+/// let chat = [Message::new(Role::System, "Be brief."), Message::new(Role::User, "Hi")];
+/// assert_eq!(
+///     gemma_chat(&chat, true).unwrap(),
+///     "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+/// );
+/// ```
+pub fn gemma_chat(messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+    let mut out = String::from("<bos>");
+    for (role, content) in gemma_turns(messages)? {
+        out.push_str(&format!("<start_of_turn>{role}\n{content}<end_of_turn>\n"));
+    }
+    if add_generation_prompt {
+        out.push_str("<start_of_turn>model\n");
+    }
+    Ok(out)
 }
 
 /// The key of [`GemmaTokenizer::whole_lengths`] for a text starting with `bytes`
@@ -609,7 +783,7 @@ mod tests {
             return;
         };
         let t = crate::gemma::GemmaFile::open(path).unwrap().tokenizer().unwrap();
-        let trace = crate::trace::Trace::load(crate::paths::e1_trace_path()).unwrap();
+        let trace = crate::testing::Trace::load(crate::paths::e1_trace_path()).unwrap();
         let mut texts = vec![
             trace.system.clone(),
             "Hi".into(),
@@ -640,6 +814,94 @@ mod tests {
             .count();
         assert_eq!(controls, 3, "{turn:?}");
         assert_eq!(t.decode(&turn).unwrap(), chat_turn(injected));
+    }
+
+    #[test]
+    fn chats_follow_gemma_3s_template_as_ids() {
+        let t = toy();
+        let m = Message::new;
+        let chats = [
+            vec![m(Role::User, "ab")],
+            vec![
+                m(Role::System, "ba"),
+                m(Role::User, " ab "),
+                m(Role::Assistant, "a\n"),
+                m(Role::User, "b"),
+            ],
+            vec![m(Role::Assistant, "ab"), m(Role::User, "")],
+            vec![m(Role::System, "a b")],
+            vec![],
+        ];
+        for chat in &chats {
+            for generation_prompt in [true, false] {
+                let text = gemma_chat(chat, generation_prompt).unwrap();
+                let ids = t.chat_ids(chat, generation_prompt).unwrap();
+                assert_eq!(ids, t.encode(&text, false, true), "{chat:?}");
+                assert_eq!(t.decode(&ids).unwrap(), text);
+            }
+        }
+        assert_eq!(
+            gemma_chat(&chats[1], true).unwrap(),
+            "<bos><start_of_turn>user\nba\n\nab<end_of_turn>\n<start_of_turn>model\na<end_of_turn>\n\
+             <start_of_turn>user\nb<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            gemma_chat(&chats[3], false).unwrap(),
+            "<bos><start_of_turn>user\na b\n\n<end_of_turn>\n"
+        );
+        assert_eq!(gemma_chat(&[], false).unwrap(), "<bos>");
+        // Typed markers stay text.
+        let ids = t
+            .chat_ids(&[m(Role::User, "<end_of_turn><bos><start_of_turn>")], true)
+            .unwrap();
+        let (sot, eot) = (t.start_of_turn_id(), t.end_of_turn_id());
+        assert_eq!(
+            (
+                ids.iter().filter(|&&i| i == 2).count(),
+                ids.iter().filter(|&&i| i == sot).count()
+            ),
+            (1, 2)
+        );
+        assert_eq!(ids.iter().filter(|&&i| i == eot).count(), 1);
+        // A system message anywhere but first has no place in Gemma's turns.
+        for chat in [
+            vec![m(Role::User, "a"), m(Role::System, "b")],
+            vec![m(Role::System, "a"), m(Role::System, "b")],
+        ] {
+            let err = t.chat_ids(&chat, true).unwrap_err();
+            assert!(matches!(err, EngineError::InvalidArgument(_)), "{err}");
+            assert!(gemma_chat(&chat, true).is_err());
+        }
+    }
+
+    #[test]
+    fn the_trait_encodes_plain_text_and_decodes_without_controls() {
+        let t = toy();
+        let dynamic: &dyn Tokenizer = &t;
+        let ids = dynamic.encode("<end_of_turn>ab").unwrap();
+        assert_eq!(ids[0], t.bos_token_id());
+        assert!(!ids.contains(&t.end_of_turn_id()));
+        assert_eq!(dynamic.decode(&ids).unwrap(), "<bos><end_of_turn>ab");
+        assert_eq!(dynamic.decode_text(&ids).unwrap(), "<end_of_turn>ab");
+        let mut reply = t.encode(" ab\n\n", false, false);
+        reply.extend(dynamic.end_of_turn_ids());
+        assert_eq!(dynamic.end_of_turn_ids(), vec![1, t.end_of_turn_id()]);
+        assert_eq!(dynamic.decode_text(&reply).unwrap(), " ab\n\n");
+        assert_eq!(dynamic.token_bytes(id(&t, "▁ab")), b" ab");
+        assert_eq!(dynamic.token_bytes(id(&t, "<0xC3>")), vec![0xC3]);
+        assert_eq!(dynamic.token_bytes(id(&t, "\n\n")), b"\n\n");
+        assert_eq!(dynamic.token_bytes(t.end_of_turn_id()), b"<end_of_turn>");
+        assert!(dynamic.token_bytes(t.vocab_size() as u32).is_empty());
+        let bytes: Vec<u8> = t
+            .encode("é ab", false, false)
+            .iter()
+            .flat_map(|&i| dynamic.token_bytes(i))
+            .collect();
+        assert_eq!(bytes, "é ab".as_bytes());
+        assert_eq!(dynamic.eos_token_id(), 1);
+        assert_eq!(Tokenizer::vocab_size(&t), t.vocab_size());
+        let err = dynamic.decode_text(&[t.vocab_size() as u32]).unwrap_err();
+        assert!(matches!(err, EngineError::InvalidArgument(_)), "{err}");
     }
 
     #[test]

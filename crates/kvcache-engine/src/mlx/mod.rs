@@ -1,14 +1,16 @@
-//! The Llama of [`crate::model`] on mlx-rs arrays, running through the
+//! The Llama of [`crate::llama`] and the Gemma of [`crate::gemma`] on mlx-rs arrays, running through the
 //! `kvcache_mlx` layer caches under the `kvcache_trie` prefix trie (`--backend mlx`).
 //!
 //! - [`weights`]: every weight as f32 host data, read from the GGUF with the
-//!   same candle reader and dequantization the candle model uses, or random.
+//!   same candle reader and dequantization the candle model uses, or random
+//!   (the candle model's numbers: both draw from the same weight specs).
 //! - [`model`]: [`MlxLlama`], the forward pass (RoPE, grouped-query attention,
 //!   RMSNorm, SwiGLU, f32) without a cache (the reference) and through
 //!   per-layer [`kvcache_api::LayerCache`]s such as
 //!   [`kvcache_mlx::layers::KvCache`].
 //! - [`chat`]: [`MlxChatServer`], multi-conversation chat through
-//!   [`kvcache_trie::PrefixCache`] over mlx `KvCache`s.
+//!   [`kvcache_trie::PrefixCache`] for either model ([`MlxTrieModel`]), over
+//!   mlx `KvCache`s for the Llama.
 //! - [`gemma`]: [`MlxGemma`], Gemma 3 with its window and global layers
 //!   through the same trie (rotating caches for the window layers), and its
 //!   chat server [`MlxGemmaChatServer`].
@@ -22,7 +24,7 @@ pub mod gemma;
 pub mod model;
 pub mod weights;
 
-pub use chat::MlxChatServer;
+pub use chat::{MlxChatServer, MlxTrieModel};
 pub use gemma::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
 pub use model::MlxLlama;
 pub use weights::{HostTensor, HostWeights};

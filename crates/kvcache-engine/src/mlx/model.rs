@@ -17,23 +17,28 @@
 //! data and the views they returned are released.
 
 use kvcache_api::{LayerCache, Pos};
+use kvcache_causal::RopeLayout;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, sigmoid, softmax_axis};
 use mlx_rs::{fast, Array};
 
 use super::mlx_err;
-use super::weights::{block_shapes, HostTensor, HostWeights};
-use crate::{EngineError, LlamaConfig, LoadProgress, ModelFile, Result};
+use super::weights::HostWeights;
+use crate::llama::{block_weights, outer_weights};
+use crate::weights::WeightSpec;
+use crate::{EngineError, LlamaConfig, LoadProgress, ModelFile, Result, Rope};
 
 /// `n` as an mlx dimension.
 pub(crate) fn dim(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| EngineError::InvalidArgument(format!("{n} exceeds mlx's i32 dimensions")))
 }
 
-/// An mlx array holding `t`.
-fn array_of(t: &HostTensor) -> Result<Array> {
-    let shape = t.shape.iter().map(|&d| dim(d)).collect::<Result<Vec<_>>>()?;
-    Ok(Array::from_slice(&t.data, &shape))
+/// A weight as an mlx array of `shape` holding `data` (row-major), evaluated.
+pub(crate) fn weight_array(data: &[f32], shape: &[usize]) -> Result<Array> {
+    let shape = shape.iter().map(|&d| dim(d)).collect::<Result<Vec<_>>>()?;
+    let a = Array::from_slice(data, &shape);
+    a.eval().map_err(mlx_err)?;
+    Ok(a)
 }
 
 /// `x: [n, in]` times `w: [out, in]` transposed: `[n, out]`.
@@ -66,8 +71,8 @@ pub struct MlxLlama {
     norm: Array,
     /// `[vocab, dim]` (the embedding itself when tied).
     output: Array,
-    /// `base^(-2i / head_dim)` for `i < head_dim / 2`, in f64 like [`crate::Rope`].
-    inv_freq: Vec<f64>,
+    /// The candle model's RoPE (interleaved), whose tables this model rotates by.
+    rope: Rope,
 }
 
 impl std::fmt::Debug for MlxLlama {
@@ -81,12 +86,15 @@ impl MlxLlama {
     pub fn new(weights: &HostWeights) -> Result<Self> {
         let c = weights.config().clone();
         c.validate()?;
-        let get = |name: &str, shape: &[usize]| -> Result<Array> { array_of(weights.expect(name, shape)?) };
-        let embed = get("token_embd.weight", &[c.vocab_size, c.dim])?;
+        let get = |w: &WeightSpec| -> Result<Array> {
+            let t = weights.expect(&w.name, &w.shape)?;
+            weight_array(&t.data, &t.shape)
+        };
+        let [embed, norm, output] = outer_weights(&c);
+        let embed = get(&embed)?;
         let mut blocks = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let [attn_norm, wq, wk, wv, wo, ffn_norm, gate, up, down] =
-                block_shapes(&c).map(|(name, shape)| get(&format!("blk.{l}.{name}.weight"), &shape));
+            let [attn_norm, wq, wk, wv, wo, ffn_norm, gate, up, down] = block_weights(&c, l).map(|w| get(&w));
             blocks.push(Block {
                 attn_norm: attn_norm?,
                 wq: wq?,
@@ -99,25 +107,19 @@ impl MlxLlama {
                 down: down?,
             });
         }
-        let norm = get("output_norm.weight", &[c.dim])?;
-        let output = match weights.get("output.weight") {
-            Some(_) => get("output.weight", &[c.vocab_size, c.dim])?,
+        let norm = get(&norm)?;
+        let output = match weights.get(&output.name) {
+            Some(_) => get(&output)?,
             None => embed.clone(), // tied embeddings
         };
-        let inv_freq = (0..c.head_dim / 2)
-            .map(|i| 1.0 / c.rope_base.powf(2.0 * i as f64 / c.head_dim as f64))
-            .collect();
-        let model = MlxLlama {
+        Ok(MlxLlama {
+            rope: Rope::new(c.head_dim, c.rope_base),
             config: c,
             embed,
             blocks,
             norm,
             output,
-            inv_freq,
-        };
-        let all = model.arrays();
-        mlx_rs::transforms::eval(all).map_err(mlx_err)?;
-        Ok(model)
+        })
     }
 
     /// Reads every weight of `file` dequantized to f32 (`progress` after each
@@ -134,24 +136,6 @@ impl MlxLlama {
     /// The model's hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
-    }
-
-    fn arrays(&self) -> Vec<&Array> {
-        let mut all = vec![&self.embed, &self.norm, &self.output];
-        for b in &self.blocks {
-            all.extend([
-                &b.attn_norm,
-                &b.wq,
-                &b.wk,
-                &b.wv,
-                &b.wo,
-                &b.ffn_norm,
-                &b.gate,
-                &b.up,
-                &b.down,
-            ]);
-        }
-        all
     }
 
     /// Logits `[n, vocab_size]` for `tokens` as one sequence at positions
@@ -212,8 +196,8 @@ impl MlxLlama {
         let total = offset + n;
         let ids = Array::from_slice(tokens, &[ni]);
         let mut x = self.embed.take_axis(&ids, 0).map_err(mlx_err)?;
-        let tables = self.rope_tables(offset, n)?;
-        let mask = causal_mask(offset, n)?;
+        let tables = rope_tables(&self.rope, offset, n)?;
+        let mask = (n > 1).then(|| attention_mask(offset, n, None)).transpose()?;
         let eps = c.rms_eps as f32;
         let scale = (1.0 / (c.head_dim as f64).sqrt()) as f32;
         for (l, b) in self.blocks.iter().enumerate() {
@@ -221,10 +205,10 @@ impl MlxLlama {
             let q = linear(&h, &b.wq)?.reshape(&[ni, heads, hd]).map_err(mlx_err)?;
             let k = linear(&h, &b.wk)?.reshape(&[ni, kv_heads, hd]).map_err(mlx_err)?;
             let v = linear(&h, &b.wv)?.reshape(&[ni, kv_heads, hd]).map_err(mlx_err)?;
-            let q = rope(&q, &tables)?;
+            let q = rope(&q, &tables, RopeLayout::Normal)?;
             // [n, kv_heads, hd] -> [1, kv_heads, n, hd]
             let to_cache = |t: &Array| t.transpose_axes(&[1, 0, 2])?.expand_dims(0);
-            let k = to_cache(&rope(&k, &tables)?).map_err(mlx_err)?;
+            let k = to_cache(&rope(&k, &tables, RopeLayout::Normal)?).map_err(mlx_err)?;
             let v = to_cache(&v).map_err(mlx_err)?;
             let (keys, values) = attend(l, &k, &v)?;
             for (t, what) in [(&keys, "keys"), (&values, "values")] {
@@ -245,25 +229,6 @@ impl MlxLlama {
             x = x.add(d).map_err(mlx_err)?;
         }
         fast::rms_norm(&x, Some(&self.norm), eps).map_err(mlx_err)
-    }
-
-    /// `cos` and `sin` of every (position, frequency) pair for positions
-    /// `offset..offset + n`, `[n, 1, head_dim / 2, 1]` each, computed in f64 and
-    /// rounded to f32 exactly as [`crate::Rope::tables`] does.
-    fn rope_tables(&self, offset: usize, n: usize) -> Result<(Array, Array)> {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(n * half);
-        let mut sin = Vec::with_capacity(n * half);
-        for p in offset..offset + n {
-            let p = Pos::try_from(p).map_err(|_| EngineError::InvalidArgument(format!("position {p}")))?;
-            for &f in &self.inv_freq {
-                let angle = f64::from(p) * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        let shape = [dim(n)?, 1, dim(half)?, 1];
-        Ok((Array::from_slice(&cos, &shape), Array::from_slice(&sin, &shape)))
     }
 }
 
@@ -314,14 +279,40 @@ pub(crate) fn attention(
         .map_err(e)
 }
 
-/// RoPE in GGUF's interleaved layout on `x: [n, heads, hd]`: dimensions
-/// `(2i, 2i + 1)` rotate together (see [`crate::Rope`]).
-fn rope(x: &Array, (cos, sin): &(Array, Array)) -> Result<Array> {
+/// `cos` and `sin` of `rope` for positions `offset..offset + n` (the
+/// numbers the candle model rotates by), shaped for [`rope`]: `[n, 1,
+/// head_dim / 2, 1]` each in the interleaved layout, `[n, 1, head_dim / 2]`
+/// over halves.
+pub(crate) fn rope_tables(rope: &Rope, offset: usize, n: usize) -> Result<(Array, Array)> {
+    let end = offset + n;
+    let end = Pos::try_from(end).map_err(|_| EngineError::InvalidArgument(format!("position {end}")))?;
+    let (cos, sin) = rope.cos_sin(offset as Pos..end);
+    let (n, half) = (dim(n)?, dim(rope.head_dim() / 2)?);
+    let shape = match rope.layout() {
+        RopeLayout::Normal => vec![n, 1, half, 1],
+        RopeLayout::NeoX => vec![n, 1, half],
+    };
+    Ok((Array::from_slice(&cos, &shape), Array::from_slice(&sin, &shape)))
+}
+
+/// RoPE on `x: [n, heads, hd]` with tables from [`rope_tables`]: in the
+/// interleaved `layout` dimensions `(2i, 2i + 1)` rotate together, over halves
+/// `(i, i + hd / 2)` (see [`crate::Rope`]).
+pub(crate) fn rope(x: &Array, (cos, sin): &(Array, Array), layout: RopeLayout) -> Result<Array> {
     let (n, heads, hd) = (x.dim(0), x.dim(1), x.dim(2));
     let e = mlx_err;
-    let x = x.reshape(&[n, heads, hd / 2, 2]).map_err(e)?;
-    let x0 = x.try_index((.., .., .., 0..1)).map_err(e)?;
-    let x1 = x.try_index((.., .., .., 1..2)).map_err(e)?;
+    // The two members of each pair, along `axis`.
+    let (x0, x1, axis) = match layout {
+        RopeLayout::Normal => {
+            let x = x.reshape(&[n, heads, hd / 2, 2]).map_err(e)?;
+            let x0 = x.try_index((.., .., .., 0..1)).map_err(e)?;
+            (x0, x.try_index((.., .., .., 1..2)).map_err(e)?, 3)
+        }
+        RopeLayout::NeoX => {
+            let x0 = x.try_index((.., .., 0..hd / 2)).map_err(e)?;
+            (x0, x.try_index((.., .., hd / 2..)).map_err(e)?, 2)
+        }
+    };
     let o0 = x0
         .multiply(cos)
         .and_then(|a| a.subtract(x1.multiply(sin)?))
@@ -330,24 +321,26 @@ fn rope(x: &Array, (cos, sin): &(Array, Array)) -> Result<Array> {
         .multiply(sin)
         .and_then(|a| a.add(x1.multiply(cos)?))
         .map_err(e)?;
-    concatenate(&[o0, o1], 3)
-        .and_then(|o| o.reshape(&[n, heads, hd]))
-        .map_err(e)
+    let out = concatenate(&[o0, o1], axis).map_err(e)?;
+    match layout {
+        RopeLayout::Normal => out.reshape(&[n, heads, hd]).map_err(e),
+        RopeLayout::NeoX => Ok(out),
+    }
 }
 
-/// The additive causal mask `[n, offset + n]` for `n` queries at positions
-/// `offset..offset + n` (row `i` sees columns `0..=offset + i`); `None` for a
-/// single query, which sees everything.
-fn causal_mask(offset: usize, n: usize) -> Result<Option<Array>> {
-    if n == 1 {
-        return Ok(None);
-    }
+/// The additive mask `[n, offset + n]` (0 visible, `-inf` hidden) of `n`
+/// queries at positions `offset..offset + n` over keys at `0..offset + n`: a
+/// key is visible when it is not later and, with a window `w`, fewer than `w`
+/// positions earlier (the window holds the query itself).
+pub(crate) fn attention_mask(offset: usize, n: usize, window: Option<usize>) -> Result<Array> {
     let total = offset + n;
-    let mut mask = vec![0f32; n * total];
+    let mut mask = vec![f32::NEG_INFINITY; n * total];
     for i in 0..n {
-        mask[i * total + offset + i + 1..(i + 1) * total].fill(f32::NEG_INFINITY);
+        let q = offset + i;
+        let first = window.map_or(0, |w| (q + 1).saturating_sub(w));
+        mask[i * total + first..=i * total + q].fill(0.0);
     }
-    Ok(Some(Array::from_slice(&mask, &[dim(n)?, dim(total)?])))
+    Ok(Array::from_slice(&mask, &[dim(n)?, dim(total)?]))
 }
 
 /// `caches` (one per layer) checked for a model of `n_layers` layers: their
@@ -373,12 +366,7 @@ pub(crate) fn check_tokens(tokens: &[u32], vocab_size: usize) -> Result<()> {
     if tokens.is_empty() {
         return Err(EngineError::InvalidArgument("no tokens".into()));
     }
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
-        return Err(EngineError::InvalidArgument(format!(
-            "token {t} outside the vocabulary of {vocab_size}"
-        )));
-    }
-    Ok(())
+    crate::decoder::check_tokens(tokens, vocab_size)
 }
 
 /// Evaluates a pass's output `out` together with every cache's writes, and

@@ -12,6 +12,9 @@ use kvcache_causal::LayerGroupCache;
 use kvcache_engine::gemma::{causal_mask, Attend, Gemma};
 use kvcache_engine::BatchToken;
 
+#[path = "../common/testing.rs"]
+pub mod testing;
+
 /// One sequence of the reference: positions and, per layer, the roped keys
 /// and the values of every position, `[len, kv_heads, head_dim]`.
 #[derive(Debug, Clone, Default)]
@@ -180,7 +183,7 @@ struct Seen {
 
 /// Largest absolute difference between two tensors of the same shape.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    kvcache_engine::check::max_abs_diff(a, b).unwrap()
+    testing::max_abs_diff(a, b)
 }
 
 /// The cache and the reference driven together; logits compared on some rows.

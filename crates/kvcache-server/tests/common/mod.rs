@@ -27,18 +27,26 @@ impl Server {
     /// Starts the server on the test model with `args` added; `None` (with a
     /// printed reason) when there is no model.
     pub fn start(args: &[&str]) -> Option<Server> {
-        Self::spawn(args, None)
+        let model = kvcache_engine::paths::model_path_for_tests()?;
+        Some(Self::spawn(&model, args, None))
+    }
+
+    /// Starts the server on Gemma 3 270M (`$KVCACHE_GEMMA`) with `args`
+    /// added; `None` (with a printed reason) when there is no Gemma file.
+    pub fn start_gemma(args: &[&str]) -> Option<Server> {
+        let model = kvcache_engine::gemma::gemma_path_for_tests()?;
+        Some(Self::spawn(&model, args, None))
     }
 
     /// [`Server::start`], keeping every line the server writes to stderr
     /// (its log) in the returned list as well as passing it on.
     pub fn start_logged(args: &[&str]) -> Option<(Server, Arc<Mutex<Vec<String>>>)> {
         let lines = Arc::new(Mutex::new(Vec::new()));
-        Self::spawn(args, Some(lines.clone())).map(|server| (server, lines))
+        let model = kvcache_engine::paths::model_path_for_tests()?;
+        Some((Self::spawn(&model, args, Some(lines.clone())), lines))
     }
 
-    fn spawn(args: &[&str], log: Option<Arc<Mutex<Vec<String>>>>) -> Option<Server> {
-        let model = kvcache_engine::paths::model_path_for_tests()?;
+    fn spawn(model: &std::path::Path, args: &[&str], log: Option<Arc<Mutex<Vec<String>>>>) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
             .args(["--host", "127.0.0.1", "--port", "0", "--context", "1024"])
             .arg("--model")
@@ -80,7 +88,7 @@ impl Server {
                 panic!("kvcache-server did not print its address");
             }
         };
-        Some(Server { child, base })
+        Server { child, base }
     }
 
     /// The server's pid.

@@ -29,22 +29,24 @@
 //! Every forward function evaluates what it returns (and every cache write of
 //! the pass) before returning, like [`super::super::MlxLlama`].
 
-use std::fs::File;
 use std::path::Path;
 
-use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use kvcache_api::{LayerCache, MixedLayer, Pos};
+use kvcache_api::{LayerCache, MixedLayer};
+use kvcache_causal::RopeLayout;
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
-use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{concatenate, sigmoid, tanh};
+use mlx_rs::ops::{sigmoid, tanh};
 use mlx_rs::{fast, Array};
 
 use super::super::mlx_err;
-use super::super::model::{self, dim, linear};
-use crate::gemma::{Activation, GemmaConfig};
-use crate::model::SplitMix64;
-use crate::{EngineError, LoadProgress, Result};
+use super::super::model::{self, attention_mask, dim, linear, rope, rope_tables, weight_array};
+use super::super::weights::HostTensor;
+use crate::gemma::model::{block_weights, outer_weights, ropes};
+use crate::gemma::{Activation, GemmaConfig, GemmaFile};
+use crate::gguf::Tensors;
+use crate::weights::SplitMix64;
+use crate::weights::WeightSpec;
+use crate::{EngineError, LoadProgress, Result, Rope};
 
 /// One layer's cache of an [`MlxGemma`]: a global layer keeps every position
 /// in a [`KvCache`], a window layer the last `W` in a [`RotatingKvCache`].
@@ -70,55 +72,9 @@ struct Block {
     post_ffw_norm: Array,
 }
 
-/// How [`MlxGemma::random`] draws a weight: `offset + scale * U[-1, 1)`.
-#[derive(Clone, Copy)]
-struct Draw {
-    scale: f32,
-    offset: f32,
-}
-
-/// `weight(name, shape, draw)` of [`MlxGemma::build`]: the weight called
-/// `name` as host data of `shape`, row-major.
-type WeightSource<'a> = dyn FnMut(&str, &[usize], Draw) -> Result<Vec<f32>> + 'a;
-
-/// The per-block weights in the order the candle [`crate::gemma::Gemma::random`]
-/// draws them, with their GGUF names, shapes and draws.
-fn block_tensors(c: &GemmaConfig) -> [(&'static str, Vec<usize>, Draw); 13] {
-    let (dim, qd, kvd, ffn, hd) = (
-        c.dim,
-        c.n_heads * c.head_dim,
-        c.n_kv_heads * c.head_dim,
-        c.ffn_dim,
-        c.head_dim,
-    );
-    let norm = Draw {
-        scale: 0.2,
-        offset: 1.0,
-    };
-    let qk_norm = Draw {
-        scale: 0.5,
-        offset: 2.0,
-    };
-    let matrix = |fan_in: usize| Draw {
-        scale: (3.0 / fan_in as f32).sqrt(),
-        offset: 0.0,
-    };
-    [
-        ("attn_norm", vec![dim], norm),
-        ("attn_q", vec![qd, dim], matrix(dim)),
-        ("attn_k", vec![kvd, dim], matrix(dim)),
-        ("attn_v", vec![kvd, dim], matrix(dim)),
-        ("attn_q_norm", vec![hd], qk_norm),
-        ("attn_k_norm", vec![hd], qk_norm),
-        ("attn_output", vec![dim, qd], matrix(qd)),
-        ("post_attention_norm", vec![dim], norm),
-        ("ffn_norm", vec![dim], norm),
-        ("ffn_gate", vec![ffn, dim], matrix(dim)),
-        ("ffn_up", vec![ffn, dim], matrix(dim)),
-        ("ffn_down", vec![dim, ffn], matrix(ffn)),
-        ("post_ffw_norm", vec![dim], norm),
-    ]
-}
+/// `weight(w)` of [`MlxGemma::build`]: the weight `w` as host data of its
+/// shape, row-major.
+type HostSource<'a> = dyn FnMut(&WeightSpec) -> Result<Vec<f32>> + 'a;
 
 /// A Gemma 3 text decoder on mlx-rs arrays (see the module docs).
 #[derive(Clone)]
@@ -129,10 +85,9 @@ pub struct MlxGemma {
     blocks: Vec<Block>,
     /// `[dim]`.
     norm: Array,
-    /// `base^(-2i / head_dim)` for `i < head_dim / 2`, in f64 like the candle model.
-    inv_freq_window: Vec<f64>,
-    /// The same for the global layers' base.
-    inv_freq_global: Vec<f64>,
+    /// The candle model's RoPEs (over halves), window layers' then global
+    /// layers', whose tables this model rotates by.
+    ropes: [Rope; 2],
 }
 
 impl std::fmt::Debug for MlxGemma {
@@ -142,143 +97,88 @@ impl std::fmt::Debug for MlxGemma {
 }
 
 impl MlxGemma {
-    /// Builds the model from `weight(name, shape, draw)`, which returns the
-    /// weight called `name` (GGUF naming) as host data of `shape`, asked for
-    /// in the order of [`block_tensors`] (embedding first, final norm last).
-    fn build(config: GemmaConfig, weight: &mut WeightSource<'_>) -> Result<Self> {
+    /// Builds the model from `weight(w)`, which returns the weight `w` as host
+    /// data, asked for in the order the candle model's random weights are
+    /// drawn (the embedding first, the blocks' as [`block_weights`] lists
+    /// them, the final norm last).
+    fn build(config: GemmaConfig, weight: &mut HostSource<'_>) -> Result<Self> {
         config.validate()?;
         let c = &config;
         let offset = c.norm_offset as f32;
-        let mut array = |name: &str, shape: &[usize], draw: Draw, norm: bool| -> Result<Array> {
-            let mut data = weight(name, shape, draw)?;
-            if norm && offset != 0.0 {
+        let mut array = |w: &WeightSpec| -> Result<Array> {
+            let mut data = weight(w)?;
+            if w.name.ends_with("norm.weight") && offset != 0.0 {
                 data.iter_mut().for_each(|x| *x += offset);
             }
-            let dims = shape.iter().map(|&d| dim(d)).collect::<Result<Vec<_>>>()?;
-            Ok(Array::from_slice(&data, &dims))
+            weight_array(&data, &w.shape)
         };
-        let embed_draw = Draw {
-            scale: 0.3,
-            offset: 0.0,
-        };
-        let embed = array("token_embd.weight", &[c.vocab_size, c.dim], embed_draw, false)?;
+        let [embed, norm] = outer_weights(c);
+        let embed = array(&embed)?;
         let mut blocks = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let mut got = Vec::with_capacity(13);
-            for (name, shape, draw) in block_tensors(c) {
-                let is_norm = name.ends_with("norm");
-                got.push(array(&format!("blk.{l}.{name}.weight"), &shape, draw, is_norm)?);
-            }
             let [attn_norm, wq, wk, wv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, gate, up, down, post_ffw_norm] =
-                <[Array; 13]>::try_from(got).expect("13 block tensors");
+                block_weights(c, l).map(|w| array(&w));
             blocks.push(Block {
-                attn_norm,
-                wq,
-                wk,
-                wv,
-                q_norm,
-                k_norm,
-                wo,
-                post_attn_norm,
-                ffn_norm,
-                gate,
-                up,
-                down,
-                post_ffw_norm,
+                attn_norm: attn_norm?,
+                wq: wq?,
+                wk: wk?,
+                wv: wv?,
+                q_norm: q_norm?,
+                k_norm: k_norm?,
+                wo: wo?,
+                post_attn_norm: post_attn_norm?,
+                ffn_norm: ffn_norm?,
+                gate: gate?,
+                up: up?,
+                down: down?,
+                post_ffw_norm: post_ffw_norm?,
             });
         }
-        let norm_draw = Draw {
-            scale: 0.2,
-            offset: 1.0,
-        };
-        let norm = array("output_norm.weight", &[c.dim], norm_draw, true)?;
-        let inv_freq = |base: f64| -> Vec<f64> {
-            (0..c.head_dim / 2)
-                .map(|i| 1.0 / base.powf(2.0 * i as f64 / c.head_dim as f64))
-                .collect()
-        };
-        let model = MlxGemma {
-            inv_freq_window: inv_freq(c.rope_base_window),
-            inv_freq_global: inv_freq(c.rope_base_global),
+        let norm = array(&norm)?;
+        Ok(MlxGemma {
+            ropes: ropes(&config),
             embed,
             blocks,
             norm,
             config,
-        };
-        mlx_rs::transforms::eval(model.arrays()).map_err(mlx_err)?;
-        Ok(model)
+        })
     }
 
     /// Reads the Gemma 3 GGUF at `path`, every weight dequantized to f32 with
     /// candle's reader (the numbers the candle model multiplies in
     /// [`crate::WeightMode::F32`]); `progress` after each tensor.
     pub fn load(path: &Path, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
-        let mut reader = File::open(path).map_err(|e| EngineError::io(path, e))?;
-        let content = gguf_file::Content::read(&mut reader)
-            .map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))?;
-        let config = GemmaConfig::from_gguf_metadata(&content.metadata)?;
-        let total = 2 + 13 * config.n_layers;
-        let mut done = 0;
-        MlxGemma::build(config, &mut |name, shape, _| {
-            let t = content
-                .tensor(&mut reader, name, &Device::Cpu)
-                .and_then(|q| q.dequantize(&Device::Cpu))
-                .map_err(|e| EngineError::Format(format!("tensor {name}: {e}")))?;
-            if t.dims() != shape {
-                return Err(EngineError::Format(format!(
-                    "{name} has shape {:?}, expected {shape:?}",
-                    t.dims()
-                )));
-            }
-            done += 1;
-            progress(LoadProgress { done, total });
-            Ok(t.flatten_all()?.to_vec1::<f32>()?)
+        let file = GemmaFile::open(path)?;
+        let config = file.config()?;
+        file.gguf().build(|content, reader| {
+            let mut tensors = Tensors::new(content, reader, &Device::Cpu, progress);
+            MlxGemma::build(config, &mut |w| {
+                Ok(HostTensor::from_qtensor(&tensors.read(&w.name, &w.shape)?)?.data)
+            })
         })
     }
 
     /// A model with deterministic pseudo-random weights for tests: the same
     /// numbers as the candle [`crate::gemma::Gemma::random`] with the same
-    /// `config` and `seed`, so the two are references for each other.
+    /// `config` and `seed` (drawn from the same specs), so the two are
+    /// references for each other.
     pub fn random(config: GemmaConfig, seed: u64) -> Result<Self> {
         let mut rng = SplitMix64(seed);
-        MlxGemma::build(config, &mut |_, shape, draw| {
-            let n = shape.iter().product::<usize>();
-            Ok((0..n)
-                .map(|_| draw.offset + draw.scale * rng.next_sym())
-                .collect())
-        })
+        MlxGemma::build(config, &mut |w| Ok(w.draw.values(&mut rng, w.len())))
     }
 
     /// The same weights under other implicit choices or another window
     /// (`config` must keep every dimension and the norm offset, which the
     /// norm weights already hold), like the candle model's `with_choices`.
     pub fn with_choices(&self, config: GemmaConfig) -> Result<Self> {
-        let c = &self.config;
-        let dims = |c: &GemmaConfig| {
-            (
-                c.n_layers,
-                c.dim,
-                c.n_heads,
-                c.n_kv_heads,
-                c.head_dim,
-                c.ffn_dim,
-                c.vocab_size,
-            )
-        };
-        if dims(c) != dims(&config) || c.norm_offset != config.norm_offset {
+        if !self.config.same_dims(&config) || self.config.norm_offset != config.norm_offset {
             return Err(EngineError::InvalidArgument(
                 "with_choices keeps the model's dimensions and norm offset".into(),
             ));
         }
         config.validate()?;
-        let inv_freq = |base: f64| -> Vec<f64> {
-            (0..config.head_dim / 2)
-                .map(|i| 1.0 / base.powf(2.0 * i as f64 / config.head_dim as f64))
-                .collect()
-        };
         Ok(MlxGemma {
-            inv_freq_window: inv_freq(config.rope_base_window),
-            inv_freq_global: inv_freq(config.rope_base_global),
+            ropes: ropes(&config),
             config,
             ..self.clone()
         })
@@ -287,28 +187,6 @@ impl MlxGemma {
     /// The model's hyper-parameters.
     pub fn config(&self) -> &GemmaConfig {
         &self.config
-    }
-
-    fn arrays(&self) -> Vec<&Array> {
-        let mut all = vec![&self.embed, &self.norm];
-        for b in &self.blocks {
-            all.extend([
-                &b.attn_norm,
-                &b.wq,
-                &b.wk,
-                &b.wv,
-                &b.q_norm,
-                &b.k_norm,
-                &b.wo,
-                &b.post_attn_norm,
-                &b.ffn_norm,
-                &b.gate,
-                &b.up,
-                &b.down,
-                &b.post_ffw_norm,
-            ]);
-        }
-        all
     }
 
     /// Empty caches for one live sequence, one per layer: a [`KvCache`] for
@@ -453,16 +331,14 @@ impl MlxGemma {
             .take_axis(&ids, 0)
             .and_then(|x| x.multiply(&scale))
             .map_err(e)?;
-        let window_tables = rope_tables(&self.inv_freq_window, offset, n)?;
-        let global_tables = rope_tables(&self.inv_freq_global, offset, n)?;
+        let tables = [
+            rope_tables(&self.ropes[0], offset, n)?,
+            rope_tables(&self.ropes[1], offset, n)?,
+        ];
         let eps = c.rms_eps as f32;
         let norm = |x: &Array, w: &Array| fast::rms_norm(x, Some(w), eps).map_err(e);
         for (l, b) in self.blocks.iter().enumerate() {
-            let tables = if c.is_global(l) {
-                &global_tables
-            } else {
-                &window_tables
-            };
+            let tables = &tables[usize::from(c.is_global(l))];
             let h = norm(&x, &b.attn_norm)?;
             let mut q = linear(&h, &b.wq)?.reshape(&[ni, heads, hd]).map_err(e)?;
             let mut k = linear(&h, &b.wk)?.reshape(&[ni, kv_heads, hd]).map_err(e)?;
@@ -471,10 +347,10 @@ impl MlxGemma {
                 q = norm(&q, &b.q_norm)?;
                 k = norm(&k, &b.k_norm)?;
             }
-            let q = rope_halves(&q, tables)?;
+            let q = rope(&q, tables, RopeLayout::NeoX)?;
             // [n, kv_heads, hd] -> [1, kv_heads, n, hd]
             let to_cache = |t: &Array| t.transpose_axes(&[1, 0, 2])?.expand_dims(0);
-            let k = to_cache(&rope_halves(&k, tables)?).map_err(e)?;
+            let k = to_cache(&rope(&k, tables, RopeLayout::NeoX)?).map_err(e)?;
             let v = to_cache(&v).map_err(e)?;
             let (keys, values, mask) = attend(l, &k, &v)?;
             let attn = model::attention(
@@ -521,56 +397,4 @@ fn gelu_tanh(x: &Array) -> Result<Array> {
         .and_then(|t| t.multiply(x))
         .and_then(|t| t.multiply(Array::from_f32(0.5)))
         .map_err(e)
-}
-
-/// `cos` and `sin` of every (position, frequency) pair for positions
-/// `offset..offset + n`, `[n, 1, head_dim / 2]` each, computed in f64 and
-/// rounded to f32 as the candle model does.
-fn rope_tables(inv_freq: &[f64], offset: usize, n: usize) -> Result<(Array, Array)> {
-    let half = inv_freq.len();
-    let mut cos = Vec::with_capacity(n * half);
-    let mut sin = Vec::with_capacity(n * half);
-    for p in offset..offset + n {
-        let p = Pos::try_from(p).map_err(|_| EngineError::InvalidArgument(format!("position {p}")))?;
-        for &f in inv_freq {
-            let angle = f64::from(p) * f;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    let shape = [dim(n)?, 1, dim(half)?];
-    Ok((Array::from_slice(&cos, &shape), Array::from_slice(&sin, &shape)))
-}
-
-/// RoPE over halves on `x: [n, heads, hd]`: `(x[i], x[i + hd/2])` rotate
-/// together (the layout of Gemma's GGUF).
-fn rope_halves(x: &Array, (cos, sin): &(Array, Array)) -> Result<Array> {
-    let half = x.dim(2) / 2;
-    let e = mlx_err;
-    let x1 = x.try_index((.., .., 0..half)).map_err(e)?;
-    let x2 = x.try_index((.., .., half..)).map_err(e)?;
-    let o1 = x1
-        .multiply(cos)
-        .and_then(|a| a.subtract(x2.multiply(sin)?))
-        .map_err(e)?;
-    let o2 = x2
-        .multiply(cos)
-        .and_then(|a| a.add(x1.multiply(sin)?))
-        .map_err(e)?;
-    concatenate(&[o1, o2], 2).map_err(e)
-}
-
-/// The additive mask `[n, offset + n]` (0 visible, `-inf` hidden) of `n`
-/// queries at positions `offset..offset + n` over keys at `0..offset + n`: a
-/// key is visible when it is not later and, with a window `w`, fewer than `w`
-/// positions earlier (the window holds the query itself).
-fn attention_mask(offset: usize, n: usize, window: Option<usize>) -> Result<Array> {
-    let total = offset + n;
-    let mut mask = vec![f32::NEG_INFINITY; n * total];
-    for i in 0..n {
-        let q = offset + i;
-        let first = window.map_or(0, |w| (q + 1).saturating_sub(w));
-        mask[i * total + first..=i * total + q].fill(0.0);
-    }
-    Ok(Array::from_slice(&mask, &[dim(n)?, dim(total)?]))
 }

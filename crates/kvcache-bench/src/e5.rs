@@ -24,14 +24,14 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{MixedLayer, SnapshotCache};
+use kvcache_engine::engine::argmax;
+use kvcache_engine::gemma::tokenizer::{chat_turn, end_of_reply};
+use kvcache_engine::gemma::{Gemma, GemmaLayer};
+use kvcache_engine::{EngineError, Result};
 use kvcache_trie::PrefixCache;
 use serde::{Deserialize, Serialize};
 
 use crate::bench::median;
-use crate::engine::argmax;
-use crate::gemma::tokenizer::{chat_turn, end_of_reply};
-use crate::gemma::{Gemma, GemmaLayer};
-use crate::{EngineError, Result};
 
 /// Where the E5 trace lives in the repository.
 pub fn e5_trace_path() -> PathBuf {

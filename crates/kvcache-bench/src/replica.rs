@@ -2,12 +2,11 @@
 //! restart over a disk store) and E4 (two replicas over one Redis), and a
 //! conversation continued by a second process ([`hand_off`]).
 //!
-//! A *replica* is a binary on this crate started with `--replica` (kvcache-demo
-//! is one; its flags `--model`, `--trace`, `--e1-predict`, `--device`,
-//! `--weights`, `--store-dir` and `--redis` fill a [`ReplicaOptions`]) that
-//! calls [`run_process`]: it loads the model, opens a chat server over the
-//! prefix trie and the store the options name, prints `ready`, then answers
-//! one command per line on stdin with one JSON line on stdout:
+//! A *replica* is a process that calls [`run_process`] with the
+//! [`ReplicaOptions`] its command line gave (kvcache-demo's `--replica` is
+//! one; its flags are the demo's own): it loads the model, opens a chat server
+//! over the prefix trie and the store the options name, prints `ready`, then
+//! answers one command per line on stdin with one JSON line on stdout:
 //!
 //! | command | answer |
 //! |---|---|
@@ -16,21 +15,23 @@
 //! | `flush` | `{"flushed":true}` once the store has written everything queued |
 //!
 //! End of input flushes the store and exits. [`Replica`] is the other end: it
-//! spawns one, sends commands and reads the answers; [`ReplicaSetup`] holds
-//! the binary and the flags every replica of a run gets.
+//! spawns one, sends commands and reads the answers. This module knows no
+//! replica binary's flags: a [`ReplicaSetup`] is given, by whoever knows the
+//! binary, the command that starts a replica over a given store.
 
+use std::fmt;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use candle_core::Device;
+use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
+use kvcache_engine::store::{self, StoreOptions};
+use kvcache_engine::{EngineError, Llama, ModelFile, Result, WeightMode};
 use serde::{Deserialize, Serialize};
 
-use crate::chat::{ChatServer, Reuse, TurnOutcome};
-use crate::store::{self, StoreOptions};
-use crate::trace::Trace;
-use crate::{EngineError, Llama, ModelFile, Result, WeightMode};
+use crate::trace::{Request, Trace};
 
 /// Paged-out snapshots a replica's trie keeps in memory (the benchmarks' budget).
 pub const TRIE_BUDGET: usize = 4 << 30;
@@ -111,7 +112,7 @@ pub struct TurnLine {
 }
 
 impl TurnLine {
-    fn new(request: &crate::trace::Request, outcome: &TurnOutcome) -> Self {
+    fn new(request: &Request, outcome: &TurnOutcome) -> Self {
         TurnLine {
             idx: request.idx,
             conv: request.conv,
@@ -182,43 +183,41 @@ pub fn serve(
     Ok(())
 }
 
-/// How to start replicas: the binary and the flags every replica gets (model,
-/// trace, tokens to generate, device).
-#[derive(Debug, Clone)]
+/// How to start the replicas of a run: the command that starts one over a
+/// given store. The flags are the replica binary's own, so its owner builds
+/// the command (the demo: itself with `--replica`, the run's model, trace and
+/// device, and the store's flags); [`ReplicaSetup::spawn`] adds the pipes.
 pub struct ReplicaSetup<'a> {
-    /// The binary that serves `--replica`.
-    pub exe: &'a Path,
-    /// Flags for every replica.
-    pub args: Vec<String>,
+    command: Box<dyn Fn(&StoreOptions) -> Command + 'a>,
 }
 
 impl<'a> ReplicaSetup<'a> {
-    /// Replicas of `exe` answering the requests of the trace in `trace` with
-    /// the model in `model`, `n_predict` tokens each.
-    pub fn new(exe: &'a Path, model: &Path, trace: &Path, n_predict: usize) -> Self {
+    /// Replicas started by `command(store)`: a process serving the replica
+    /// protocol (the module docs) over the tiers `store` names (none: a trie
+    /// of its own, no store).
+    pub fn new(command: impl Fn(&StoreOptions) -> Command + 'a) -> Self {
         ReplicaSetup {
-            exe,
-            args: vec![
-                "--model".into(),
-                model.display().to_string(),
-                "--trace".into(),
-                trace.display().to_string(),
-                "--e1-predict".into(),
-                n_predict.to_string(),
-            ],
+            command: Box::new(command),
         }
     }
 
-    /// Adds `flag value` to every replica's flags.
-    pub fn with(mut self, flag: &str, value: impl Into<String>) -> Self {
-        self.args.extend([flag.to_owned(), value.into()]);
-        self
+    /// The command that starts a replica over `store`.
+    pub fn command(&self, store: &StoreOptions) -> Command {
+        (self.command)(store)
     }
 
-    /// Starts one replica with the setup's flags and `extra`, named `label` in errors.
-    pub fn spawn(&self, extra: &[String], label: &str) -> Result<Replica> {
-        let args: Vec<String> = self.args.iter().chain(extra).cloned().collect();
-        Replica::spawn(self.exe, &args, label)
+    /// Starts one replica over `store`, named `label` in errors.
+    pub fn spawn(&self, store: &StoreOptions, label: &str) -> Result<Replica> {
+        Replica::spawn(self.command(store), label)
+    }
+}
+
+impl fmt::Debug for ReplicaSetup<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let command = self.command(&StoreOptions::default());
+        f.debug_struct("ReplicaSetup")
+            .field("without_a_store", &command)
+            .finish()
     }
 }
 
@@ -251,7 +250,10 @@ pub fn hand_off(
             requests.len()
         )));
     }
-    let store = ["--store-dir".to_owned(), dir.display().to_string()];
+    let store = StoreOptions {
+        dir: Some(dir.to_owned()),
+        redis: None,
+    };
     let (last, before) = requests.split_last().expect("two requests or more");
     let mut first = setup.spawn(&store, "first process")?;
     for &i in before {
@@ -273,17 +275,16 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Starts `exe --replica ARGS` and waits for its `ready` line (the model is
-    /// loaded and the store open).
-    pub fn spawn(exe: &Path, args: &[String], label: &str) -> Result<Self> {
-        let mut child = Command::new(exe)
-            .arg("--replica")
-            .args(args)
+    /// Starts `command` (a replica: see the module docs) with its input and
+    /// output piped and waits for its `ready` line (the model is loaded and
+    /// the store open).
+    pub fn spawn(mut command: Command, label: &str) -> Result<Self> {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| EngineError::io(exe, e))?;
+            .map_err(|e| EngineError::io(Path::new(command.get_program()), e))?;
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
         let mut replica = Replica {
@@ -389,36 +390,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_setup_names_the_model_trace_tokens_and_extra_flags() {
-        let exe = Path::new("/bin/engine");
-        let setup =
-            ReplicaSetup::new(exe, Path::new("m.gguf"), Path::new("t.json"), 8).with("--device", "cpu");
-        assert_eq!(setup.exe, exe);
-        assert_eq!(
-            setup.args,
-            [
-                "--model",
-                "m.gguf",
-                "--trace",
-                "t.json",
-                "--e1-predict",
-                "8",
-                "--device",
-                "cpu"
-            ]
-        );
+    fn a_setup_starts_each_replica_with_the_command_for_its_store() {
+        let setup = ReplicaSetup::new(|store: &StoreOptions| {
+            let mut command = Command::new("/nonexistent/engine");
+            command.args(store.dir.iter()).args(store.redis.iter());
+            command
+        });
+        let store = StoreOptions {
+            dir: Some(PathBuf::from("/tmp/s")),
+            redis: Some("redis+unix:///tmp/r.sock".into()),
+        };
+        let command = setup.command(&store);
+        let args: Vec<_> = command.get_args().collect();
+        assert_eq!(command.get_program(), "/nonexistent/engine");
+        assert_eq!(args, ["/tmp/s", "redis+unix:///tmp/r.sock"]);
+        assert_eq!(setup.command(&StoreOptions::default()).get_args().count(), 0);
+        let err = setup.spawn(&store, "replica").unwrap_err();
+        assert!(matches!(err, EngineError::Io { .. }), "{err}");
     }
 
     #[test]
     fn a_hand_off_needs_two_turns_of_a_conversation_before_starting_anything() {
-        let trace = Trace::load(crate::paths::e1_trace_path()).unwrap();
+        let trace = Trace::load(kvcache_engine::paths::e1_trace_path()).unwrap();
         // A binary that does not exist: spawning would fail with an io error.
-        let setup = ReplicaSetup::new(
-            Path::new("/nonexistent/engine"),
-            Path::new("m"),
-            Path::new("t"),
-            1,
-        );
+        let setup = ReplicaSetup::new(|_: &StoreOptions| Command::new("/nonexistent/engine"));
         let dir = std::env::temp_dir();
         let turns = trace.conversations[0].len();
         for (conv, n) in [(0, 1), (0, turns + 1), (trace.conversations.len(), 2)] {
@@ -434,7 +429,7 @@ mod tests {
 
     #[test]
     fn a_replica_without_a_store_answers_commands_and_rejects_bad_ones() {
-        let model = Llama::random(crate::LlamaConfig::tiny(), 2, &Device::Cpu).unwrap();
+        let model = Llama::random(kvcache_engine::LlamaConfig::tiny(), 2, &Device::Cpu).unwrap();
         let trace: Trace = serde_json::from_str(
             r#"{"system":"s","conversations":[],"requests":[
                 {"idx":0,"conv":0,"turn":1,"prompt":"p","n_predict":1,"prompt_tokens":4,

@@ -16,7 +16,7 @@
 //! targets: paged >= 3x dense in f32, q8_0 paged >= 0.9x f32 paged.
 //!
 //! ```text
-//! cargo xtask bench -p kvcache-engine --bench e8
+//! cargo xtask bench -p kvcache-bench --bench e8
 //! ```
 //!
 //! Needs the SmolLM2 file (`cargo xtask` fetches it; skipped with a printed
@@ -29,10 +29,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{CausalConfig, KvStorage, Pos, SeqState};
+use kvcache_bench::trace::Trace;
+use kvcache_bench::workloads::causal_cache;
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::attention::AttentionPath;
-use kvcache_engine::trace::Trace;
-use kvcache_engine::workloads::causal_cache;
 use kvcache_engine::{paths, BatchToken, Llama, ModelFile, WeightMode};
 
 type Error = Box<dyn std::error::Error>;

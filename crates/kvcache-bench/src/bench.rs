@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::{CausalConfig, Pos};
+use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
+use kvcache_engine::engine::argmax;
+use kvcache_engine::{BatchToken, EngineError, Llama, Result};
 
-use crate::chat::{ChatServer, Reuse, TurnOutcome};
-use crate::engine::argmax;
 use crate::trace::Trace;
 use crate::workloads::causal_cache;
-use crate::{BatchToken, EngineError, Llama, Result};
 
 /// Short user questions: the demo's default questions and E2's eight sequences.
 pub const SAMPLE_QUESTIONS: &[&str] = &[

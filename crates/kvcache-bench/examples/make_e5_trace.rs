@@ -4,14 +4,14 @@
 //! our Gemma tokenizer. Deterministic: a fixed word list and seed.
 //!
 //! ```text
-//! cargo run --release -p kvcache-engine --example make_e5_trace -- [GEMMA_GGUF] [OUT]
+//! cargo run --release -p kvcache-bench --example make_e5_trace -- [GEMMA_GGUF] [OUT]
 //! ```
 //!
 //! `GEMMA_GGUF` defaults to `$KVCACHE_GEMMA`, `OUT` to `fixtures/e5_trace.json`.
 
 use std::path::PathBuf;
 
-use kvcache_engine::e5::{e5_trace_path, E5Meta, E5Trace, E5Turn};
+use kvcache_bench::e5::{e5_trace_path, E5Meta, E5Trace, E5Turn};
 use kvcache_engine::gemma::{GemmaFile, GEMMA_ENV};
 
 const WORDS: &[&str] = &[
@@ -178,7 +178,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let meta = E5Meta {
         name: "E5 interleaved multi-conversation chat on a sliding-window model".into(),
         generator: format!(
-            "cargo run --release -p kvcache-engine --example make_e5_trace (SplitMix64 seed {SEED}, fixed word list)"
+            "cargo run --release -p kvcache-bench --example make_e5_trace (SplitMix64 seed {SEED}, fixed word list)"
         ),
         tokenizer: "Gemma 3 270M GGUF tokenizer (kvcache_engine::gemma), <bos> added, special tokens parsed".into(),
         n_conversations: 0,

@@ -10,8 +10,8 @@
 
 use candle_core::Device;
 use kvcache_api::KvStorage;
-use kvcache_engine::kv_accuracy::{measure, AccuracyPlan};
-use kvcache_engine::trace::Trace;
+use kvcache_bench::kv_accuracy::{measure, AccuracyPlan};
+use kvcache_bench::trace::Trace;
 use kvcache_engine::{paths, ModelFile, WeightMode};
 
 fn env_or(name: &str, default: usize) -> usize {

@@ -13,8 +13,9 @@
 
 use candle_core::{IndexOp, Tensor};
 use kvcache_api::{CacheError, CausalCache, CausalConfig, Pos, PosRange, SeqId};
+use kvcache_engine::{BatchToken, EngineError, Llama, Result};
 
-use crate::{BatchToken, EngineError, Llama, Result};
+use super::testing::max_abs_diff;
 
 /// One operation of a schedule. Fractions pick positions relative to the
 /// sequence's length, so any schedule is valid for any state.
@@ -269,7 +270,7 @@ impl<'m> Checker<'m> {
             }
             let full = self.model.forward_full(&self.seqs[*seq].tokens, self.window)?;
             for (row, t) in batch.iter().enumerate().filter(|(_, t)| t.seq == *seq) {
-                let diff = max_abs_diff(&logits.i(row)?, &full.i(t.pos as usize)?)?;
+                let diff = max_abs_diff(&logits.i(row)?, &full.i(t.pos as usize)?);
                 self.report.max_diff = self.report.max_diff.max(diff);
                 self.report.rows += 1;
             }
@@ -280,16 +281,4 @@ impl<'m> Checker<'m> {
 
 fn pick(frac: f64, len: usize) -> usize {
     ((frac.clamp(0.0, 1.0) * len as f64) as usize).min(len)
-}
-
-/// Largest absolute difference between two tensors of the same shape.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    if a.dims() != b.dims() {
-        return Err(EngineError::InvalidArgument(format!(
-            "shapes differ: {:?} vs {:?}",
-            a.dims(),
-            b.dims()
-        )));
-    }
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }

@@ -7,12 +7,12 @@
 //! conversations on every request and must page them in and out.
 //!
 //! The server is any `generate(prompt, n_predict, eos)` function
-//! ([`Generate`]): [`ChatServer::generate`](crate::chat::ChatServer::generate)
+//! ([`Generate`]): [`ChatServer::generate`](kvcache_engine::chat::ChatServer::generate)
 //! on candle, or the mlx chat server.
 
-use crate::chat::TurnOutcome;
-use crate::tokenizer::{Message, Role};
-use crate::{ChatTokenizer, EngineError, Result};
+use kvcache_engine::chat::TurnOutcome;
+use kvcache_engine::tokenizer::{Message, Role};
+use kvcache_engine::{ChatTokenizer, EngineError, Result};
 
 /// The system message every conversation starts with.
 pub const SYSTEM_PROMPT: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. \

@@ -3,9 +3,8 @@
 
 use std::path::Path;
 
+use kvcache_engine::{EngineError, Result};
 use serde::Deserialize;
-
-use crate::{EngineError, Result};
 
 /// One scripted turn of a conversation.
 #[derive(Debug, Clone, Deserialize)]

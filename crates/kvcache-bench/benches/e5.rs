@@ -4,7 +4,7 @@
 //! the policies alternating request by request.
 //!
 //! ```text
-//! cargo xtask bench -p kvcache-engine --bench e5
+//! cargo xtask bench -p kvcache-bench --bench e5
 //! ```
 //!
 //! Needs the Gemma file (`$KVCACHE_GEMMA`, which `cargo xtask` sets; skipped
@@ -17,7 +17,7 @@
 //! default unlimited), `KVCACHE_E5_VERBOSE=1` (a line per request).
 
 use candle_core::Device;
-use kvcache_engine::e5::{self, E5Policy, E5Trace, E5Verdict};
+use kvcache_bench::e5::{self, E5Policy, E5Trace, E5Verdict};
 use kvcache_engine::gemma::{gemma_path_for_tests, GemmaFile};
 use kvcache_engine::WeightMode;
 

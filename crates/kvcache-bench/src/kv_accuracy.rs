@@ -15,10 +15,10 @@
 use candle_core::{Device, Tensor, D};
 use kvcache_api::{CausalConfig, KvStorage, Pos};
 use kvcache_causal::CausalKvCache;
+use kvcache_engine::engine::greedy;
+use kvcache_engine::{BatchToken, ChatTokenizer, EngineError, Llama, Result};
 
-use crate::engine::greedy;
 use crate::trace::Trace;
-use crate::{BatchToken, ChatTokenizer, EngineError, Llama, Result};
 
 /// How much to measure.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,12 +12,13 @@
 use std::fmt;
 use std::path::Path;
 
+use kvcache_engine::store::StoreOptions;
+use kvcache_engine::{EngineError, Result};
 use kvcache_store::redis_server::RedisServer;
 
 pub use crate::replica::ReplicaSetup;
 use crate::replica::TurnLine;
 use crate::trace::Trace;
-use crate::Result;
 
 /// E3's result.
 #[derive(Debug, Clone)]
@@ -109,7 +110,10 @@ pub fn e3_restart(
     dir: &Path,
     log: &mut dyn FnMut(&str),
 ) -> Result<E3Report> {
-    let store = vec!["--store-dir".to_owned(), dir.display().to_string()];
+    let store = StoreOptions {
+        dir: Some(dir.to_owned()),
+        redis: None,
+    };
     let requests = requests.min(trace.requests.len());
     let mut turns = Vec::new();
     let mut first = setup.spawn(&store, "replica before the restart")?;
@@ -207,14 +211,17 @@ pub fn e4_replicas(
 ) -> Result<E4Report> {
     let requests = requests.min(trace.requests.len());
     let dir = std::env::temp_dir().join(format!("kvcache-e4-redis-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| crate::EngineError::io(&dir, e))?;
+    std::fs::create_dir_all(&dir).map_err(|e| EngineError::io(&dir, e))?;
     let redis = RedisServer::start(&dir, redis_bytes as u64)?;
-    let with_redis = vec!["--redis".to_owned(), redis.url()];
+    let with_redis = StoreOptions {
+        dir: None,
+        redis: Some(redis.url()),
+    };
     let shared = run_pair(setup, &with_redis, requests, "shared", log);
     drop(redis);
     let _ = std::fs::remove_dir_all(&dir);
     let shared = shared?;
-    let alone = run_pair(setup, &[], requests, "alone", log)?;
+    let alone = run_pair(setup, &StoreOptions::default(), requests, "alone", log)?;
     Ok(E4Report {
         shared,
         alone,
@@ -224,14 +231,14 @@ pub fn e4_replicas(
 
 fn run_pair(
     setup: &ReplicaSetup<'_>,
-    extra: &[String],
+    store: &StoreOptions,
     requests: usize,
     label: &str,
     log: &mut dyn FnMut(&str),
 ) -> Result<Vec<TurnLine>> {
     let mut pair = [
-        setup.spawn(extra, &format!("{label} replica 0"))?,
-        setup.spawn(extra, &format!("{label} replica 1"))?,
+        setup.spawn(store, &format!("{label} replica 0"))?,
+        setup.spawn(store, &format!("{label} replica 1"))?,
     ];
     let mut turns = Vec::new();
     for i in 0..requests {

@@ -11,9 +11,8 @@
 
 use kvcache_api::{CausalConfig, KvStorage, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
-
-use crate::engine::{Engine, EngineConfig, Event, Request};
-use crate::{ChatTokenizer, EngineError, Llama, Result};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, Request};
+use kvcache_engine::{ChatTokenizer, EngineError, Llama, Result};
 
 /// An engine over the causal cache, requests submitted.
 pub type CausalEngine<'m> = Engine<'m, CausalKvCache>;
@@ -65,7 +64,7 @@ pub fn continuous_batching<'m>(
         EngineConfig {
             max_batch: 256,
             prefill_chunk: 64,
-            eos: Some(tokenizer.eos_token_id()),
+            stop_tokens: vec![tokenizer.eos_token_id()],
             ..EngineConfig::default()
         },
     )?;
@@ -147,7 +146,7 @@ pub fn context_shift<'m>(
             prefill_chunk: 64,
             context: Some(context),
             keep: prompt.len().min(context / 2),
-            eos: None,
+            stop_tokens: Vec::new(),
         },
     )?;
     engine.submit(Request::new(0, prompt, context + context / 2))?;
@@ -193,7 +192,7 @@ mod tests {
     use kvcache_api::CausalCache;
 
     use super::*;
-    use crate::LlamaConfig;
+    use kvcache_engine::LlamaConfig;
 
     #[test]
     fn pass_mix_counts_decode_only_and_mixed_passes() {

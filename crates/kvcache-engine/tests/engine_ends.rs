@@ -1,0 +1,166 @@
+//! How a request ends is the engine's to decide and to say (issue 22): a
+//! stop token, a stop sequence matched on the request's text, or
+//! `max_new_tokens`; a request ended by a stop sequence keeps its cells for
+//! the next turn like any other finished request.
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use kvcache_api::{CausalConfig, KeyShift};
+use kvcache_causal::CausalKvCache;
+use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, FinishReason, Finished, Request};
+use kvcache_engine::tokenizer::Message;
+use kvcache_engine::{EngineError, Llama, LlamaConfig, Tokenizer};
+
+/// Token `i` is the letter `a + i % 26`; no control tokens.
+#[derive(Debug)]
+struct Letters;
+
+impl Tokenizer for Letters {
+    fn encode(&self, text: &str) -> kvcache_engine::Result<Vec<u32>> {
+        Ok(text.bytes().map(|b| u32::from(b - b'a')).collect())
+    }
+    fn chat_ids(&self, _: &[Message], _: bool) -> kvcache_engine::Result<Vec<u32>> {
+        Err(EngineError::InvalidArgument("no template".into()))
+    }
+    fn decode(&self, ids: &[u32]) -> kvcache_engine::Result<String> {
+        Ok(ids.iter().map(|&i| char::from(b'a' + (i % 26) as u8)).collect())
+    }
+    fn decode_text(&self, ids: &[u32]) -> kvcache_engine::Result<String> {
+        self.decode(ids)
+    }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        vec![b'a' + (id % 26) as u8]
+    }
+    fn eos_token_id(&self) -> u32 {
+        63
+    }
+    fn end_of_turn_ids(&self) -> Vec<u32> {
+        vec![63]
+    }
+    fn vocab_size(&self) -> usize {
+        64
+    }
+}
+
+fn model() -> Llama {
+    Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()
+}
+
+fn cache(model: &Llama) -> CausalKvCache {
+    let shift: Box<dyn KeyShift<Tensor>> = Box::new(model.rope().clone());
+    CausalKvCache::new(CausalConfig::new(4, 64, 16), Device::Cpu, Some(shift)).unwrap()
+}
+
+fn engine(model: &Llama, stop_tokens: Vec<u32>) -> Engine<'_, CausalKvCache> {
+    let mut engine = Engine::new(
+        model,
+        cache(model),
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 4,
+            stop_tokens,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_tokenizer(Arc::new(Letters));
+    engine.set_prefix_reuse(true).unwrap();
+    engine
+}
+
+fn run(engine: &mut Engine<'_, CausalKvCache>) -> Finished {
+    let mut finished = None;
+    engine
+        .run(&mut |e| {
+            if let Event::Finished(f) = e {
+                finished = Some(f.clone());
+            }
+        })
+        .unwrap();
+    finished.expect("a request finished")
+}
+
+const PROMPT: [u32; 6] = [3, 1, 4, 1, 5, 9];
+
+/// What the prompt generates alone, greedily, up to 16 tokens.
+fn free_run(model: &Llama) -> Vec<u32> {
+    greedy(model, &mut cache(model), 0, &PROMPT, 16, None).unwrap()
+}
+
+#[test]
+fn a_stop_sequence_ends_the_request_on_the_token_that_completes_it() {
+    let model = model();
+    let free = free_run(&model);
+    let text = Letters.decode_text(&free).unwrap();
+    // A two-letter stop from the middle of the free run; the request ends at
+    // its first occurrence.
+    let stop = text[4..6].to_string();
+    let end = text.find(&stop).unwrap() + stop.len();
+    let mut engine = engine(&model, Vec::new());
+    let mut request = Request::new(0, PROMPT.to_vec(), 16);
+    request.stop = vec!["zzzz".into(), stop.clone()];
+    engine.submit(request).unwrap();
+    let done = run(&mut engine);
+    assert_eq!(done.reason, FinishReason::StopSequence(1));
+    assert_eq!(done.generated, free[..end]);
+    assert_eq!(done.reason.openai(), "stop");
+
+    // Its cells stay for the next turn: the prompt and every generated
+    // token but the last (never fed back).
+    assert_eq!(engine.idle_sequences(), 1);
+    let mut next = PROMPT.to_vec();
+    next.extend_from_slice(&done.generated);
+    next.extend_from_slice(&[7, 7]);
+    engine.submit(Request::new(1, next, 2)).unwrap();
+    let again = run(&mut engine);
+    assert_eq!(again.reused, PROMPT.len() + done.generated.len() - 1);
+    assert_eq!(again.reason, FinishReason::Length);
+    assert_eq!(engine.reuse_stats().cancelled, 0);
+    engine.cache().check();
+}
+
+#[test]
+fn a_stop_token_or_the_length_ends_the_request() {
+    let model = model();
+    let free = free_run(&model);
+    let token = free[3];
+    let first = free.iter().position(|&t| t == token).unwrap();
+    let mut engine = engine(&model, vec![token]);
+    engine.submit(Request::new(0, PROMPT.to_vec(), 16)).unwrap();
+    let done = run(&mut engine);
+    assert_eq!(done.reason, FinishReason::StopToken);
+    assert_eq!(done.generated, free[..=first]);
+
+    let mut engine = self::engine(&model, Vec::new());
+    engine.submit(Request::new(0, PROMPT.to_vec(), 5)).unwrap();
+    let done = run(&mut engine);
+    assert_eq!(
+        (done.reason.clone(), done.generated.clone()),
+        (FinishReason::Length, free[..5].to_vec())
+    );
+    assert_eq!(done.reason.openai(), "length");
+}
+
+#[test]
+fn stop_sequences_need_a_tokenizer_and_must_not_be_empty() {
+    let model = model();
+    let config = EngineConfig {
+        max_batch: 16,
+        ..EngineConfig::default()
+    };
+    let mut bare = Engine::new(&model, cache(&model), config).unwrap();
+    let mut request = Request::new(0, PROMPT.to_vec(), 4);
+    request.stop = vec!["ab".into()];
+    assert!(matches!(
+        bare.submit(request.clone()),
+        Err(EngineError::InvalidArgument(_))
+    ));
+    let mut engine = engine(&model, Vec::new());
+    request.stop = vec![String::new()];
+    assert!(matches!(
+        engine.submit(request),
+        Err(EngineError::InvalidArgument(_))
+    ));
+    assert_eq!((bare.queued(), engine.queued()), (0, 0));
+}

@@ -1,0 +1,144 @@
+//! The batching engine over a model with window layers (the tiny random
+//! Gemma: a window layer of 8 positions, then a global one) through its
+//! `LayerGroupCache`, written once over the `Model` trait: batched requests
+//! generate what each generates alone, a conversation's next turn continues
+//! its finished sequence, and a sequence whose window layers no longer hold
+//! what a prompt needs is not resumed (the prompt is evaluated whole).
+
+use candle_core::Device;
+use kvcache_api::CausalConfig;
+use kvcache_causal::LayerGroupCache;
+use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, Finished, Request};
+use kvcache_engine::gemma::{Gemma, GemmaConfig};
+
+fn model() -> Gemma {
+    Gemma::random(GemmaConfig::tiny(), 9, &Device::Cpu).unwrap()
+}
+
+fn cache(model: &Gemma, sequences: usize, batch: usize, window_memory: usize) -> LayerGroupCache {
+    model
+        .new_cache(
+            &CausalConfig::new(sequences, 48, batch),
+            window_memory,
+            &Device::Cpu,
+        )
+        .unwrap()
+}
+
+fn prompt(id: usize, len: usize) -> Vec<u32> {
+    (0..len).map(|i| ((id * 17 + i * 5 + 3) % 64) as u32).collect()
+}
+
+/// What `prompt` generates alone, in a fresh cache.
+fn alone(model: &Gemma, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut fresh = cache(model, 1, 48, 8);
+    greedy(model, &mut fresh, 0, prompt, n, None).unwrap()
+}
+
+fn run(engine: &mut Engine<'_, LayerGroupCache, Gemma>) -> Vec<Finished> {
+    let mut finished = Vec::new();
+    engine
+        .run(&mut |e| {
+            if let Event::Finished(f) = e {
+                finished.push(f.clone());
+            }
+        })
+        .unwrap();
+    finished
+}
+
+fn engine(model: &Gemma, sequences: usize, window_memory: usize) -> Engine<'_, LayerGroupCache, Gemma> {
+    Engine::new(
+        model,
+        cache(model, sequences, 16, window_memory),
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 5,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn batched_requests_past_the_window_generate_what_each_generates_alone() {
+    let model = model();
+    let mut engine = engine(&model, 3, 8);
+    // Prompts of 4 to 19 tokens and up to 9 new ones: most run past the window.
+    let requests: Vec<Request> = (0..6)
+        .map(|id| Request::new(id, prompt(id, 4 + id * 3), 3 + id))
+        .collect();
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let finished = run(&mut engine);
+    assert_eq!(finished.len(), requests.len());
+    for f in &finished {
+        let r = &requests[f.id];
+        assert_eq!(
+            f.generated,
+            alone(&model, &r.prompt, r.max_new_tokens),
+            "request {}",
+            f.id
+        );
+    }
+    engine.cache().check();
+}
+
+#[test]
+fn a_next_turn_continues_its_finished_sequence() {
+    let model = model();
+    // Window layers keep 4 positions beyond the window: room for the answer.
+    let mut engine = engine(&model, 4, 12);
+    engine.set_prefix_reuse(true).unwrap();
+    let first = prompt(1, 10);
+    engine.submit(Request::new(0, first.clone(), 3)).unwrap();
+    let answer = run(&mut engine).remove(0).generated;
+    assert_eq!(engine.idle_sequences(), 1);
+
+    // The next turn: the history (the answer's first two tokens, as a
+    // client would send them back) and a new message.
+    let mut second = first.clone();
+    second.extend_from_slice(&answer[..2]);
+    second.extend_from_slice(&prompt(2, 5));
+    engine.submit(Request::new(1, second.clone(), 4)).unwrap();
+    let done = run(&mut engine).remove(0);
+    // The cache held the prompt and the answer's first two tokens (the last
+    // one was never fed back).
+    assert_eq!(done.reused, first.len() + 2);
+    assert_eq!(done.generated, alone(&model, &second, 4));
+    // Continued in place: one sequence, not the old turn kept beside the new.
+    assert_eq!(engine.idle_sequences(), 1);
+    assert_eq!(
+        engine.reuse_stats().evaluated_tokens,
+        first.len() + second.len() - (first.len() + 2)
+    );
+    engine.cache().check();
+}
+
+#[test]
+fn a_sequence_its_window_layers_no_longer_hold_is_not_resumed() {
+    let model = model();
+    // Window layers keep only the window: a 20-token sequence holds its
+    // last 8 positions there, so a prompt parting from it at 15 cannot
+    // resume it (positions 7..15 are gone).
+    let mut engine = engine(&model, 4, 8);
+    engine.set_prefix_reuse(true).unwrap();
+    let first = prompt(3, 20);
+    engine.submit(Request::new(0, first.clone(), 2)).unwrap();
+    run(&mut engine);
+    let mut branch = first[..15].to_vec();
+    branch.extend_from_slice(&prompt(4, 3));
+    engine.submit(Request::new(1, branch.clone(), 3)).unwrap();
+    let done = run(&mut engine).remove(0);
+    assert_eq!(done.reused, 0);
+    assert_eq!(done.generated, alone(&model, &branch, 3));
+    // A prompt extending the whole sequence still resumes it.
+    let mut next = first.clone();
+    next.extend_from_slice(&prompt(5, 2));
+    engine.submit(Request::new(2, next.clone(), 2)).unwrap();
+    let done = run(&mut engine).remove(0);
+    assert!(done.reused >= first.len(), "reused {}", done.reused);
+    assert_eq!(done.generated, alone(&model, &next, 2));
+    engine.cache().check();
+}

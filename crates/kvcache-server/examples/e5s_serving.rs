@@ -1,0 +1,352 @@
+//! E5s: the E5 trace (Gemma 3, ten interleaved conversations of eight turns
+//! growing past three windows) replayed over HTTP against `kvcache-server
+//! --model gemma3`, one request at a time, as chat messages: the trace's
+//! instruction as the system message, the earlier turns as user and assistant
+//! messages, then the new user message (streamed, usage included).
+//!
+//! Reports the prompt tokens evaluated (`usage.prompt_tokens -
+//! usage.prompt_tokens_details.cached_tokens`) against the trace's minimum,
+//! the time to first token (turn 1 and turns >= 2), and the bytes of keys and
+//! values the server's cache holds per conversation at the end
+//! (`kvcache_cache_bytes_in_use` of `/metrics`) beside a full-size cache of
+//! the same conversations (every layer keeping every position). Every
+//! request's `usage.prompt_tokens` must equal the trace's token count: the
+//! server's chat template is checked on the way.
+//!
+//! ```text
+//! cargo build --release -p kvcache-server --bin kvcache-server --example e5s_serving
+//! target/release/examples/e5s_serving --server-bin target/release/kvcache-server --gemma $KVCACHE_GEMMA
+//! ```
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// Replays the E5 trace against kvcache-server serving Gemma 3 (E5s).
+#[derive(Debug, Parser)]
+struct Args {
+    /// The server binary, started on 127.0.0.1 (a free port) and killed at the end.
+    #[arg(long)]
+    server_bin: PathBuf,
+    /// The Gemma 3 270M GGUF file [default: $KVCACHE_GEMMA].
+    #[arg(long)]
+    gemma: Option<PathBuf>,
+    /// The trace file [default: the project's fixtures/e5_trace.json].
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// The first N conversations of the trace (all turns of each).
+    #[arg(long, default_value_t = 10)]
+    conversations: usize,
+    /// Print one line per request.
+    #[arg(long)]
+    verbose: bool,
+    /// Extra flags for the server (e.g. `--server-arg=--window-memory=768`).
+    #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
+    server_args: Vec<String>,
+}
+
+/// The parts of `fixtures/e5_trace.json` a replay needs.
+#[derive(Debug, Deserialize)]
+struct Trace {
+    meta: Meta,
+    instruction: String,
+    conversations: Vec<Vec<Turn>>,
+    requests: Vec<TraceRequest>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Meta {
+    n_predict: usize,
+}
+
+#[derive(Debug, Deserialize)]
+struct Turn {
+    user: String,
+    model: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct TraceRequest {
+    conv: usize,
+    turn: usize,
+    prompt_tokens: usize,
+    min_prefill: usize,
+}
+
+/// What one request gave.
+#[derive(Debug)]
+struct Outcome {
+    turn: usize,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    ttft: Duration,
+}
+
+/// A server this client started; killed (by its pid) when dropped.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    fn start(bin: &PathBuf, gemma: &PathBuf, extra: &[String]) -> Result<Self, Box<dyn std::error::Error>> {
+        let mut child = Command::new(bin)
+            .args(["--host", "127.0.0.1", "--port", "0", "--model"])
+            .arg(gemma)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn")
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let url = loop {
+            let Some(line) = lines.next() else {
+                let _ = child.kill();
+                return Err("the server exited before listening".into());
+            };
+            let line = line?;
+            if let Some(url) = line.split("listening on ").nth(1) {
+                break url.trim().to_string();
+            }
+        };
+        // Keep draining its stdout so that it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Server { child, url })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The chat messages of turn `turn` (from 1) of conversation `conv`.
+fn messages(trace: &Trace, conv: usize, turn: usize) -> Vec<Value> {
+    let mut out = vec![json!({"role": "system", "content": trace.instruction})];
+    let turns = &trace.conversations[conv];
+    for earlier in &turns[..turn - 1] {
+        out.push(json!({"role": "user", "content": earlier.user}));
+        out.push(json!({"role": "assistant", "content": earlier.model}));
+    }
+    out.push(json!({"role": "user", "content": turns[turn - 1].user}));
+    out
+}
+
+/// Sends one streamed chat completion and reads it to `[DONE]`.
+async fn chat(
+    http: &reqwest::Client,
+    url: &str,
+    messages: Vec<Value>,
+    max_tokens: usize,
+    turn: usize,
+) -> Result<Outcome, Box<dyn std::error::Error>> {
+    let body = json!({
+        "model": "gemma-3-270m",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let start = Instant::now();
+    let mut response = http
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await?;
+    if !response.status().is_success() {
+        let status = response.status();
+        return Err(format!("{status}: {}", response.text().await?).into());
+    }
+    let mut buffer = String::new();
+    let (mut ttft, mut usage, mut done) = (None, None, false);
+    while let Some(chunk) = response.chunk().await? {
+        buffer.push_str(std::str::from_utf8(&chunk)?);
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            for line in event.lines() {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data)?;
+                // The first chunk opens the assistant's message; the first
+                // token's text comes in a chunk with content.
+                if ttft.is_none()
+                    && v["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty())
+                {
+                    ttft = Some(start.elapsed());
+                }
+                if !v["usage"].is_null() {
+                    usage = Some(v["usage"].clone());
+                }
+            }
+        }
+    }
+    let usage = usage.ok_or("no usage")?;
+    if !done {
+        return Err("stream ended without [DONE]".into());
+    }
+    let field = |v: &Value| v.as_u64().map(|n| n as usize).ok_or("usage field missing");
+    Ok(Outcome {
+        turn,
+        prompt_tokens: field(&usage["prompt_tokens"])?,
+        cached_tokens: field(&usage["prompt_tokens_details"]["cached_tokens"])?,
+        completion_tokens: field(&usage["completion_tokens"])?,
+        ttft: ttft.ok_or("no token")?,
+    })
+}
+
+/// The value of the gauge `name` in a Prometheus text page.
+fn gauge(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let gemma = args
+        .gemma
+        .clone()
+        .or_else(|| std::env::var_os("KVCACHE_GEMMA").map(PathBuf::from))
+        .ok_or("no Gemma file: pass --gemma or set KVCACHE_GEMMA")?;
+    let trace_path = args
+        .trace
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/e5_trace.json"));
+    let trace: Trace = serde_json::from_str(&std::fs::read_to_string(&trace_path)?)?;
+    let config = kvcache_engine::gemma::GemmaFile::open(&gemma)?.config()?;
+    // Keys and values of one position in every layer, f32: a full-size cache.
+    let full_per_position = config.n_layers * config.n_kv_heads * config.head_dim * 2 * 4;
+
+    let started = Instant::now();
+    let server = Server::start(&args.server_bin, &gemma, &args.server_args)?;
+    println!(
+        "E5s: server up in {:.1} s at {}",
+        started.elapsed().as_secs_f64(),
+        server.url
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let http = reqwest::Client::new();
+    let requests: Vec<&TraceRequest> = trace
+        .requests
+        .iter()
+        .filter(|r| r.conv < args.conversations)
+        .collect();
+    let mut outcomes = Vec::new();
+    let mut last_len = vec![0usize; args.conversations];
+    let t0 = Instant::now();
+    for r in &requests {
+        let o = runtime.block_on(chat(
+            &http,
+            &server.url,
+            messages(&trace, r.conv, r.turn),
+            trace.meta.n_predict,
+            r.turn,
+        ))?;
+        if o.prompt_tokens != r.prompt_tokens {
+            return Err(format!(
+                "conversation {} turn {}: the server's prompt has {} tokens, the trace's {}: the chat template differs",
+                r.conv, r.turn, o.prompt_tokens, r.prompt_tokens
+            )
+            .into());
+        }
+        if args.verbose {
+            println!(
+                "  conv {} turn {}: prompt {} cached {} evaluated {} (min {}) ttft {:.0} ms",
+                r.conv,
+                r.turn,
+                o.prompt_tokens,
+                o.cached_tokens,
+                o.prompt_tokens - o.cached_tokens,
+                r.min_prefill,
+                o.ttft.as_secs_f64() * 1e3
+            );
+        }
+        last_len[r.conv] = o.prompt_tokens + o.completion_tokens;
+        outcomes.push(o);
+    }
+    let wall = t0.elapsed();
+    let page = runtime.block_on(async {
+        http.get(format!("{}/metrics", server.url))
+            .send()
+            .await?
+            .text()
+            .await
+    })?;
+    let held =
+        gauge(&page, "kvcache_cache_bytes_in_use").ok_or("no kvcache_cache_bytes_in_use in /metrics")?;
+    let idle = gauge(&page, "kvcache_sequences_idle").unwrap_or(0.0);
+    let evictions = gauge(&page, "kvcache_evictions_total").unwrap_or(0.0);
+
+    let evaluated: usize = outcomes.iter().map(|o| o.prompt_tokens - o.cached_tokens).sum();
+    let minimum: usize = requests.iter().map(|r| r.min_prefill).sum();
+    let prompt: usize = outcomes.iter().map(|o| o.prompt_tokens).sum();
+    let ms = |turns: &dyn Fn(usize) -> bool| {
+        let v: Vec<f64> = outcomes
+            .iter()
+            .filter(|o| turns(o.turn))
+            .map(|o| o.ttft.as_secs_f64() * 1e3)
+            .collect();
+        let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+        (mean, median(v))
+    };
+    let (first_mean, first_median) = ms(&|t| t == 1);
+    let (later_mean, later_median) = ms(&|t| t >= 2);
+    let conversations = args.conversations as f64;
+    let full: f64 = last_len
+        .iter()
+        .map(|&n| (n * full_per_position) as f64)
+        .sum::<f64>()
+        / conversations;
+    let mib = |b: f64| b / (1 << 20) as f64;
+    println!(
+        "E5s: {} requests in {:.1} s; prompt tokens {prompt}, evaluated {evaluated} / minimum {minimum} = {:.4}x",
+        outcomes.len(),
+        wall.as_secs_f64(),
+        evaluated as f64 / minimum as f64
+    );
+    println!(
+        "E5s: TTFT turn 1 mean / median {first_mean:.0} / {first_median:.0} ms; turns >= 2 {later_mean:.0} / {later_median:.0} ms"
+    );
+    let per_conversation = held / idle.max(1.0);
+    println!(
+        "E5s: cache holds {:.1} MiB for {idle} idle conversations ({evictions} evicted on the way): \
+         {:.2} MiB per conversation, a full-size cache {:.2} MiB ({:.2}x)",
+        mib(held),
+        mib(per_conversation),
+        mib(full),
+        per_conversation / full
+    );
+    Ok(())
+}
