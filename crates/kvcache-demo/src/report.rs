@@ -21,6 +21,7 @@ pub fn events<'a>(tokenizer: &'a ChatTokenizer, questions: &'a [String]) -> impl
             id,
             seq,
             prompt_tokens,
+            ..
         } => {
             println!("  [join] conversation {id} -> sequence {seq} ({prompt_tokens} prompt tokens)");
         }

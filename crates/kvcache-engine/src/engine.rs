@@ -214,6 +214,8 @@ pub enum Event {
         seq: SeqId,
         /// Prompt length.
         prompt_tokens: usize,
+        /// How long it waited in the queue for a slot.
+        waited: Duration,
     },
     /// Part of a prompt was evaluated.
     Prefilled {
@@ -326,6 +328,7 @@ struct Idle {
 struct Queued {
     req: Request,
     sampler: Option<Sampler>,
+    submitted: Instant,
 }
 
 /// Prefix reuse across requests, counted since the engine was made.
@@ -499,7 +502,11 @@ where
                 )));
             }
         }
-        self.queue.push_back(Queued { req, sampler });
+        self.queue.push_back(Queued {
+            req,
+            sampler,
+            submitted: Instant::now(),
+        });
         Ok(())
     }
 
@@ -734,7 +741,11 @@ where
                     None => break,
                 },
             };
-            let Queued { req, sampler } = self.queue.pop_front().expect("front exists");
+            let Queued {
+                req,
+                sampler,
+                submitted,
+            } = self.queue.pop_front().expect("front exists");
             let reused = match source {
                 Some((src, len)) if src == seq => {
                     // Take the idle sequence over, keeping its shared prefix.
@@ -771,6 +782,7 @@ where
                 id: req.id,
                 seq,
                 prompt_tokens: req.prompt.len(),
+                waited: submitted.elapsed(),
             });
             self.slots[seq] = Some(Slot {
                 tokens: req.prompt.clone(),
@@ -852,16 +864,26 @@ where
                 decode += 1;
             }
         }
-        // Then prompt chunks.
-        for (seq, slot) in self.slots.iter().enumerate() {
+        // Then prompt chunks in the room left, the longest-waiting request
+        // first: a new request's wait is bounded by the prompts before it,
+        // and decode steps never wait for a prompt.
+        let mut prefilling: Vec<(Instant, SeqId)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(seq, s)| {
+                s.as_ref()
+                    .filter(|s| s.generated.is_empty())
+                    .map(|s| (s.joined, seq))
+            })
+            .collect();
+        prefilling.sort_unstable();
+        for (_, seq) in prefilling {
             let room = budget - batch.len();
             if room == 0 {
                 break;
             }
-            let Some(s) = slot else { continue };
-            if !s.generated.is_empty() {
-                continue;
-            }
+            let s = self.slots[seq].as_ref().expect("a prefilling slot");
             let n = (s.tokens.len() - s.cached)
                 .min(self.config.prefill_chunk)
                 .min(room);

@@ -380,7 +380,13 @@ impl Generation {
                     self.ended = true;
                     return Some(Err(ApiError::internal("The engine dropped the request")));
                 }
-                Some(JobEvent::Started { cached_tokens }) => self.cached_tokens = cached_tokens,
+                Some(JobEvent::Started {
+                    cached_tokens,
+                    waited,
+                }) => {
+                    self.cached_tokens = cached_tokens;
+                    self.state.metrics.observe_queue_wait(waited);
+                }
                 Some(JobEvent::Token { token, logprobs }) => self.token(token, logprobs),
                 Some(JobEvent::Finished {
                     cached_tokens,

@@ -9,8 +9,45 @@ use kvcache_store::StoreStats;
 
 use crate::worker::Gauges;
 
-/// Upper bounds (seconds) of the time-to-first-token histogram's buckets.
-const TTFT_BUCKETS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Upper bounds (seconds) of the latency histograms' buckets.
+const BUCKETS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// A counter's value as a sample.
+fn load(a: &AtomicU64) -> f64 {
+    a.load(Ordering::Relaxed) as f64
+}
+
+/// A latency histogram in Prometheus' cumulative buckets.
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    micros: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (bucket, &bound) in self.buckets.iter().zip(&BUCKETS) {
+            if secs <= bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.micros.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (bucket, bound) in self.buckets.iter().zip(BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", load(bucket));
+        }
+        let count = load(&self.count);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {}", load(&self.micros) / 1e6);
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
 
 /// The server's own counters (the engine's come from [`Gauges`]).
 #[derive(Debug, Default)]
@@ -23,23 +60,20 @@ pub struct Metrics {
     pub overloaded: AtomicU64,
     /// Requests submitted and not yet answered in full.
     pub in_flight: AtomicUsize,
-    ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
-    ttft_count: AtomicU64,
-    ttft_micros: AtomicU64,
+    ttft: Histogram,
+    queue_wait: Histogram,
 }
 
 impl Metrics {
     /// Records one time to first token.
     pub fn observe_ttft(&self, ttft: Duration) {
-        let secs = ttft.as_secs_f64();
-        for (bucket, &bound) in self.ttft_buckets.iter().zip(&TTFT_BUCKETS) {
-            if secs <= bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.ttft_count.fetch_add(1, Ordering::Relaxed);
-        self.ttft_micros
-            .fetch_add(ttft.as_micros() as u64, Ordering::Relaxed);
+        self.ttft.observe(ttft);
+    }
+
+    /// Records how long one request waited in the engine's queue for a
+    /// sequence.
+    pub fn observe_queue_wait(&self, waited: Duration) {
+        self.queue_wait.observe(waited);
     }
 
     /// The Prometheus text of these counters, the engine's `gauges` and, with a
@@ -49,7 +83,6 @@ impl Metrics {
         let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
         };
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         metric(
             "kvcache_prefix_hits_total",
             "counter",
@@ -158,18 +191,16 @@ impl Metrics {
             "Requests refused with 503 because the queue was full.",
             load(&self.overloaded),
         );
-        let name = "kvcache_time_to_first_token_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} From receiving a request to its first generated token.\n# TYPE {name} histogram"
+        self.ttft.render(
+            &mut out,
+            "kvcache_time_to_first_token_seconds",
+            "From receiving a request to its first generated token.",
         );
-        for (bucket, bound) in self.ttft_buckets.iter().zip(TTFT_BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", load(bucket));
-        }
-        let count = load(&self.ttft_count);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum {}", load(&self.ttft_micros) / 1e6);
-        let _ = writeln!(out, "{name}_count {count}");
+        self.queue_wait.render(
+            &mut out,
+            "kvcache_queue_wait_seconds",
+            "How long a request waited in the engine's queue for a sequence.",
+        );
         if let Some(store) = store {
             render_store(&mut out, store);
         }
@@ -246,6 +277,13 @@ mod tests {
         assert!(text.contains("kvcache_time_to_first_token_seconds_bucket{le=\"0.5\"} 2\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_count 2\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_sum 0.33\n"));
+        // Queue waits are their own histogram.
+        assert!(text.contains("kvcache_queue_wait_seconds_count 0\n"));
+        m.observe_queue_wait(Duration::from_secs(3));
+        let text = m.render(&Gauges::default(), None);
+        assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"2.5\"} 0\n"));
+        assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"5\"} 1\n"));
+        assert!(text.contains("kvcache_time_to_first_token_seconds_count 2\n"));
     }
     #[test]
     fn store_counters_come_per_tier() {

@@ -34,6 +34,8 @@ pub enum JobEvent {
     Started {
         /// Prompt tokens taken from cached cells instead of evaluated.
         cached_tokens: usize,
+        /// How long it waited in the engine's queue for a sequence.
+        waited: Duration,
     },
     /// A generated token.
     Token {
@@ -386,7 +388,7 @@ fn serve<M: Model>(
         // tokens' log-probabilities can go with them.
         let mut outgoing: Vec<(usize, JobEvent)> = Vec::new();
         let result = engine.step(&mut stats, &mut |event| match event {
-            Event::Joined { id, .. } => joined.push(*id),
+            Event::Joined { id, waited, .. } => joined.push((*id, *waited)),
             Event::Token { id, token } => outgoing.push((
                 *id,
                 JobEvent::Token {
@@ -431,9 +433,12 @@ fn serve<M: Model>(
                 engine.cancel(id)?;
             }
         }
-        for id in joined {
+        for (id, waited) in joined {
             if let (Some(tx), Some(cached_tokens)) = (jobs.get(&id), engine.reused_tokens(id)) {
-                let _ = tx.send(JobEvent::Started { cached_tokens });
+                let _ = tx.send(JobEvent::Started {
+                    cached_tokens,
+                    waited,
+                });
             }
         }
         for id in closed {
