@@ -297,13 +297,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         outcomes.push(o);
     }
     let wall = t0.elapsed();
-    let page = runtime.block_on(async {
-        http.get(format!("{}/metrics", server.url))
-            .send()
-            .await?
-            .text()
-            .await
-    })?;
+    // The engine publishes its gauges after the pass that ends a request,
+    // which may come after the answer: wait for the last one to leave.
+    let metrics = || {
+        runtime.block_on(async {
+            http.get(format!("{}/metrics", server.url))
+                .send()
+                .await?
+                .text()
+                .await
+        })
+    };
+    let mut page = metrics()?;
+    for _ in 0..50 {
+        if gauge(&page, "kvcache_sequences_active") == Some(0.0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        page = metrics()?;
+    }
     let held =
         gauge(&page, "kvcache_cache_bytes_in_use").ok_or("no kvcache_cache_bytes_in_use in /metrics")?;
     let idle = gauge(&page, "kvcache_sequences_idle").unwrap_or(0.0);
