@@ -15,6 +15,7 @@ pub const AVAILABLE: bool = cfg!(any(target_os = "macos", kvcache_mlx));
 pub fn run(path: &Path, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
     use std::time::Instant;
 
+    use kvcache_engine::chat::Reuse;
     use kvcache_engine::mlx::{MlxChatServer, MlxLlama};
     use kvcache_engine::ModelFile;
 
@@ -33,14 +34,14 @@ pub fn run(path: &Path, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
         "loaded the mlx model in {:.2} s (mlx default device: {device})",
         t0.elapsed().as_secs_f64()
     );
-    let mut server = MlxChatServer::new(&model, 1 << 30)?;
+    let mut server = MlxChatServer::new(&model, Reuse::Trie, 1 << 30)?;
     parts::conversations(
         "mlx-rs KvCaches (kvcache-mlx)",
         tokenizer,
         cli,
         &mut |prompt, n, eos| server.generate(prompt, n, eos),
     )?;
-    report::trie_stats(&server.trie_stats());
+    report::trie_stats(&server.trie_stats().expect("a trie server"));
     Ok(())
 }
 

@@ -7,7 +7,9 @@
 //!   request reuses its longest common prefix with it (seed 003's behaviour);
 //! - [`Reuse::None`]: every prompt is evaluated from scratch.
 //!
-//! The layer caches are [`CandleKv`]s, so this runs on the candle model.
+//! It runs any [`LayerModel`]: the layer caches are the model's (candle's
+//! `CandleKv`s for the Llama, window and global layers for Gemma, mlx-rs
+//! arrays for the mlx models).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,9 +18,8 @@ use std::time::{Duration, Instant};
 use kvcache_api::{Namespace, PrefixStore, SnapshotCache};
 use kvcache_trie::{PrefixCache, Stats as TrieStats};
 
-use crate::engine::argmax;
+use crate::model::LayerModel;
 use crate::{EngineError, Llama, Result};
-use kvcache_causal::layer_cache::CandleKv;
 
 /// One chat turn through a prefix trie, for any model: `forward` runs tokens
 /// through the session's layer caches and returns its hidden rows (at least the
@@ -176,35 +177,45 @@ pub struct TurnOutcome {
     pub generated: Vec<u32>,
 }
 
-enum State {
-    Trie(Box<PrefixCache<CandleKv>>),
-    Live { caches: Vec<CandleKv>, tokens: Vec<u32> },
+/// Where a chat server's live sequence is: in the trie's session, or in
+/// caches it keeps itself.
+enum Sequence<L> {
+    Trie(Box<PrefixCache<L>>),
+    Live { caches: Vec<L>, tokens: Vec<u32> },
 }
 
-/// A chat server in miniature: one model, one live sequence, one reuse policy.
-pub struct ChatServer<'m> {
-    model: &'m Llama,
+/// A chat server in miniature: one model (any [`LayerModel`]: the Llama by
+/// default, Gemma, or either on mlx-rs), one live sequence, one reuse policy.
+pub struct ChatServer<'m, M: LayerModel = Llama> {
+    model: &'m M,
     reuse: Reuse,
-    state: State,
+    state: Sequence<M::Layer>,
     namespace: Namespace,
 }
 
-impl std::fmt::Debug for ChatServer<'_> {
+impl<M: LayerModel> std::fmt::Debug for ChatServer<'_, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatServer").field("reuse", &self.reuse).finish()
     }
 }
 
-impl<'m> ChatServer<'m> {
+impl<'m, M: LayerModel> ChatServer<'m, M> {
     /// A server with `reuse`; the trie keeps at most `budget_bytes` of snapshots.
-    pub fn new(model: &'m Llama, reuse: Reuse, budget_bytes: usize) -> Result<Self> {
-        let c = model.config();
-        let caches: Vec<CandleKv> = (0..c.n_layers)
-            .map(|_| CandleKv::new(c.n_kv_heads, c.head_dim, model.device()))
-            .collect();
+    pub fn new(model: &'m M, reuse: Reuse, budget_bytes: usize) -> Result<Self> {
+        Self::with_layers(model, reuse, model.new_layers()?, budget_bytes)
+    }
+
+    /// [`new`](Self::new) over `caches`, the model's layer caches however
+    /// made (one per layer, empty).
+    pub fn with_layers(
+        model: &'m M,
+        reuse: Reuse,
+        caches: Vec<M::Layer>,
+        budget_bytes: usize,
+    ) -> Result<Self> {
         let state = match reuse {
-            Reuse::Trie => State::Trie(Box::new(PrefixCache::new(caches, budget_bytes)?)),
-            Reuse::None | Reuse::SingleEntry => State::Live {
+            Reuse::Trie => Sequence::Trie(Box::new(PrefixCache::new(caches, budget_bytes)?)),
+            Reuse::None | Reuse::SingleEntry => Sequence::Live {
                 caches,
                 tokens: Vec::new(),
             },
@@ -221,13 +232,13 @@ impl<'m> ChatServer<'m> {
     /// waiting at most `deadline` for a read: conversations outlive the process
     /// and are shared by every server on the same store.
     pub fn with_store(
-        model: &'m Llama,
+        model: &'m M,
         budget_bytes: usize,
         store: Arc<dyn PrefixStore>,
         deadline: Duration,
     ) -> Result<Self> {
         let mut server = Self::new(model, Reuse::Trie, budget_bytes)?;
-        if let State::Trie(trie) = &mut server.state {
+        if let Sequence::Trie(trie) = &mut server.state {
             trie.set_store(store, deadline)?;
         }
         Ok(server)
@@ -244,11 +255,20 @@ impl<'m> ChatServer<'m> {
         self.reuse
     }
 
+    /// The prefix trie, with [`Reuse::Trie`] (for its invariant checker and
+    /// inspection).
+    pub fn trie(&self) -> Option<&PrefixCache<M::Layer>> {
+        match &self.state {
+            Sequence::Trie(t) => Some(t),
+            Sequence::Live { .. } => None,
+        }
+    }
+
     /// The trie's counters, with [`Reuse::Trie`].
     pub fn trie_stats(&self) -> Option<TrieStats> {
         match &self.state {
-            State::Trie(t) => Some(t.stats()),
-            State::Live { .. } => None,
+            Sequence::Trie(t) => Some(t.stats()),
+            Sequence::Live { .. } => None,
         }
     }
 
@@ -264,19 +284,17 @@ impl<'m> ChatServer<'m> {
         let model = self.model;
         let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
         match &mut self.state {
-            State::Trie(trie) => trie_turn(
-                trie,
-                &self.namespace,
-                prompt,
-                n_predict,
-                eos,
-                |tokens, caches| {
-                    let h = model.hidden_layers(tokens, caches)?;
-                    Ok(h.narrow(0, tokens.len() - 1, 1)?)
-                },
-                |h| pick(model, h),
-            ),
-            State::Live { caches, tokens } => {
+            Sequence::Trie(trie) => {
+                let forward = |tokens: &[u32], caches: &mut [M::Layer]| model.hidden_layers(tokens, caches);
+                let pick = |hidden: &M::Array| model.next_token(hidden);
+                let turn = if M::RESUMABLE {
+                    trie_turn_resumable
+                } else {
+                    trie_turn
+                };
+                turn(trie, &self.namespace, prompt, n_predict, eos, forward, pick)
+            }
+            Sequence::Live { caches, tokens } => {
                 let matched = if self.reuse == Reuse::SingleEntry {
                     let common = tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
                     common.min(prompt.len() - 1)
@@ -294,12 +312,12 @@ impl<'m> ChatServer<'m> {
                 }
                 let rest = &prompt[matched..];
                 let h = model.hidden_layers(rest, caches)?;
-                let mut token = pick(model, &h.narrow(0, rest.len() - 1, 1)?)?;
+                let mut token = model.next_token(&h)?;
                 let ttft = t0.elapsed();
                 let mut generated = vec![token];
                 while !done(&generated) {
                     let h = model.hidden_layers(&[token], caches)?;
-                    token = pick(model, &h)?;
+                    token = model.next_token(&h)?;
                     generated.push(token);
                 }
                 // The caches hold the prompt and every generated token but the last.
@@ -318,9 +336,4 @@ impl<'m> ChatServer<'m> {
             }
         }
     }
-}
-
-/// Greedy token from one hidden row `[1, dim]`.
-fn pick(model: &Llama, hidden: &candle_core::Tensor) -> Result<u32> {
-    Ok(argmax(&model.logits(hidden)?.squeeze(0)?.to_vec1::<f32>()?))
 }

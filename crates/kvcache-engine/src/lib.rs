@@ -6,9 +6,10 @@
 //! everything without a cache.
 //!
 //! Models and text:
-//! - [`model`]: what the engine asks of a model, [`Model`] (hidden states
-//!   through a causal cache or per-layer caches, logits, the shape of its
-//!   cache), and [`BatchToken`].
+//! - [`model`]: what the trie's path asks of any model on any backend,
+//!   [`LayerModel`], and what the engine asks of a candle model, [`Model`]
+//!   (hidden states through a causal cache, logits, the shape of its cache);
+//!   [`BatchToken`].
 //! - [`llama`]: the Llama on candle, full recompute (the reference) and
 //!   through a [`kvcache_api::CausalCache`] or per-layer
 //!   [`kvcache_api::LayerCache`]s; [`ModelFile`] loads it from GGUF.
@@ -32,8 +33,8 @@
 //! - [`engine`]: greedy generation and continuous batching over a causal
 //!   cache for any [`Model`], with context shift, a prefix store, and
 //!   request ends it decides and reports ([`engine::FinishReason`]).
-//! - [`chat`]: one live sequence with prefix-trie, single-entry or no reuse
-//!   (`trie_turn`: one turn through the trie for any model).
+//! - [`chat`]: one live sequence of any [`LayerModel`] with prefix-trie,
+//!   single-entry or no reuse (`trie_turn`: one turn through the trie).
 //! - [`store`]: the prefix store of a model file (fingerprint, layout, tiers).
 //!
 //! Programs:
@@ -74,7 +75,7 @@ pub use config::LlamaConfig;
 pub use error::{EngineError, Result};
 pub use gguf::{GgufFile, LoadProgress};
 pub use llama::{Llama, ModelFile};
-pub use model::{BatchToken, CellUse, Model};
+pub use model::{BatchToken, CellUse, LayerModel, Model};
 pub use rope::Rope;
 pub use tokenizer::ChatTokenizer;
 pub use tokenizer::Tokenizer;

@@ -20,7 +20,7 @@ use crate::attention::{self, Attend, AttentionPath};
 use crate::decoder::{AttendFn, FeedForward, Qkv, Trunk};
 use crate::gguf::{GgufFile, Tensors};
 use crate::kernels::Activation;
-use crate::model::{BatchToken, Model};
+use crate::model::{BatchToken, LayerModel, Model};
 use crate::weights::{DenseKernel, Draw, GgufWeights, Linear, RandomWeights, WeightSource, WeightSpec};
 use crate::{ChatTokenizer, EngineError, LlamaConfig, LoadProgress, Result, Rope, WeightMode};
 
@@ -398,9 +398,32 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// SmolLM2 and other Llama-architecture models: every layer sees every
 /// position, so the engine's cache is one [`CausalKvCache`] whose keys shift
 /// with the interleaved RoPE, and the trie's layers are [`CandleKv`]s.
+impl LayerModel for Llama {
+    type Array = Tensor;
+    type Layer = CandleKv;
+
+    const RESUMABLE: bool = false;
+
+    fn new_layers(&self) -> Result<Vec<CandleKv>> {
+        let c = &self.config;
+        Ok((0..c.n_layers)
+            .map(|_| CandleKv::new(c.n_kv_heads, c.head_dim, &self.device))
+            .collect())
+    }
+
+    fn hidden_layers(&self, tokens: &[u32], layers: &mut [CandleKv]) -> Result<Tensor> {
+        Llama::hidden_layers(self, tokens, layers)
+    }
+
+    fn next_token(&self, hidden: &Tensor) -> Result<u32> {
+        let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
+        let row = Llama::logits(self, &last)?.squeeze(0)?.to_vec1::<f32>()?;
+        Ok(crate::engine::argmax(&row))
+    }
+}
+
 impl Model for Llama {
     type Cache = CausalKvCache;
-    type Layer = CandleKv;
 
     fn architecture(&self) -> &'static str {
         "llama"
@@ -451,16 +474,5 @@ impl Model for Llama {
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Llama::logits(self, hidden)
-    }
-
-    fn new_layers(&self) -> Result<Vec<CandleKv>> {
-        let c = &self.config;
-        Ok((0..c.n_layers)
-            .map(|_| CandleKv::new(c.n_kv_heads, c.head_dim, &self.device))
-            .collect())
-    }
-
-    fn hidden_layers(&self, tokens: &[u32], layers: &mut [CandleKv]) -> Result<Tensor> {
-        Llama::hidden_layers(self, tokens, layers)
     }
 }

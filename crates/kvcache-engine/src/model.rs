@@ -41,15 +41,40 @@ impl BatchToken {
     }
 }
 
-/// A decoder the engine can run: the forward pass through a causal cache or
-/// through per-layer caches, the logits, and the shape of its cache.
-pub trait Model {
+/// What the prefix trie's path asks of a model, on any backend (candle
+/// tensors or mlx-rs arrays): the tokens of one live sequence through its
+/// per-layer caches, and the next token. The chat session and the trie's turn
+/// are written over it; all four models implement it.
+pub trait LayerModel {
+    /// The backend's array type.
+    type Array;
+    /// One layer's cache of one live sequence, as the prefix trie holds it.
+    type Layer: LayerCache<Array = Self::Array> + SnapshotCache;
+
+    /// Whether a turn keeps a restore point at its prompt's end
+    /// (`chat::trie_turn_resumable`): for models whose window layers cannot
+    /// rewind from the reply's end to the prompt's.
+    const RESUMABLE: bool;
+
+    /// Empty per-layer caches of one sequence, in layer order.
+    fn new_layers(&self) -> Result<Vec<Self::Layer>>;
+
+    /// Final normed hidden states `[n, dim]` for `tokens` appended to the
+    /// sequence `layers` hold (one per layer, at the same offset).
+    fn hidden_layers(&self, tokens: &[u32], layers: &mut [Self::Layer]) -> Result<Self::Array>;
+
+    /// The greedy next token after the last row of hidden states `[n, dim]`.
+    fn next_token(&self, hidden: &Self::Array) -> Result<u32>;
+}
+
+/// A decoder the batching engine can run on candle: the forward pass
+/// through a causal cache, the logits, and the shape of its cache (and, as a
+/// [`LayerModel`], the trie's path).
+pub trait Model: LayerModel<Array = Tensor> {
     /// The cache the batching engine drives for this model: one
     /// [`CausalKvCache`] when every layer sees the same positions, a
     /// [`LayerGroupCache`] when layers differ (window and global).
     type Cache: CausalCache<Tensor = Tensor> + CellUse;
-    /// One layer's cache of one live sequence, as the prefix trie holds it.
-    type Layer: LayerCache<Array = Tensor> + SnapshotCache;
 
     /// The architecture's name as GGUF writes it (`llama`, `gemma3`).
     fn architecture(&self) -> &'static str;
@@ -86,13 +111,6 @@ pub trait Model {
 
     /// Logits `[n, vocab_size]` from hidden states `[n, dim]`.
     fn logits(&self, hidden: &Tensor) -> Result<Tensor>;
-
-    /// Empty per-layer caches of one sequence, in layer order.
-    fn new_layers(&self) -> Result<Vec<Self::Layer>>;
-
-    /// Final normed hidden states `[n, dim]` for `tokens` appended to the
-    /// sequence `layers` hold (one per layer, at the same offset).
-    fn hidden_layers(&self, tokens: &[u32], layers: &mut [Self::Layer]) -> Result<Tensor>;
 
     /// Logits `[n, vocab_size]` for a batch through `cache`:
     /// [`hidden`](Model::hidden), then [`logits`](Model::logits).

@@ -142,3 +142,41 @@ fn a_sequence_its_window_layers_no_longer_hold_is_not_resumed() {
     assert_eq!(done.generated, alone(&model, &next, 2));
     engine.cache().check();
 }
+
+#[test]
+fn the_chat_server_runs_gemma_through_the_trie_as_from_scratch() {
+    use kvcache_engine::chat::{ChatServer, Reuse};
+    let model = model();
+    // Two conversations of three turns, interleaved, past the 8-position
+    // window; each turn extends the conversation's previous prompt with a
+    // scripted reply and a new message.
+    let mut convs: Vec<Vec<u32>> = vec![prompt(7, 6), prompt(8, 6)];
+    let mut requests = Vec::new();
+    for turn in 0..3 {
+        for (c, conv) in convs.iter_mut().enumerate() {
+            conv.extend(prompt(10 + turn * 2 + c, 4));
+            requests.push(conv.clone());
+            conv.extend([61, 62]);
+        }
+    }
+    let mut answers = Vec::new();
+    for reuse in [Reuse::None, Reuse::Trie] {
+        let mut server: ChatServer<'_, Gemma> = ChatServer::new(&model, reuse, 1 << 30).unwrap();
+        let outs: Vec<_> = requests
+            .iter()
+            .map(|p| server.generate(p, 3, None).unwrap())
+            .collect();
+        if let Some(trie) = server.trie() {
+            trie.check();
+        }
+        answers.push(outs);
+    }
+    for (i, (scratch, trie)) in answers[0].iter().zip(&answers[1]).enumerate() {
+        assert_eq!(trie.generated, scratch.generated, "request {i}");
+    }
+    // Later turns resume at the previous prompt's end (its restore point),
+    // though the window has moved past the conversation's start.
+    for (i, out) in answers[1].iter().enumerate().skip(2) {
+        assert_eq!(out.matched, requests[i - 2].len(), "request {i}");
+    }
+}

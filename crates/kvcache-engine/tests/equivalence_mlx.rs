@@ -11,6 +11,7 @@ mod mlx_support;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvcache_api::{LayerCache, SnapshotCache};
+use kvcache_engine::chat::Reuse;
 use kvcache_engine::engine::argmax;
 use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
@@ -277,7 +278,7 @@ fn mlx_full_recompute_equals_candle_on_a_tiny_gguf() {
 #[test]
 fn chat_server_generates_the_tokens_of_full_recompute() {
     let model = model();
-    let mut server = MlxChatServer::new(&model, 1 << 30).unwrap();
+    let mut server = MlxChatServer::new(&model, Reuse::Trie, 1 << 30).unwrap();
     let system: Vec<u32> = (0..20).map(|i| (i * 7 % 60) as u32).collect();
     let mut convs: Vec<Vec<u32>> = vec![system.clone(); 3];
     let mut outs = Vec::new();
@@ -285,7 +286,7 @@ fn chat_server_generates_the_tokens_of_full_recompute() {
         for (c, conv) in convs.iter_mut().enumerate() {
             conv.extend((0..5 + c).map(|i| ((turn * 17 + c * 5 + i * 3) % 64) as u32));
             let out = server.generate(conv, 4, None).unwrap();
-            server.trie().check();
+            server.trie().expect("a trie server").check();
             let mut all = conv.clone();
             for &t in &out.generated {
                 let logits = to_host(&model.forward_full(&all).unwrap()).unwrap();
@@ -310,6 +311,6 @@ fn chat_server_generates_the_tokens_of_full_recompute() {
             assert!(out.matched >= prev.prompt_tokens, "request {i}: {out:?}");
         }
     }
-    let stats = server.trie_stats();
+    let stats = server.trie_stats().expect("a trie server");
     assert!(stats.page_outs > 0 && stats.page_ins > 0, "{stats:?}");
 }

@@ -382,7 +382,7 @@ fn tiny_chat_server_generates_the_recomputed_tokens() {
             history[c].extend(reply);
         }
     }
-    server.trie().check();
+    server.trie().expect("a trie server").check();
 }
 
 /// The E1 trace in Gemma's turn format: its system prompt (after `<bos>`) as

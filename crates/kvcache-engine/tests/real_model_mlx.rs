@@ -13,6 +13,7 @@ mod mlx_support;
 use std::sync::OnceLock;
 
 use candle_core::Device;
+use kvcache_engine::chat::Reuse;
 use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
 use kvcache_engine::tokenizer::{chatml, Message, Role};
@@ -125,7 +126,7 @@ fn trie_schedule_equals_full_recompute() {
 fn mlx_chat_answers_a_simple_question() {
     let Some(l) = loaded() else { return };
     let model = MlxLlama::new(&l.weights).unwrap();
-    let mut server = MlxChatServer::new(&model, 1 << 30).unwrap();
+    let mut server = MlxChatServer::new(&model, Reuse::Trie, 1 << 30).unwrap();
     let ids = l.tokenizer.encode(&chatml(
         &[Message::new(Role::User, "What is the capital of France?")],
         true,

@@ -34,7 +34,7 @@ pub use crate::attention::Attend;
 use crate::attention::{self, AttentionPath};
 use crate::decoder::{check_tokens, AttendFn, FeedForward, Qkv, Trunk};
 use crate::gguf::{GgufFile, Tensors};
-use crate::model::Model;
+use crate::model::{LayerModel, Model};
 use crate::q8::Q8Matrix;
 use crate::weights::{DenseKernel, Draw, GgufWeights, Linear, RandomWeights, WeightSource, WeightSpec};
 use crate::{BatchToken, EngineError, LoadProgress, Result, Rope, WeightMode};
@@ -523,9 +523,29 @@ impl Gemma {
 /// keeping `window_memory` positions, global layers everything, each group
 /// shifting keys with its own RoPE base), the trie's layers
 /// [`GemmaLayer`]s.
+impl LayerModel for Gemma {
+    type Array = Tensor;
+    type Layer = GemmaLayer;
+
+    const RESUMABLE: bool = true;
+
+    fn new_layers(&self) -> Result<Vec<GemmaLayer>> {
+        Gemma::new_layers(self, &self.device)
+    }
+
+    fn hidden_layers(&self, tokens: &[u32], layers: &mut [GemmaLayer]) -> Result<Tensor> {
+        Gemma::hidden_layers(self, tokens, layers)
+    }
+
+    fn next_token(&self, hidden: &Tensor) -> Result<u32> {
+        let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
+        let row = Gemma::logits(self, &last)?.squeeze(0)?.to_vec1::<f32>()?;
+        Ok(crate::engine::argmax(&row))
+    }
+}
+
 impl Model for Gemma {
     type Cache = LayerGroupCache;
-    type Layer = GemmaLayer;
 
     fn architecture(&self) -> &'static str {
         "gemma3"
@@ -570,14 +590,6 @@ impl Model for Gemma {
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Gemma::logits(self, hidden)
-    }
-
-    fn new_layers(&self) -> Result<Vec<GemmaLayer>> {
-        Gemma::new_layers(self, &self.device)
-    }
-
-    fn hidden_layers(&self, tokens: &[u32], layers: &mut [GemmaLayer]) -> Result<Tensor> {
-        Gemma::hidden_layers(self, tokens, layers)
     }
 }
 

@@ -9,7 +9,7 @@
 //!   per-layer [`kvcache_api::LayerCache`]s such as
 //!   [`kvcache_mlx::layers::KvCache`].
 //! - [`chat`]: [`MlxChatServer`], multi-conversation chat through
-//!   [`kvcache_trie::PrefixCache`] for either model ([`MlxTrieModel`]), over
+//!   [`kvcache_trie::PrefixCache`] for either model ([`crate::LayerModel`]), over
 //!   mlx `KvCache`s for the Llama.
 //! - [`gemma`]: [`MlxGemma`], Gemma 3 with its window and global layers
 //!   through the same trie (rotating caches for the window layers), and its
@@ -24,7 +24,7 @@ pub mod gemma;
 pub mod model;
 pub mod weights;
 
-pub use chat::{MlxChatServer, MlxTrieModel};
+pub use chat::MlxChatServer;
 pub use gemma::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
 pub use model::MlxLlama;
 pub use weights::{HostTensor, HostWeights};

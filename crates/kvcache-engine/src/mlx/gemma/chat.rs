@@ -14,7 +14,9 @@ use kvcache_mlx::layers::DEFAULT_STEP;
 use mlx_rs::Array;
 
 use super::{MlxGemma, MlxGemmaLayer};
-use crate::mlx::chat::{MlxChatServer, MlxTrieModel};
+use crate::chat::Reuse;
+use crate::mlx::chat::MlxChatServer;
+use crate::model::LayerModel;
 use crate::Result;
 
 /// A chat server in miniature on mlx: one Gemma, one live sequence of
@@ -23,7 +25,8 @@ pub type MlxGemmaChatServer<'m> = MlxChatServer<'m, MlxGemma>;
 
 /// Gemma over rotating window caches, which cannot rewind once wrapped: each
 /// turn keeps a restore point at its prompt's end.
-impl MlxTrieModel for MlxGemma {
+impl LayerModel for MlxGemma {
+    type Array = Array;
     type Layer = MlxGemmaLayer;
 
     const RESUMABLE: bool = true;
@@ -42,8 +45,9 @@ impl MlxTrieModel for MlxGemma {
 }
 
 impl<'m> MlxChatServer<'m, MlxGemma> {
-    /// A server whose layer caches grow in steps of `step` positions.
+    /// A prefix-trie server whose layer caches grow in steps of `step`
+    /// positions.
     pub fn with_step(model: &'m MlxGemma, budget_bytes: usize, step: usize) -> Result<Self> {
-        Self::with_layers(model, model.new_caches(step)?, budget_bytes)
+        Self::with_layers(model, Reuse::Trie, model.new_caches(step)?, budget_bytes)
     }
 }
