@@ -14,7 +14,7 @@ use std::path::Path;
 
 use kvcache_engine::store::StoreOptions;
 use kvcache_engine::{EngineError, Result};
-use kvcache_store::redis_server::RedisServer;
+use kvcache_testkit::redis_server::RedisServer;
 
 pub use crate::replica::ReplicaSetup;
 use crate::replica::TurnLine;
@@ -212,7 +212,8 @@ pub fn e4_replicas(
     let requests = requests.min(trace.requests.len());
     let dir = std::env::temp_dir().join(format!("kvcache-e4-redis-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| EngineError::io(&dir, e))?;
-    let redis = RedisServer::start(&dir, redis_bytes as u64)?;
+    let redis = RedisServer::start(&dir, redis_bytes as u64)
+        .map_err(|e| EngineError::io("a redis-server for E4", std::io::Error::other(e)))?;
     let with_redis = StoreOptions {
         dir: None,
         redis: Some(redis.url()),

@@ -14,8 +14,8 @@ use candle_core::Device;
 use kvcache_api::{DType, Fingerprint, KvLayout};
 use kvcache_engine::chat::{ChatServer, Reuse};
 use kvcache_engine::{Llama, LlamaConfig};
-use kvcache_store::redis_server::{self, RedisServer};
 use kvcache_store::{RedisConfig, RedisTier, StoreConfig, TieredStore};
+use kvcache_testkit::redis_server::{self, RedisServer};
 
 fn prompt(seed: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| (seed * 31 + i * 7) % 64).collect()

@@ -32,8 +32,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace, PrefixStore, Submitted};
-use kvcache_store::redis_server::RedisServer;
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
+use kvcache_testkit::redis_server::RedisServer;
 
 const TOKENS: usize = 1024;
 const CHUNK: usize = 8 << 20;

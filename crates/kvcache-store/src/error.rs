@@ -61,10 +61,6 @@ pub enum StoreError {
     #[error(transparent)]
     Cache(#[from] kvcache_api::CacheError),
 
-    /// A `redis-server` of one's own (`redis_server`) did not start.
-    #[error("redis-server: {0}")]
-    LocalServer(String),
-
     /// The background writer thread could not be started.
     #[error("cannot start the store's writer thread: {0}")]
     Spawn(#[source] std::io::Error),

@@ -126,7 +126,6 @@ mod known;
 mod lru;
 pub mod memory;
 pub mod namespace;
-pub mod redis_server;
 pub mod redis_tier;
 mod rows;
 pub mod states;

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvcache_api::{DType, Fingerprint, HostKv, KvLayout, Namespace};
-use kvcache_store::redis_server;
 use kvcache_store::{
     Block, BlockKey, MemoryTier, Result, StoreConfig, Tier, TierContext, TierCounters, TieredStore,
 };
+use kvcache_testkit::redis_server;
 
 /// Keys and values differ in head size, and elements are two bytes.
 pub fn layout() -> KvLayout {

@@ -8,7 +8,22 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::{Result, StoreError};
+/// Why a server of one's own did not start or answer.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalServerError {
+    /// `redis-server` could not be run.
+    #[error("cannot start redis-server: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// It exited, or did not answer, at start.
+    #[error("redis-server: {0}")]
+    Start(String),
+    /// It did not answer a connection.
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
+}
+
+/// What a server of one's own answers.
+pub type Result<T> = std::result::Result<T, LocalServerError>;
 
 /// Environment variable that makes a missing `redis-server` a failure instead
 /// of a skipped test (`cargo xtask test` sets it to `1`).
@@ -64,7 +79,7 @@ impl RedisServer {
         self.dir.join("redis.sock")
     }
 
-    /// The URL the `redis` crate and [`RedisConfig`](crate::RedisConfig) take.
+    /// The URL the `redis` crate and `kvcache_store::RedisConfig` take.
     pub fn url(&self) -> String {
         format!("redis+unix://{}", self.socket().display())
     }
@@ -105,8 +120,6 @@ impl RedisServer {
     }
 
     fn launch(&mut self) -> Result<()> {
-        let spawn_error =
-            |e: std::io::Error| StoreError::io("start redis-server", PathBuf::from("redis-server"), e);
         let child = Command::new("redis-server")
             .args(["--port", "0", "--unixsocket"])
             .arg(self.socket())
@@ -122,12 +135,12 @@ impl RedisServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(spawn_error)?;
+            .map_err(LocalServerError::Spawn)?;
         self.child = Some(child);
         for _ in 0..400 {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 self.child = None;
-                return Err(StoreError::LocalServer(format!("exited at start: {status}")));
+                return Err(LocalServerError::Start(format!("exited at start: {status}")));
             }
             if self.socket().exists() && self.connection().is_ok() {
                 return Ok(());
@@ -135,7 +148,7 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(25));
         }
         self.kill();
-        Err(StoreError::LocalServer("no answer to PING within 10 s".into()))
+        Err(LocalServerError::Start("no answer to PING within 10 s".into()))
     }
 }
 
