@@ -10,7 +10,7 @@ use kvcache_api::{
 };
 
 use crate::book::{Book, RemovePlan};
-use crate::inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
+use crate::inspect::{CachePicture, CellData, CellInfo, LayerData, PassPicture};
 use crate::mask_buffer::MaskBuffer;
 use crate::storage::Storage;
 
@@ -298,7 +298,7 @@ impl CausalKvCache {
 
     /// Everything observable about the cache (metadata, pass, mask, stored data),
     /// for comparing states. Copies every tensor to the host: meant for tests.
-    pub fn state(&self) -> Result<CacheState> {
+    pub fn state(&self) -> Result<CachePicture> {
         let cells = self.book.cells();
         let pass = match self.book.pass().mode() {
             None => None,
@@ -311,7 +311,7 @@ impl CausalKvCache {
                         .map_err(CacheError::backend)?,
                     None => Vec::new(),
                 };
-                Some(PassState {
+                Some(PassPicture {
                     mode,
                     cells: p.cells().iter().map(|&c| c as usize).collect(),
                     exempt: p
@@ -333,7 +333,7 @@ impl CausalKvCache {
                 Some(store) => Some(LayerData::read(&store.keys, &store.values)?),
             });
         }
-        Ok(CacheState {
+        Ok(CachePicture {
             config: self.book.config().clone(),
             cells: (0..cells.len()).map(|c| self.cell(c)).collect(),
             pass,

@@ -29,7 +29,7 @@ pub struct CellData {
 
 /// The forward pass in progress.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PassState {
+pub struct PassPicture {
     /// Compute or reserve.
     pub mode: ForwardMode,
     /// Cell of each token, in batch order (empty for reserve passes).
@@ -74,16 +74,16 @@ impl LayerData {
 
 /// Everything observable about a [`crate::CausalKvCache`]: configuration, every
 /// cell, the pass in progress with its mask, the selected layer and every stored
-/// tensor. Two states compare equal only if the caches are indistinguishable, which
+/// tensor. Two pictures compare equal only if the caches are indistinguishable, which
 /// is how tests prove that a rejected call changed nothing.
 #[derive(Clone, PartialEq)]
-pub struct CacheState {
+pub struct CachePicture {
     /// The configuration.
     pub config: CausalConfig,
     /// Each cell's position and sequences, `None` when free.
     pub cells: Vec<Option<CellInfo>>,
     /// The pass in progress.
-    pub pass: Option<PassState>,
+    pub pass: Option<PassPicture>,
     /// The selected layer.
     pub layer: usize,
     /// Stored tensors per layer (`None` for layers never written).
@@ -92,7 +92,7 @@ pub struct CacheState {
     pub(crate) exact: (Cells, Pass),
 }
 
-impl std::fmt::Debug for CacheState {
+impl std::fmt::Debug for CachePicture {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let used: Vec<(usize, &CellInfo)> = self
             .cells
@@ -100,7 +100,7 @@ impl std::fmt::Debug for CacheState {
             .enumerate()
             .filter_map(|(c, info)| info.as_ref().map(|i| (c, i)))
             .collect();
-        f.debug_struct("CacheState")
+        f.debug_struct("CachePicture")
             .field("config", &self.config)
             .field("used_cells", &used)
             .field("pass", &self.pass)

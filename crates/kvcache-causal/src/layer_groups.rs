@@ -12,7 +12,7 @@ use kvcache_api::{
 };
 
 use crate::cache::CausalKvCache;
-use crate::inspect::CacheState;
+use crate::inspect::CachePicture;
 
 /// Several [`CausalKvCache`]s behind one [`CausalCache`], routed by layer.
 ///
@@ -129,7 +129,7 @@ impl LayerGroupCache {
     }
 
     /// The state of every group.
-    pub fn state(&self) -> Result<Vec<CacheState>> {
+    pub fn state(&self) -> Result<Vec<CachePicture>> {
         self.groups.iter().map(CausalKvCache::state).collect()
     }
 

@@ -79,7 +79,7 @@ pub mod transfer;
 mod window;
 
 pub use cache::{key_shift, CausalKvCache, SharedKeyShift};
-pub use inspect::{CacheState, CellData, CellInfo, LayerData, PassState};
+pub use inspect::{CachePicture, CellData, CellInfo, LayerData, PassPicture};
 pub use kvcache_api::SeqState;
 pub use layer_groups::LayerGroupCache;
 pub use rope::{RopeLayout, RopeShift};
