@@ -239,9 +239,10 @@ pub(crate) fn grow_write(
 ///
 /// mlx's `copy` always shares the source buffer, and `contiguous` shares it
 /// when the slice is row-contiguous and the buffer at most 16 KiB larger;
-/// either would let a snapshot keep the live cache's buffer alive (seed 000's
-/// leak). The copy is made by `Concatenate`, which always allocates, on a wide
-/// integer view of the buffer (see [`Origin::Owned`]), and then checked: should
+/// either would let a snapshot keep the live cache's whole buffer alive (a
+/// leak the size of the cache per snapshot). The copy is made by
+/// `Concatenate`, which always allocates, on a wide integer view of the
+/// buffer (see [`Origin::Owned`]), and then checked: should
 /// an mlx version hand back a shared buffer anyway, the data is copied on the
 /// host instead. All copies are evaluated together: every evaluation hands the
 /// work to mlx's stream thread and waits for it, which on a loaded machine
