@@ -12,6 +12,10 @@
 //! Caches are `Send` and driven by one owner; [`Shared`] lets several threads
 //! take turns on one cache.
 //!
+//! Keys and values outlive a cache through a [`PrefixStore`]; whoever drives a
+//! cache (the prefix trie, the batching engine) talks to it through one
+//! [`StoreClient`]: restore before evaluating, one write-back rule after.
+//!
 //! This crate has no tensor dependency: tensors appear as associated types.
 //! Every fallible operation returns [`CacheError`]; bad input leaves the cache
 //! unchanged.
@@ -40,6 +44,7 @@ mod paged;
 pub mod paging;
 mod shared;
 mod snapshot;
+mod store_client;
 
 pub use batch::{Batch, Pos, SeqId};
 pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
@@ -53,3 +58,4 @@ pub use mixed::MixedLayer;
 pub use paged::{CellRun, PagedKv, RowRuns, StoredKv};
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};
+pub use store_client::{StoreClient, WriteBack};
