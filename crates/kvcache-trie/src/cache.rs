@@ -17,11 +17,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvcache_api::{
-    BoxedSnapshot, CacheError, HostKv, HostState, Namespace, PrefixStore, Result, SnapshotCache,
+    BoxedSnapshot, CacheError, HostKv, HostState, Namespace, PrefixStore, Result, SnapshotCache, StoreClient,
+    WriteBack,
 };
 
 use super::arena::{common_prefix, Arena, Cost, EvictKey, Node, NodeId, NONE, ROOT};
-use super::session::Session;
+use super::session::{Restored, Session};
 use super::stats::Stats;
 
 /// A compressed prefix trie of token sequences shared across conversations,
@@ -45,10 +46,12 @@ use super::stats::Stats;
 /// namespace has its own root, so prefixes are never shared across namespaces;
 /// switching to another namespace's path rewinds the live caches to 0.
 ///
-/// With a [`PrefixStore`] ([`set_store`](Self::set_store)), closing a session
-/// writes the prompt's keys and values the store lacks into it (write-through),
-/// and `begin` restores from the store the run of tokens past what the trie
-/// restored, before the engine evaluates the rest. Layers that cannot be cut
+/// With a [`PrefixStore`] ([`set_store`](Self::set_store), driven through a
+/// [`StoreClient`] as the batching engine's is), a session writes the prompt's
+/// keys and values the store lacks into it once the prompt is evaluated (at
+/// its first recorded token, or at close), and `begin` restores from the store
+/// the run of tokens past what the trie restored, before the engine evaluates
+/// the rest ([`Session::restored`] says what came from where). Layers that cannot be cut
 /// into token rows (rotating windows, recurrent states) write their whole
 /// state at the prompt's end instead, and are restored only from a state
 /// stored at exactly where the rows answer ends: across processes such models
@@ -76,14 +79,31 @@ pub struct PrefixCache<C> {
     /// The inverse of `roots`.
     pub(super) root_names: HashMap<NodeId, Namespace>,
     /// The store behind the trie, if any.
-    pub(super) store: Option<StoreLink>,
+    pub(super) store: Option<StoreClient>,
 }
 
-/// A [`PrefixStore`] and the deadline of its reads.
-#[derive(Clone)]
-pub(super) struct StoreLink {
-    pub store: Arc<dyn PrefixStore>,
-    pub deadline: Duration,
+/// What a restore from the store brought: the live caches' new offset, and
+/// what the store served for it.
+struct FromStore {
+    /// Prompt tokens the live caches hold now.
+    end: usize,
+    /// `(tier, tokens)` the store's tiers served, when the restore was taken.
+    tiers: Vec<(&'static str, usize)>,
+    /// Whole layer states loaded.
+    states: usize,
+}
+
+/// Why a write-back read no rows: a layer cannot cut its state into rows
+/// (nothing is written then), or reading failed.
+enum Unread {
+    Cannot,
+    Failed(CacheError),
+}
+
+impl From<CacheError> for Unread {
+    fn from(error: CacheError) -> Self {
+        Unread::Failed(error)
+    }
 }
 
 /// The result of walking the trie along a prompt.
@@ -180,7 +200,19 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
         };
         let from_trie = cached;
-        let cached = self.restore_from_store(namespace, prompt, cached);
+        let FromStore {
+            end: cached,
+            tiers,
+            states,
+        } = self.restore_from_store(namespace, prompt, cached);
+        // A restore whose refusal could not be undone leaves the caches at 0.
+        let kept = from_trie.min(cached);
+        let restored = Restored {
+            trie: kept,
+            store: cached - kept,
+            tiers,
+            states,
+        };
 
         // Where prefill must stop so that the trie can take snapshots the match
         // could not restore: ends of nodes that lack some layer's snapshot, and
@@ -218,7 +250,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             if cached > 0 { "hit" } else { "miss" }
         );
         self.enforce_budget();
-        Ok(Session::new(self, namespace, prompt, cached, pending))
+        Ok(Session::new(self, namespace, prompt, restored, pending))
     }
 
     /// Tokens of `tokens` the trie holds as a path from the shared namespace's
@@ -251,18 +283,23 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 got: layers.to_string(),
             });
         }
-        self.store = Some(StoreLink { store, deadline });
+        self.store = Some(StoreClient::new(store, deadline));
         Ok(())
     }
 
     /// Takes the store away (the trie keeps working in memory only).
     pub fn remove_store(&mut self) -> Option<Arc<dyn PrefixStore>> {
-        self.store.take().map(|link| link.store)
+        self.store.take().map(StoreClient::into_store)
     }
 
     /// The store behind the trie, if any.
     pub fn store(&self) -> Option<&Arc<dyn PrefixStore>> {
-        self.store.as_ref().map(|link| &link.store)
+        self.store.as_ref().map(StoreClient::store)
+    }
+
+    /// The client the trie reads and writes the store through, if it has one.
+    pub fn store_client(&self) -> Option<&StoreClient> {
+        self.store.as_ref()
     }
 
     /// Counters and current state.
@@ -442,66 +479,58 @@ impl<C: SnapshotCache> PrefixCache<C> {
 
     /// Restores from the store the run of `prompt` past `cached` (never its
     /// last token) into every layer, extending the active path with it, and
-    /// returns how many prompt tokens the live caches now hold.
+    /// says how many prompt tokens the live caches now hold and what the store
+    /// served for them.
     ///
-    /// The rows answer ends at some `end`. Every layer appends the rows
-    /// `[cached, end)`; a layer that refuses rows (it cannot cut its state)
-    /// loads instead the whole state stored for exactly `prompt[..end]`
-    /// (written at a prompt end by [`write_through`](Self::write_through);
-    /// asked of the store once, at the first such layer). With none there, the
-    /// restore is refused.
+    /// The rows answer ([`StoreClient::restore`]) ends at some `end`. Every
+    /// layer appends the rows `[cached, end)`; a layer that refuses rows (it
+    /// cannot cut its state) loads instead the whole state stored for exactly
+    /// `prompt[..end]` (written at a prompt end by
+    /// [`write_through`](Self::write_through); asked of the store once, at the
+    /// first such layer). With none there, the restore is refused.
     ///
-    /// Nothing changes when there is no store, it answers `None` or nothing
-    /// past `cached`, or what it answers does not fit. When some layer refuses
+    /// Nothing changes when there is no store, it answers nothing past
+    /// `cached`, or what it answers does not fit. When some layer refuses
     /// the rows or the state (or fails), every layer is taken back to
     /// `cached` (row layers rewound, state layers given back the state they
     /// had); should that fail too, they are freed and the request starts from
     /// the root.
-    fn restore_from_store(&mut self, namespace: &Namespace, prompt: &[u32], cached: usize) -> usize {
-        let Some(link) = self.store.clone() else {
-            return cached;
+    fn restore_from_store(&mut self, namespace: &Namespace, prompt: &[u32], cached: usize) -> FromStore {
+        let nothing = |end| FromStore {
+            end,
+            tiers: Vec::new(),
+            states: 0,
         };
-        let want = prompt.len() - 1;
-        if cached >= want {
-            return cached;
-        }
-        let Some(fetched) = link
-            .store
-            .fetch(namespace, &prompt[..want], cached, link.deadline)
-        else {
-            return cached;
+        let Some(client) = self.store.clone() else {
+            return nothing(cached);
+        };
+        let fetched = match client.restore(namespace, prompt, cached) {
+            Ok(Some(fetched)) => fetched,
+            Ok(None) => return nothing(cached),
+            Err(error) => {
+                tracing::warn!(%error, cached, "prefix cache: ignoring a store answer that does not fit");
+                return nothing(cached);
+            }
         };
         let kv = fetched.kv;
-        let end = kv.end().min(want);
-        if kv.layout().layers != self.caches.len() || kv.start() > cached || end <= cached {
-            if end > cached {
-                tracing::warn!(
-                    range = ?kv.range(),
-                    layers = kv.layout().layers,
-                    cached,
-                    "prefix cache: ignoring a store answer that does not fit"
-                );
-            }
-            return cached;
-        }
-        // Rows of the answer from `cached` to `end` (it may start earlier or
-        // run past the prompt's last token). A layer that refuses rows loads
-        // the whole state stored at exactly `end`, if there is one: the states
-        // are fetched at the first such layer, so a model of row layers only
-        // never asks for them.
-        let rows = cached - kv.start()..end - kv.start();
+        let end = kv.end();
+        // Rows of the answer, `[cached, end)`. A layer that refuses rows
+        // loads the whole state stored at exactly `end`, if there is one: the
+        // states are fetched at the first such layer, so a model of row layers
+        // only never asks for them.
+        let rows = 0..kv.tokens();
         let layers = self.caches.len();
         let mut states: Option<Vec<Option<HostState>>> = None;
         // What the state layers held, to give back on a refusal (a state
         // cannot be rewound); nothing to keep at offset 0.
         let mut before: Vec<Option<HostState>> = vec![None; layers];
-        let mut loaded = 0u64;
+        let mut loaded = 0;
         let mut taken = true;
         for i in 0..layers {
             let mut outcome = self.caches[i].append_rows(kv.layer(i), rows.clone());
             if matches!(outcome, Ok(false)) {
                 let found =
-                    states.get_or_insert_with(|| Self::states_at(&link, namespace, &prompt[..end], layers));
+                    states.get_or_insert_with(|| Self::states_at(&client, namespace, &prompt[..end], layers));
                 if let Some(state) = found[i].take() {
                     outcome = if cached == 0 {
                         self.caches[i].load_state(&state)
@@ -559,66 +588,65 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 let _ = self.fail(CacheError::InvalidState(format!(
                     "could not rewind the layers to {cached} after a refused store restore"
                 )));
-                return 0;
+                return nothing(0);
             }
-            return cached;
+            return nothing(cached);
         }
         self.advance(&prompt[cached..end], false);
-        let restored = (end - cached) as u64;
         self.counters.store_hits += 1;
-        self.counters.store_tokens += restored;
-        self.counters.store_states_loaded += loaded;
-        for (tier, tokens) in fetched.tiers {
+        self.counters.store_tokens += (end - cached) as u64;
+        self.counters.store_states_loaded += loaded as u64;
+        for &(tier, tokens) in &fetched.tiers {
             *self.counters.store_tier_tokens.entry(tier).or_default() += tokens as u64;
         }
-        end
+        FromStore {
+            end,
+            tiers: fetched.tiers,
+            states: loaded,
+        }
     }
 
     /// The whole states the store holds for exactly `prefix`, by layer (of
-    /// `layers`); none where it holds none or answers states that do not
-    /// stand at `prefix.len()`.
+    /// `layers`); none where it holds none or answers states that do not fit.
     fn states_at(
-        link: &StoreLink,
+        client: &StoreClient,
         namespace: &Namespace,
         prefix: &[u32],
         layers: usize,
     ) -> Vec<Option<HostState>> {
         let mut out = vec![None; layers];
-        let Some(found) = link.store.fetch_states(namespace, prefix, link.deadline) else {
-            return out;
-        };
-        if found
-            .iter()
-            .any(|(layer, state)| *layer >= layers || state.offset != prefix.len())
-        {
-            tracing::warn!(
-                end = prefix.len(),
-                "prefix cache: ignoring stored states that do not fit"
-            );
-            return out;
-        }
-        for (layer, state) in found {
-            out[layer] = Some(state);
+        match client.fetch_states(namespace, prefix) {
+            Ok(Some(found)) => {
+                for (layer, state) in found {
+                    out[layer] = Some(state);
+                }
+            }
+            Ok(None) => {}
+            Err(error) => {
+                tracing::warn!(%error, end = prefix.len(), "prefix cache: ignoring stored states");
+            }
         }
         out
     }
 
     /// Writes `prompt` (the prompt tokens the live caches hold, from offset 0)
     /// through to the store: the rows the store lacks of the layers that cut
-    /// their state into rows, and the whole state at `prompt.len()` of the
-    /// layers that cannot ([`read_state`](SnapshotCache::read_state): rotating
-    /// windows, recurrent states), keyed by the prompt. Nothing is written when
-    /// there is no store or some layer can do neither (a state layer must
-    /// stand at exactly `prompt.len()`).
+    /// their state into rows ([`StoreClient::write_back`]: from what the store
+    /// holds, block-aligned, to the prompt's end), and the whole state at
+    /// `prompt.len()` of the layers that cannot
+    /// ([`read_state`](SnapshotCache::read_state): rotating windows, recurrent
+    /// states), keyed by the prompt. Nothing is written when there is no store
+    /// or some layer can do neither (a state layer must stand at exactly
+    /// `prompt.len()`).
     pub(super) fn write_through(&mut self, namespace: &Namespace, prompt: &[u32]) {
-        let Some(link) = self.store.clone() else {
+        let Some(client) = self.store.clone() else {
             return;
         };
         let held = prompt.len();
         if held == 0 || self.caches.iter().any(|c| c.offset() < held) {
             return;
         }
-        let layout = *link.store.layout();
+        let layout = *client.layout();
         if layout.layers != self.caches.len() {
             return;
         }
@@ -634,44 +662,40 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 }
             }
         }
-        let block = link.store.block_tokens().max(1);
-        let mut from = link.store.known_prefix(namespace, prompt).min(held);
-        let mut rows = None;
-        if from < held {
-            from -= from % block;
-            let mut kv = HostKv::zeroed(layout, from, held - from);
-            let mut next = states.iter().map(|(i, _)| *i).peekable();
-            for (i, cache) in self.caches.iter().enumerate() {
-                if next.peek() == Some(&i) {
-                    // A state layer: its rows stay zero, the state stands for them.
-                    next.next();
+        let caches = &self.caches;
+        let state_layers: Vec<usize> = states.iter().map(|(i, _)| *i).collect();
+        let wrote = client.write_back(namespace, prompt, |range| {
+            let mut kv = HostKv::zeroed(layout, range.start, range.len());
+            for (i, cache) in caches.iter().enumerate() {
+                // A state layer: its rows stay zero, the state stands for them.
+                if state_layers.contains(&i) {
                     continue;
                 }
-                match cache.read_rows(from..held, kv.layer_mut(i)) {
-                    Ok(true) => {}
-                    Ok(false) => return,
-                    Err(error) => {
-                        tracing::warn!(%error, layer = i, "prefix cache: reading rows for the store failed");
-                        return;
-                    }
+                if !cache.read_rows(range.clone(), kv.layer_mut(i))? {
+                    return Err(Unread::Cannot);
                 }
             }
-            rows = Some(kv);
-        }
-        if let Some(kv) = rows {
-            if link.store.submit(namespace, prompt, kv).is_queued() {
+            Ok(kv)
+        });
+        match wrote {
+            Ok(WriteBack::Held) => {}
+            Ok(WriteBack::Sent { range, outcome }) if outcome.is_queued() => {
                 self.counters.store_writes += 1;
-                self.counters.store_tokens_written += (held - from) as u64;
-            } else {
-                self.counters.store_writes_refused += 1;
+                self.counters.store_tokens_written += range.len() as u64;
+            }
+            Ok(WriteBack::Sent { .. }) => self.counters.store_writes_refused += 1,
+            Err(Unread::Cannot) => return,
+            Err(Unread::Failed(error)) => {
+                tracing::warn!(%error, "prefix cache: reading rows for the store failed");
+                return;
             }
         }
         if !states.is_empty() {
             let count = states.len() as u64;
-            if link.store.submit_states(namespace, prompt, states).is_queued() {
-                self.counters.store_states_written += count;
-            } else {
-                self.counters.store_writes_refused += 1;
+            match client.submit_states(namespace, prompt, states) {
+                Ok(outcome) if outcome.is_queued() => self.counters.store_states_written += count,
+                Ok(_) => self.counters.store_writes_refused += 1,
+                Err(error) => tracing::warn!(%error, "prefix cache: states not written to the store"),
             }
         }
     }

@@ -102,18 +102,26 @@
 //! With a [`PrefixStore`](kvcache_api::PrefixStore) set
 //! ([`PrefixCache::set_store`]), prefixes outlive the process:
 //!
-//! - **Write-through at close.** The live caches hold the whole path when a
-//!   session closes, so the trie then copies the prompt tokens they hold that
-//!   the store does not (`known_prefix`, block-aligned) into a
+//! The trie talks to the store through a
+//! [`StoreClient`](kvcache_api::StoreClient), the same client the batching
+//! engine uses, so both follow one restore rule and one write-back rule:
+//!
+//! - **Write-back once the prompt is evaluated.** At the session's first
+//!   recorded token (or at close, when none was recorded) the live caches
+//!   hold exactly the prompt: the trie copies the prompt tokens the store does
+//!   not hold (`known_prefix`, aligned down to the store's block) into a
 //!   [`HostKv`](kvcache_api::HostKv) with each layer's `read_rows` and submits
-//!   it. Generated tokens are not written. Evictions therefore drop only what
-//!   the store already has (or never could).
+//!   it ([`StoreClient::write_back`](kvcache_api::StoreClient::write_back)),
+//!   once. Generated tokens are not written. Evictions therefore drop only
+//!   what the store already has (or never could).
 //! - **Restore on miss.** After the in-memory match, `begin` fetches the run
 //!   of the prompt (never its last token) past what the trie restored, within
 //!   the store's deadline, and appends it to every layer with `append_rows`;
 //!   the restored tokens extend the active path as a node only the live
 //!   caches back, as after prefill. If any layer refuses or fails, every layer
-//!   is rewound and the tokens are evaluated instead.
+//!   is rewound and the tokens are evaluated instead. The session says what
+//!   its restore brought, from the trie and from each tier of the store
+//!   ([`Session::restored`]).
 //! - Layers that cannot be cut into token rows (rotating windows, recurrent
 //!   states: `read_rows` answers `false`) give their whole state instead
 //!   (`read_state`): the trie submits it with `submit_states`, keyed by the
@@ -186,5 +194,5 @@ mod stats;
 
 pub use cache::PrefixCache;
 pub use check::TrieViolation;
-pub use session::Session;
+pub use session::{Restored, Session};
 pub use stats::Stats;

@@ -4,6 +4,31 @@ use kvcache_api::{CacheError, Namespace, Result, SnapshotCache};
 
 use super::cache::PrefixCache;
 
+/// What a session's `begin` restored instead of leaving it to evaluate, and
+/// from where ([`Session::restored`]): per request, where [`Stats`](crate::Stats)
+/// sums over every request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// Prompt tokens the trie gave back: kept in the live caches or paged in
+    /// from its snapshots.
+    pub trie: usize,
+    /// Prompt tokens restored from the store, past those.
+    pub store: usize,
+    /// `(tier, tokens)` for each tier of the store that served blocks of
+    /// them, as the store reported it ([`Fetched::tiers`](kvcache_api::Fetched)).
+    pub tiers: Vec<(&'static str, usize)>,
+    /// Whole layer states loaded from the store (one per layer that cannot
+    /// cut its state into rows).
+    pub states: usize,
+}
+
+impl Restored {
+    /// Prompt tokens restored in all: [`Session::cached`].
+    pub fn total(&self) -> usize {
+        self.trie + self.store
+    }
+}
+
 /// One request on a [`PrefixCache`]: the prompt, the tokens it generates, and
 /// the live caches the model runs on.
 ///
@@ -23,6 +48,8 @@ pub struct Session<'a, C: SnapshotCache> {
     tokens: Vec<u32>,
     prompt_len: usize,
     cached: usize,
+    /// What `begin` restored, and from where.
+    restored: Restored,
     /// Offsets, ascending, where prefill must stop for a snapshot.
     pending: Vec<usize>,
     closed: bool,
@@ -35,7 +62,7 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
         cache: &'a mut PrefixCache<C>,
         namespace: &Namespace,
         prompt: &[u32],
-        cached: usize,
+        restored: Restored,
         pending: Vec<usize>,
     ) -> Self {
         Session {
@@ -43,7 +70,8 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
             namespace: namespace.clone(),
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
-            cached,
+            cached: restored.total(),
+            restored,
             pending,
             closed: false,
             stored: false,
@@ -63,6 +91,12 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
     /// Prompt tokens restored when the session began (from the trie, then the store).
     pub fn cached(&self) -> usize {
         self.cached
+    }
+
+    /// What the session's `begin` restored: tokens from the trie, tokens
+    /// from the store and what each of its tiers served, states loaded.
+    pub fn restored(&self) -> &Restored {
+        &self.restored
     }
 
     /// Prompt tokens the cache did not restore: the engine evaluates these.
@@ -356,6 +390,7 @@ impl<C: SnapshotCache> std::fmt::Debug for Session<'_, C> {
             .field("namespace", &self.namespace)
             .field("prompt_len", &self.prompt_len)
             .field("cached", &self.cached)
+            .field("restored", &self.restored)
             .field("generated", &self.generated().len())
             .field("pending", &self.pending)
             .field("closed", &self.closed)

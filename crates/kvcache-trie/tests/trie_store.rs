@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kvcache_api::{CacheError, DType, KvLayout, Namespace, PrefixStore};
 use kvcache_trie::fake::{feed_all, Counters, FakeKv, MemStore};
-use kvcache_trie::PrefixCache;
+use kvcache_trie::{PrefixCache, Restored};
 use trie_support::{assert_holds, cache, request, request_full, request_in, request_with, Layer, Options};
 
 const NO_LIMIT: usize = usize::MAX;
@@ -600,4 +600,158 @@ fn only_models_with_layers_that_refuse_rows_ask_for_states() {
         10
     );
     assert_eq!(mixed_store.state_fetches(), 1, "asked once, for both layers");
+}
+
+// ---- what a session reports of its restore ----
+
+/// A [`MemStore`] whose answers come from two tiers: the rows of the first
+/// block an answer touches from "memory", the rest from "disk". It keeps the
+/// tiers of every answer it gave.
+struct TwoTiers {
+    inner: Arc<MemStore>,
+    served: std::sync::Mutex<Vec<Vec<(&'static str, usize)>>>,
+}
+
+impl PrefixStore for TwoTiers {
+    fn fingerprint(&self) -> kvcache_api::Fingerprint {
+        self.inner.fingerprint()
+    }
+    fn layout(&self) -> &KvLayout {
+        self.inner.layout()
+    }
+    fn block_tokens(&self) -> usize {
+        self.inner.block_tokens()
+    }
+    fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
+        self.inner.known_prefix(namespace, tokens)
+    }
+    fn fetch(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        from: usize,
+        deadline: Duration,
+    ) -> Option<kvcache_api::Fetched> {
+        let mut found = self.inner.fetch(namespace, tokens, from, deadline)?;
+        let block = self.block_tokens();
+        let memory = found.kv.tokens().min(block - from % block);
+        found.tiers = [("memory", memory), ("disk", found.kv.tokens() - memory)]
+            .into_iter()
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        self.served.lock().unwrap().push(found.tiers.clone());
+        Some(found)
+    }
+    fn submit(&self, namespace: &Namespace, tokens: &[u32], kv: kvcache_api::HostKv) -> Submitted {
+        self.inner.submit(namespace, tokens, kv)
+    }
+    fn submit_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        states: Vec<(usize, kvcache_api::HostState)>,
+    ) -> Submitted {
+        self.inner.submit_states(namespace, tokens, states)
+    }
+    fn fetch_states(
+        &self,
+        namespace: &Namespace,
+        tokens: &[u32],
+        deadline: Duration,
+    ) -> Option<Vec<(usize, kvcache_api::HostState)>> {
+        self.inner.fetch_states(namespace, tokens, deadline)
+    }
+}
+
+/// Begins `prompt`, returns what the session says it restored, evaluates the
+/// rest and closes.
+fn restored_by(c: &mut PrefixCache<Layer>, prompt: &[u32]) -> Restored {
+    let mut session = c.begin(prompt).unwrap();
+    let restored = session.restored().clone();
+    assert_eq!(restored.total(), session.cached());
+    session
+        .prefill(|tokens, caches| {
+            feed_all(caches, tokens);
+            Ok::<(), CacheError>(())
+        })
+        .unwrap();
+    session.record(99);
+    session.close().unwrap();
+    c.check();
+    restored
+}
+
+#[test]
+fn a_session_reports_what_the_trie_and_each_store_tier_restored() {
+    let inner = store(2, 4);
+    let tiers = Arc::new(TwoTiers {
+        inner: inner.clone(),
+        served: Default::default(),
+    });
+    let long = range(1, 14);
+    {
+        let (mut writer, n) = cache_with("kk", NO_LIMIT, &inner);
+        request(&mut writer, &n, &long, &[]);
+    }
+    let (mut c, _) = cache("kk", NO_LIMIT);
+    c.set_store(tiers.clone(), DEADLINE).unwrap();
+
+    // Nothing anywhere: nothing restored.
+    inner.set_offline(true);
+    assert_eq!(restored_by(&mut c, &[1, 2, 3, 4, 5, 6, 77]), Restored::default());
+    inner.set_offline(false);
+
+    // 6 tokens from the trie, then [6, 14) from the store: [6, 8) from the
+    // memory tier (the rest of the block holding 6), [8, 14) from disk.
+    let got = restored_by(&mut c, &[&long[..], &[70]].concat());
+    let served = tiers.served.lock().unwrap().clone();
+    assert_eq!(served, vec![vec![("memory", 2), ("disk", 6)]]);
+    assert_eq!(
+        got,
+        Restored {
+            trie: 6,
+            store: 8,
+            tiers: served[0].clone(),
+            states: 0,
+        }
+    );
+    let s = c.stats();
+    assert_eq!((s.store_tokens, s.reused_tokens), (8, 6 + 8));
+    assert_eq!(
+        s.store_tier_tokens.into_iter().collect::<Vec<_>>(),
+        vec![("disk", 6), ("memory", 2)]
+    );
+
+    // From the trie only: the store is not asked for what the trie holds.
+    let got = restored_by(&mut c, &[&long[..], &[70, 71]].concat());
+    assert_eq!((got.trie, got.store, got.tiers), (15, 0, vec![]));
+    assert_eq!(tiers.served.lock().unwrap().len(), 1);
+
+    // A refused restore (a recurrent layer finds no state where the rows end)
+    // reports nothing from the store, though the store answered rows.
+    let (mut mixed, _) = cache("kr", NO_LIMIT);
+    mixed.set_store(tiers.clone(), DEADLINE).unwrap();
+    assert_eq!(
+        restored_by(&mut mixed, &[&long[..12], &[80]].concat()),
+        Restored::default()
+    );
+    assert_eq!(tiers.served.lock().unwrap().len(), 2);
+    assert_eq!(mixed.stats().store_rejected, 1);
+}
+
+#[test]
+fn a_session_reports_the_states_it_loaded() {
+    let store = closed_mixed_conversation();
+    let (mut c, _) = cache_with("krw", NO_LIMIT, &store);
+    let got = restored_by(&mut c, &[&range(1, 10)[..], &[60]].concat());
+    assert_eq!(
+        got,
+        Restored {
+            trie: 0,
+            store: 10,
+            tiers: vec![("memory", 10)],
+            states: 2,
+        }
+    );
+    assert_eq!(c.stats().store_states_loaded, 2);
 }
