@@ -11,7 +11,6 @@
 //! `CandleKv`s for the Llama, window and global layers for Gemma, mlx-rs
 //! arrays for the mlx models).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -84,9 +83,9 @@ where
     }
     let t0 = Instant::now();
     let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
-    let before = trie.stats();
     let mut session = trie.begin_in(namespace, prompt)?;
     let matched = session.cached();
+    let restored = session.restored().clone();
     let evaluated = session.remaining().len();
     let mut last = None;
     session.prefill(|tokens, caches| -> Result<()> {
@@ -109,29 +108,16 @@ where
         session.record(token);
     }
     session.close()?;
-    let after = trie.stats();
     Ok(TurnOutcome {
         prompt_tokens: prompt.len(),
         matched,
-        restored: (after.store_tokens - before.store_tokens) as usize,
-        tiers: tier_difference(&before.store_tier_tokens, &after.store_tier_tokens),
+        restored: restored.store,
+        tiers: restored.tiers,
         evaluated,
         time_to_first_token,
         total: t0.elapsed(),
         generated,
     })
-}
-
-/// Tokens each tier served between two readings of the trie's counters.
-fn tier_difference(
-    before: &BTreeMap<&'static str, u64>,
-    after: &BTreeMap<&'static str, u64>,
-) -> Vec<(&'static str, usize)> {
-    after
-        .iter()
-        .map(|(tier, n)| (*tier, (n - before.get(tier).copied().unwrap_or(0)) as usize))
-        .filter(|&(_, n)| n > 0)
-        .collect()
 }
 
 /// How requests reuse earlier work.
@@ -163,9 +149,11 @@ pub struct TurnOutcome {
     pub prompt_tokens: usize,
     /// Prompt tokens restored from earlier work.
     pub matched: usize,
-    /// Of `matched`, tokens restored from a prefix store.
+    /// Of `matched`, tokens restored from a prefix store (the session's
+    /// [`Restored::store`](kvcache_trie::Restored::store)).
     pub restored: usize,
-    /// `(tier, tokens)` for each store tier that served some.
+    /// `(tier, tokens)` for each store tier that served some, as the session
+    /// reported them ([`Restored::tiers`](kvcache_trie::Restored::tiers)).
     pub tiers: Vec<(&'static str, usize)>,
     /// Prompt tokens evaluated.
     pub evaluated: usize,

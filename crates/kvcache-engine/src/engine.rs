@@ -4,11 +4,12 @@
 //! drops half of its middle (a shifting removal, llama.cpp's context shift).
 //!
 //! With a [`PrefixStore`] ([`Engine::set_store`]) requests reuse prefixes across
-//! requests, processes and replicas: a joining request imports the longest
-//! stored prefix of its prompt into its sequence ([`CausalCache::import_seq`])
-//! and evaluates only the rest; once its prompt is evaluated, the part the store
-//! lacks is exported ([`CausalCache::export_seq`]) and written behind the
-//! engine's back.
+//! requests, processes and replicas, through the same [`StoreClient`] as the
+//! prefix trie: a joining request imports the longest stored prefix of its
+//! prompt into its sequence ([`CausalCache::import_seq`], as the store's
+//! model) and evaluates only the rest; once its prompt is evaluated and its
+//! first token chosen, the part the store lacks is exported
+//! ([`CausalCache::export_seq`]) and written behind the engine's back.
 //!
 //! With [`Engine::set_prefix_reuse`] the cache itself is the prefix
 //! cache, as in Ollama's input cache and llama.cpp's slots: a finished
@@ -25,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::{
-    CacheError, CausalCache, Namespace, Pos, PosRange, PrefixStore, SeqId, SeqState, Submitted,
+    CacheError, CausalCache, Namespace, Pos, PosRange, PrefixStore, SeqId, StoreClient, Submitted, WriteBack,
 };
 
 use crate::model::{BatchToken, Model};
@@ -276,8 +277,9 @@ pub struct Stats {
     pub restored_tokens: usize,
     /// Prompt tokens exported to the prefix store.
     pub stored_tokens: usize,
-    /// Store answers the cache refused to import (the request evaluated its
-    /// whole prompt instead).
+    /// Store answers that did not fit or the cache refused to import (the
+    /// request evaluated its whole prompt instead), and evaluated prompts
+    /// that could not be exported as the store's model (not stored).
     pub store_errors: usize,
     /// Evaluated prompts the store did not take (its writer queue full, or
     /// the input refused): not stored.
@@ -348,21 +350,6 @@ pub struct ReuseStats {
     pub cancelled: usize,
 }
 
-/// The store an engine reuses prefixes through and how long a read may take.
-struct StoreLink {
-    store: Arc<dyn PrefixStore>,
-    deadline: Duration,
-}
-
-impl std::fmt::Debug for StoreLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreLink")
-            .field("fingerprint", &self.store.fingerprint())
-            .field("deadline", &self.deadline)
-            .finish_non_exhaustive()
-    }
-}
-
 /// A continuous-batching engine over one causal cache with one slot per
 /// sequence id.
 ///
@@ -378,7 +365,7 @@ pub struct Engine<'m, C, M = Llama> {
     slots: Vec<Option<Slot>>,
     /// Per sequence id: the finished sequence kept there for reuse, if any.
     idle: Vec<Option<Idle>>,
-    store: Option<StoreLink>,
+    store: Option<StoreClient>,
     /// Store counters of the run in progress.
     restored_tokens: usize,
     stored_tokens: usize,
@@ -444,9 +431,15 @@ where
     /// Reuses prefixes through `store`, waiting at most `deadline` for a
     /// read. Its entries belong to the model of its
     /// [`fingerprint`](PrefixStore::fingerprint): the cache must carry the
-    /// same one, or every import is refused and counted.
+    /// same one, or every import and every export is refused and counted
+    /// ([`Stats::store_errors`]).
     pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, deadline: Duration) {
-        self.store = Some(StoreLink { store, deadline });
+        self.store = Some(StoreClient::new(store, deadline));
+    }
+
+    /// The client the engine reads and writes its store through, if it has one.
+    pub fn store_client(&self) -> Option<&StoreClient> {
+        self.store.as_ref()
     }
 
     /// Keeps finished sequences' cells (when `on`) and starts new requests from
@@ -613,17 +606,17 @@ where
     /// `seq`, leaving at least the last prompt token to evaluate. Returns the
     /// tokens imported; any failure imports nothing.
     fn restore(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32]) -> usize {
-        let Some(link) = &self.store else { return 0 };
-        let Some(found) = link
-            .store
-            .fetch(namespace, &prompt[..prompt.len() - 1], 0, link.deadline)
-        else {
-            return 0;
+        let Some(client) = &self.store else { return 0 };
+        let fetched = match client.restore(namespace, prompt, 0) {
+            Ok(Some(fetched)) => fetched,
+            Ok(None) => return 0,
+            Err(error) => {
+                tracing::warn!(%error, seq, "prefix store: answer refused, evaluating the whole prompt");
+                self.store_errors += 1;
+                return 0;
+            }
         };
-        let state = SeqState {
-            fingerprint: link.store.fingerprint(),
-            kv: found.kv,
-        };
+        let state = client.seq_state(fetched.kv);
         match self.cache.import_seq(seq, &state) {
             Ok(()) => {
                 self.restored_tokens += state.kv.tokens();
@@ -637,23 +630,31 @@ where
         }
     }
 
-    /// Writes the part of the evaluated `prompt` of `seq` that the store lacks.
+    /// Writes back the part of the evaluated `prompt` of `seq` that the store
+    /// lacks ([`StoreClient::write_back`]), exported as the store's model.
     fn store_prompt(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32]) {
-        let Some(link) = &self.store else { return };
-        let from = link.store.known_prefix(namespace, prompt);
-        if from >= prompt.len() {
-            return;
-        }
-        match self.cache.export_seq(seq, from as Pos..prompt.len() as Pos) {
-            Ok(state) => {
-                let tokens = state.kv.tokens();
-                match link.store.submit(namespace, prompt, state.kv) {
-                    Submitted::Queued => self.stored_tokens += tokens,
-                    refused => {
-                        tracing::debug!(?refused, seq, "prefix store: prompt not stored");
-                        self.store_refused += 1;
-                    }
-                }
+        let Some(client) = &self.store else { return };
+        let cache = &self.cache;
+        let wrote = client.write_back(namespace, prompt, |range| {
+            let state = cache.export_seq(seq, range.start as Pos..range.end as Pos)?;
+            if state.fingerprint != client.fingerprint() {
+                return Err(CacheError::LayoutMismatch {
+                    what: "model",
+                    expected: client.fingerprint().to_hex(),
+                    got: state.fingerprint.to_hex(),
+                });
+            }
+            Ok(state.kv)
+        });
+        match wrote {
+            Ok(WriteBack::Held) => {}
+            Ok(WriteBack::Sent {
+                range,
+                outcome: Submitted::Queued,
+            }) => self.stored_tokens += range.len(),
+            Ok(WriteBack::Sent { outcome, .. }) => {
+                tracing::debug!(?outcome, seq, "prefix store: prompt not stored");
+                self.store_refused += 1;
             }
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: export failed, prompt not stored");
@@ -935,19 +936,14 @@ where
                 });
                 continue;
             }
-            if slot.generated.is_empty() {
+            let first = slot.generated.is_empty();
+            if first {
                 on_event(&Event::Prefilled {
                     id: slot.req.id,
                     done: slot.cached,
                     total: slot.req.prompt.len(),
                 });
-                // The whole prompt is in the cache now: share it.
-                if self.store.is_some() {
-                    let (namespace, prompt) = (slot.req.namespace.clone(), slot.req.prompt.clone());
-                    self.store_prompt(seq, &namespace, &prompt);
-                }
             }
-            let slot = self.slots[seq].as_mut().expect("planned slots are live");
             let row = logits.next().expect("one row of logits per pick");
             let token = match slot.sampler.as_mut() {
                 Some(sampler) => {
@@ -967,6 +963,14 @@ where
                 id: slot.req.id,
                 token,
             });
+            if first && self.store.is_some() {
+                // The prompt is evaluated and its first token chosen: the
+                // cache holds exactly the prompt, share it (before the request
+                // may end and free its cells).
+                let (namespace, prompt) = (slot.req.namespace.clone(), slot.req.prompt.clone());
+                self.store_prompt(seq, &namespace, &prompt);
+            }
+            let slot = self.slots[seq].as_ref().expect("planned slots are live");
             let length = slot.generated.len() == slot.req.max_new_tokens;
             let reason = if self.config.stop_tokens.contains(&token) {
                 Some(FinishReason::StopToken)

@@ -235,6 +235,67 @@ fn engines_reuse_prefixes_through_a_store_by_export_and_import() {
     assert_eq!(done[0].generated, expect);
 }
 
+#[test]
+fn a_prompt_is_written_back_once_its_first_token_is_chosen() {
+    use kvcache_api::{DType, KvLayout, Namespace, PrefixStore};
+    use kvcache_store::{MemoryTier, StoreConfig, TieredStore};
+
+    let model = model();
+    let c = model.config();
+    let layout = KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32);
+    let config = StoreConfig::new(MODEL, layout).with_block_tokens(4);
+    let memory = MemoryTier::new(config.context(), 1 << 24);
+    let store = std::sync::Arc::new(TieredStore::new(config, vec![Box::new(memory)]).unwrap());
+
+    // A request that ends at its first token (its cells freed then): the
+    // prompt is written after the token is chosen, before the cells go.
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 3 + 2) % 64).collect();
+    let mut cache = cache(&model, CausalConfig::new(2, 64, 16));
+    cache.set_fingerprint(MODEL);
+    let config = EngineConfig {
+        max_batch: 16,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(&model, cache, config).unwrap();
+    engine.set_store(store.clone(), std::time::Duration::from_secs(5));
+    assert_eq!(engine.store_client().unwrap().fingerprint(), MODEL);
+    engine.submit(Request::new(0, prompt.clone(), 1)).unwrap();
+    let mut submitted_at_token = None;
+    let stats = engine
+        .run(&mut |e| {
+            if let Event::Token { .. } = e {
+                submitted_at_token.get_or_insert(store.stats().submitted);
+            }
+        })
+        .unwrap();
+    store.flush();
+    assert_eq!(
+        submitted_at_token,
+        Some(0),
+        "nothing written before the first token"
+    );
+    assert_eq!(
+        (stats.stored_tokens, stats.store_refused, stats.store_errors),
+        (11, 0, 0)
+    );
+    assert_eq!(store.stats().submitted, 1);
+    assert_eq!(store.known_prefix(&Namespace::shared(), &prompt), 11);
+
+    // A cache of another model: its keys and values are not written under the
+    // store's model; the refusal is counted.
+    let other: Vec<u32> = (0..9).map(|i| (i * 5 + 1) % 64).collect();
+    let (done, stats) = run_with_store(
+        &model,
+        &store,
+        kvcache_api::Fingerprint([8; 32]),
+        &[Request::new(0, other.clone(), 2)],
+    );
+    assert_eq!(done.len(), 1);
+    assert_eq!((stats.stored_tokens, stats.store_errors), (0, 1));
+    assert_eq!(store.stats().submitted, 1);
+    assert_eq!(store.known_prefix(&Namespace::shared(), &other), 0);
+}
+
 /// Steps `engine` until it is idle; returns the finished requests in order.
 fn drain(engine: &mut Engine<'_, CausalKvCache>) -> Vec<kvcache_engine::engine::Finished> {
     let mut stats = kvcache_engine::engine::Stats::default();
