@@ -18,14 +18,16 @@
 //! target/release/examples/e5s_serving --server-bin target/release/kvcache-server --gemma $KVCACHE_GEMMA
 //! ```
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "common/server.rs"]
+mod server;
 
 use clap::Parser;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use server::Server;
 
 /// Replays the E5 trace against kvcache-server serving Gemma 3 (E5s).
 #[derive(Debug, Parser)]
@@ -86,47 +88,6 @@ struct Outcome {
     cached_tokens: usize,
     completion_tokens: usize,
     ttft: Duration,
-}
-
-/// A server this client started; killed (by its pid) when dropped.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Server {
-    fn start(bin: &PathBuf, gemma: &PathBuf, extra: &[String]) -> Result<Self, Box<dyn std::error::Error>> {
-        let mut child = Command::new(bin)
-            .args(["--host", "127.0.0.1", "--port", "0", "--model"])
-            .arg(gemma)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .env("RUST_LOG", "warn")
-            .spawn()?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let url = loop {
-            let Some(line) = lines.next() else {
-                let _ = child.kill();
-                return Err("the server exited before listening".into());
-            };
-            let line = line?;
-            if let Some(url) = line.split("listening on ").nth(1) {
-                break url.trim().to_string();
-            }
-        };
-        // Keep draining its stdout so that it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Ok(Server { child, url })
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The chat messages of turn `turn` (from 1) of conversation `conv`.
@@ -248,7 +209,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let full_per_position = config.n_layers * config.n_kv_heads * config.head_dim * 2 * 4;
 
     let started = Instant::now();
-    let server = Server::start(&args.server_bin, &gemma, &args.server_args)?;
+    let mut server_args = vec![
+        std::ffi::OsString::from("--model"),
+        gemma.clone().into_os_string(),
+    ];
+    server_args.extend(args.server_args.iter().map(Into::into));
+    let server = Server::start(&args.server_bin, &server_args, &[("RUST_LOG", "warn")])?;
     println!(
         "E5s: server up in {:.1} s at {}",
         started.elapsed().as_secs_f64(),

@@ -18,14 +18,16 @@
 //! target/release/examples/e6_e7_serving --server-bin target/release/kvcache-server --mode both
 //! ```
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "common/server.rs"]
+mod server;
 
 use clap::{Parser, ValueEnum};
 use kvcache_bench::trace::{Request, Trace};
 use serde_json::{json, Value};
+use server::Server;
 
 /// Replays the E1 trace against kvcache-server (E6 sequential, E7 concurrent).
 #[derive(Debug, Parser)]
@@ -162,45 +164,6 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
     v[rank - 1]
-}
-
-/// A server this client started; killed (by its pid) when dropped.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Server {
-    fn start(bin: &PathBuf, extra: &[String]) -> Result<Self, Box<dyn std::error::Error>> {
-        let mut child = Command::new(bin)
-            .args(["--host", "127.0.0.1", "--port", "0"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let url = loop {
-            let Some(line) = lines.next() else {
-                let _ = child.kill();
-                return Err("the server exited before listening".into());
-            };
-            let line = line?;
-            if let Some(url) = line.split("listening on ").nth(1) {
-                break url.trim().to_string();
-            }
-        };
-        // Keep draining its stdout so that it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Ok(Server { child, url })
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Sends one streamed completion and reads it to `[DONE]`.
@@ -381,7 +344,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut reports = Vec::new();
     for &mode in modes {
         let server = match &args.server_bin {
-            Some(bin) => Some(Server::start(bin, &args.server_args).map_err(|e| e.to_string())?),
+            Some(bin) => Some(Server::start(bin, &args.server_args, &[]).map_err(|e| e.to_string())?),
             None => None,
         };
         let url = match (&server, &args.url) {

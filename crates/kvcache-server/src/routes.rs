@@ -2,7 +2,7 @@
 //! `/health` and `/metrics`.
 
 use std::convert::Infallible;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -85,17 +85,19 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    use futures_util::StreamExt;
+    let mut stream = body.into_data_stream();
     if declared.is_some_and(|n| n > limit as u64) {
+        linger(&mut stream, limit).await;
         return ApiError::too_large(limit).into_response();
     }
     let read = async {
-        use futures_util::StreamExt;
-        let mut stream = body.into_data_stream();
         let mut bytes = Vec::new();
         while let Some(chunk) = stream.next().await {
             let chunk =
                 chunk.map_err(|e| ApiError::invalid(None, format!("Could not read the body: {e}")))?;
             if bytes.len() + chunk.len() > limit {
+                linger(&mut stream, limit).await;
                 return Err(ApiError::too_large(limit));
             }
             bytes.extend_from_slice(&chunk);
@@ -108,6 +110,24 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         Err(_) => return ApiError::body_timeout(state.config.body_timeout).into_response(),
     };
     next.run(Request::from_parts(parts, Body::from(bytes))).await
+}
+
+/// Reads and drops what is left of a body refused as too large, up to four
+/// times the limit and for at most a second, so that a client still writing
+/// it reads the 413 rather than a broken connection (a lingering close, as
+/// web servers do); a larger or slower body gets the answer regardless.
+async fn linger(stream: &mut axum::body::BodyDataStream, limit: usize) {
+    use futures_util::StreamExt;
+    let drain = async {
+        let mut dropped = 0usize;
+        while let Some(Ok(chunk)) = stream.next().await {
+            dropped += chunk.len();
+            if dropped > 4 * limit {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
