@@ -33,6 +33,7 @@
 #![deny(missing_docs)]
 
 mod batch;
+pub mod block_key;
 mod causal;
 mod config;
 #[cfg(feature = "contract-tests")]

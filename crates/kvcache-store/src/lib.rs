@@ -139,7 +139,7 @@ pub use disk::DiskTier;
 pub use error::{Result, StoreError};
 pub use keys::{BlockKey, KeyChain};
 pub use memory::MemoryTier;
-pub use namespace::Scope;
+pub use namespace::{redis_prefix, Scope};
 pub use redis_tier::{RedisConfig, RedisTier};
 pub use stats::{StoreStats, TierCounters, TierStats};
 pub use store::{StoreConfig, Submitted, TieredStore};

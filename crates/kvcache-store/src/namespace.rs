@@ -16,63 +16,24 @@
 //! the key format's version 2 the prefix was `kvc:{fp16}:{namespace}:`, and
 //! salt `x`'s prefix covered salt `x:m`'s keys. Stored blocks are a cache:
 //! those under the old prefix are no longer read and age out through Redis's
-//! LRU or TTL.) [`Namespace`] admits no glob character (`*?[]\`), so the
+//! LRU or TTL.) [`Namespace`](kvcache_api::Namespace) admits no glob character (`*?[]\`), so the
 //! prefix can be used in a pattern as is.
 
-use kvcache_api::{Fingerprint, Namespace};
-use sha2::Digest;
-
-/// The partition a block lives in: which model produced it and which tenant
-/// may read it back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Scope<'a> {
-    /// The model's fingerprint.
-    pub fingerprint: &'a Fingerprint,
-    /// The tenant's namespace.
-    pub namespace: &'a Namespace,
-}
-
-/// Tag of the shared namespace in key hashes.
-const SHARED: u8 = 0;
-/// Tag of a salted namespace in key hashes.
-const SALTED: u8 = 1;
-
-impl<'a> Scope<'a> {
-    /// The scope of `namespace` under the model `fingerprint`.
-    pub fn new(fingerprint: &'a Fingerprint, namespace: &'a Namespace) -> Self {
-        Scope {
-            fingerprint,
-            namespace,
-        }
-    }
-
-    /// Feeds the fingerprint and the tagged, length-prefixed namespace to `hasher`.
-    pub(crate) fn hash_into(&self, hasher: &mut sha2::Sha256) {
-        hasher.update(self.fingerprint.0);
-        let ns = self.namespace.as_str().as_bytes();
-        hasher.update([if self.namespace.is_shared() {
-            SHARED
-        } else {
-            SALTED
-        }]);
-        hasher.update((ns.len() as u32).to_le_bytes());
-        hasher.update(ns);
-    }
-
-    /// The prefix of every Redis key of this scope: `kvc2:{first 16 hex digits
-    /// of the fingerprint}:{namespace's length in bytes}:{namespace}:`; no
-    /// scope's prefix is a prefix of another's (the module docs).
-    pub fn redis_prefix(&self) -> String {
-        redis_prefix(&self.fingerprint.to_hex()[..16], self.namespace.as_str())
-    }
-}
+pub use kvcache_api::block_key::Scope;
 
 /// The version of the Redis key format, first in every key.
 const REDIS_KEY_VERSION: &str = "kvc2";
 
-/// [`Scope::redis_prefix`] for a fingerprint's 16 hex digits and a namespace
-/// of any text (a [`Namespace`] is a subset).
-fn redis_prefix(fingerprint16: &str, namespace: &str) -> String {
+/// The prefix of every Redis key of `scope`: `kvc2:{first 16 hex digits of the
+/// fingerprint}:{namespace's length in bytes}:{namespace}:`; no scope's prefix is
+/// a prefix of another's (the module docs).
+pub fn redis_prefix(scope: &Scope<'_>) -> String {
+    prefix_of(&scope.fingerprint.to_hex()[..16], scope.namespace.as_str())
+}
+
+/// [`redis_prefix`] for a fingerprint's 16 hex digits and a namespace of any
+/// text (a [`Namespace`](kvcache_api::Namespace) is a subset).
+fn prefix_of(fingerprint16: &str, namespace: &str) -> String {
     format!(
         "{REDIS_KEY_VERSION}:{fingerprint16}:{}:{namespace}:",
         namespace.len()
@@ -82,6 +43,7 @@ fn redis_prefix(fingerprint16: &str, namespace: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvcache_api::{Fingerprint, Namespace};
 
     /// Namespaces that nest, end or start with `:`, look like lengths, or are
     /// empty, beyond what [`Namespace`] admits (unicode, spaces) too.
@@ -102,12 +64,12 @@ mod tests {
         let mut prefixes = Vec::new();
         for fp in fingerprints() {
             for ns in ADVERSARIAL {
-                prefixes.push(((fp.clone(), ns.to_string()), redis_prefix(&fp, ns)));
+                prefixes.push(((fp.clone(), ns.to_string()), prefix_of(&fp, ns)));
             }
             // Long ones, whose lengths have more digits.
             for n in [9, 10, 11, 99, 100, 128] {
                 let ns = "x:".repeat(n)[..n].to_owned();
-                prefixes.push(((fp.clone(), ns.clone()), redis_prefix(&fp, &ns)));
+                prefixes.push(((fp.clone(), ns.clone()), prefix_of(&fp, &ns)));
             }
         }
         for (a, pa) in &prefixes {
@@ -134,15 +96,15 @@ mod tests {
         let xm = Namespace::new("x:m").unwrap();
         let shared = Namespace::shared();
         let fp16 = &fp.to_hex()[..16];
-        assert_eq!(Scope::new(&fp, &x).redis_prefix(), format!("kvc2:{fp16}:1:x:"));
-        assert_eq!(Scope::new(&fp, &xm).redis_prefix(), format!("kvc2:{fp16}:3:x:m:"));
+        assert_eq!(redis_prefix(&Scope::new(&fp, &x)), format!("kvc2:{fp16}:1:x:"));
+        assert_eq!(redis_prefix(&Scope::new(&fp, &xm)), format!("kvc2:{fp16}:3:x:m:"));
         assert_eq!(
-            Scope::new(&fp, &shared).redis_prefix(),
+            redis_prefix(&Scope::new(&fp, &shared)),
             format!("kvc2:{fp16}:0::")
         );
         let (px, pxm) = (
-            Scope::new(&fp, &x).redis_prefix(),
-            Scope::new(&fp, &xm).redis_prefix(),
+            redis_prefix(&Scope::new(&fp, &x)),
+            redis_prefix(&Scope::new(&fp, &xm)),
         );
         assert!(!pxm.starts_with(&px));
         // No glob character fits in a namespace: the prefix is a pattern as is.

@@ -1,7 +1,7 @@
 //! The Redis tier, through the `redis` crate's synchronous API.
 //!
 //! Keys, under the scope's prefix `kvc2:{fp16}:{len}:{namespace}:` (see
-//! [`Scope::redis_prefix`]: no tenant's prefix is a prefix of another's):
+//! [`redis_prefix`](crate::namespace::redis_prefix): no tenant's prefix is a prefix of another's):
 //!
 //! - `…m:{key}`: the block's manifest, a few text lines (format, key, parent,
 //!   start, tokens, chunk count, total length, CRC32, layout, fingerprint,
@@ -33,7 +33,7 @@ use redis::{Client, Connection, RedisError};
 use crate::entry_file::{layout_text, FORMAT};
 use crate::error::{Result, StoreError};
 use crate::keys::BlockKey;
-use crate::namespace::Scope;
+use crate::namespace::{redis_prefix, Scope};
 use crate::stats::{bump, TierCounters};
 use crate::tier::{Block, Tier, TierContext};
 
@@ -173,7 +173,7 @@ struct Names {
 impl Names {
     fn new(context: &TierContext, namespace: &Namespace, key: &BlockKey) -> Self {
         Names {
-            prefix: Scope::new(&context.fingerprint, namespace).redis_prefix(),
+            prefix: redis_prefix(&Scope::new(&context.fingerprint, namespace)),
             key: key.to_hex(),
         }
     }

@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use kvcache_api::Submitted;
 use kvcache_api::{Fingerprint, Namespace, PrefixStore};
-use kvcache_store::{BlockKey, KeyChain, Scope};
+use kvcache_store::{redis_prefix, BlockKey, KeyChain, Scope};
 
 #[test]
 fn keys_chain_over_the_whole_prefix() {
@@ -52,14 +52,14 @@ fn keys_separate_namespaces_and_models() {
         }
     }
     // Length first (key format 2): no tenant's prefix starts another's.
-    assert_eq!(Scope::new(&FP, &a).redis_prefix(), "kvc2:1111111111111111:1:a:");
+    assert_eq!(redis_prefix(&Scope::new(&FP, &a)), "kvc2:1111111111111111:1:a:");
     assert_eq!(
-        Scope::new(&FP, &shared).redis_prefix(),
+        redis_prefix(&Scope::new(&FP, &shared)),
         "kvc2:1111111111111111:0::"
     );
     let nested = Namespace::new("a:m").unwrap();
     assert_eq!(
-        Scope::new(&FP, &nested).redis_prefix(),
+        redis_prefix(&Scope::new(&FP, &nested)),
         "kvc2:1111111111111111:3:a:m:"
     );
 }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvcache_api::{HostKv, Namespace, PrefixStore};
 use kvcache_store::{
-    Block, BlockKey, DiskTier, KeyChain, MemoryTier, RedisConfig, RedisTier, Scope, Submitted, Tier,
-    TierContext, TierCounters, TieredStore,
+    redis_prefix, Block, BlockKey, DiskTier, KeyChain, MemoryTier, RedisConfig, RedisTier, Scope, Submitted,
+    Tier, TierContext, TierCounters, TieredStore,
 };
 
 fn later() -> Instant {
@@ -492,7 +492,7 @@ fn redis_tier_round_trip_in_chunks_with_ttl() {
     let ns = Namespace::new("rt").unwrap();
     let blocks = block(&ctx, &ns, 10, 2);
     let mut conn = server.connection();
-    let prefix = Scope::new(&FP, &ns).redis_prefix();
+    let prefix = redis_prefix(&Scope::new(&FP, &ns));
     let hex = blocks[1].key.to_hex();
     for key in [format!("{prefix}m:{hex}"), format!("{prefix}c:{hex}:2")] {
         let ttl: i64 = redis::cmd("TTL").arg(&key).query(&mut conn).unwrap();
@@ -596,7 +596,7 @@ fn redis_missing_or_damaged_chunks_are_misses() {
     for b in &blocks {
         tier.put(b, later()).unwrap();
     }
-    let prefix = Scope::new(&FP, &ns).redis_prefix();
+    let prefix = redis_prefix(&Scope::new(&FP, &ns));
     let mut conn = server.connection();
     // Block 0 loses a chunk (as Redis's LRU would do): a miss, nothing counted.
     let hex = blocks[0].key.to_hex();
