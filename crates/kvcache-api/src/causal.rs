@@ -3,6 +3,7 @@
 
 use std::ops::{Range, RangeFrom, RangeFull};
 
+use crate::block_key::BlockKey;
 use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqState};
 
 /// Whether a forward pass computes or only sizes the graph.
@@ -215,6 +216,75 @@ pub trait CausalCache {
     /// Removes `range` from `seq`. A closed range shifts later positions down by
     /// its length and re-rotates their keys through the cache's [`KeyShift`].
     fn remove(&mut self, seq: SeqId, range: PosRange) -> Result<()>;
+
+    /// Whether the cache keeps blocks of finished sequences for later ones
+    /// ([`retain_blocks`](Self::retain_blocks)): a prefix cache by block,
+    /// independent of sequence ids. The default: no, and the block methods
+    /// below refuse or find nothing.
+    fn indexes_blocks(&self) -> bool {
+        false
+    }
+
+    /// The distinct lengths of the indexed blocks that follow `parent`
+    /// ([`BlockKey::ROOT`] for a prompt's first block), longest first:
+    /// the lengths whose keys a lookup must compute ([`indexed_prefix`](crate::retention::indexed_prefix)).
+    fn block_lengths(&self, parent: &BlockKey) -> Vec<usize> {
+        let _ = parent;
+        Vec::new()
+    }
+
+    /// Whether block `key` is indexed.
+    fn holds_block(&self, key: &BlockKey) -> bool {
+        let _ = key;
+        false
+    }
+
+    /// Indexes the cells holding `seq`'s positions block by block, so they
+    /// outlive the sequence until evicted: `blocks[i] = (key, len)` covers the
+    /// `len` positions after those of `blocks[..i]`, from position 0 (the keys
+    /// chained over the tokens, [`block_chain`](crate::retention::block_chain)).
+    /// Blocks already indexed are only marked used. Returns the indices of the
+    /// blocks newly indexed. Every position must be held by `seq`; on error
+    /// nothing changes.
+    fn retain_blocks(&mut self, seq: SeqId, blocks: &[(BlockKey, usize)]) -> Result<Vec<usize>> {
+        let _ = (seq, blocks);
+        Err(crate::CacheError::NotSupported("block retention".into()))
+    }
+
+    /// Makes the empty sequence `seq` hold the indexed chain `blocks` (the
+    /// first at position 0, each following the previous) in their cells, with
+    /// no copy ([`copy_prefix`](Self::copy_prefix)'s semantics). Returns the
+    /// positions it now holds; on error nothing changes.
+    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey]) -> Result<Pos> {
+        let _ = (seq, blocks);
+        Err(crate::CacheError::NotSupported("block retention".into()))
+    }
+
+    /// Evicts indexed blocks, least recently used first (leaves before their
+    /// parents, and only blocks whose eviction frees a cell), until `cells`
+    /// cells are free or nothing more can be freed. Returns the evicted keys
+    /// in order.
+    fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
+        let _ = cells;
+        Vec::new()
+    }
+
+    /// Forgets every indexed block (cells sequences still hold stay); returns
+    /// their keys.
+    fn clear_blocks(&mut self) -> Vec<BlockKey> {
+        Vec::new()
+    }
+
+    /// Indexed blocks and the cells they keep (once per block).
+    fn indexed_blocks(&self) -> (usize, usize) {
+        (0, 0)
+    }
+
+    /// Blocks the cache forgot on its own since the last call (a shifting
+    /// removal moved their cells), for whoever reports the index's changes.
+    fn take_dropped_blocks(&mut self) -> Vec<BlockKey> {
+        Vec::new()
+    }
 
     /// Copies positions `range` of `seq`, every layer, into a host
     /// [`SeqState`] (llama.cpp's per-sequence state get), for a store or

@@ -43,6 +43,7 @@ pub mod host;
 mod mixed;
 mod paged;
 pub mod paging;
+pub mod retention;
 mod shared;
 mod snapshot;
 mod store_client;

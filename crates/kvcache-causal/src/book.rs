@@ -13,11 +13,15 @@ use kvcache_api::{
     Batch, CacheError, CausalConfig, ForwardMode, Placement, Pos, PosRange, Result, RowRuns, SeqId,
 };
 
+use kvcache_api::block_key::BlockKey;
+
+use crate::blocks::BlockIndex;
 use crate::cells::Cells;
 use crate::mask::{self, Plan, Query};
 use crate::placement::{choose_cells, choose_cells_reserving, plan_compaction, Move, Reservations};
 use crate::window::{self, Attention};
 
+mod retention;
 mod transfer;
 
 /// The forward pass in progress.
@@ -96,6 +100,9 @@ pub(crate) struct RemovePlan {
     pub chunks: Vec<ShiftChunk>,
     /// The position delta of every cell of every chunk, chunk after chunk.
     pub offsets: Vec<Pos>,
+    /// Blocks whose cells move, and those below them, leaves first: the
+    /// removal forgets them (their keys no longer match the cells' positions).
+    unindex: Vec<BlockKey>,
 }
 
 impl RemovePlan {
@@ -124,6 +131,11 @@ pub(crate) struct Book {
     cells: Cells,
     /// Free cells set aside for sequences decoding side by side.
     reservations: Reservations,
+    /// Cells kept by block for later sequences.
+    blocks: BlockIndex,
+    /// Blocks the cache forgot on its own (a shifting removal moved their
+    /// cells), until [`Book::take_dropped_blocks`].
+    dropped_blocks: Vec<BlockKey>,
     pass: Pass,
     scratch: Scratch,
 }
@@ -142,6 +154,8 @@ impl Book {
             attention: Attention::new(&config),
             cells: Cells::new(cells, config.max_sequences),
             reservations: Reservations::new(config.max_sequences),
+            blocks: BlockIndex::default(),
+            dropped_blocks: Vec::new(),
             // Room for a few runs per row from the start, so that a pass's runs
             // grow only when the cells are fragmented more than ever before.
             pass: Pass {
@@ -364,6 +378,10 @@ impl Book {
             "compacting the KV cache"
         );
         self.cells.compact(&moves, &runs);
+        self.blocks.remap_cells(|cell| {
+            let i = runs.partition_point(|r| r.src + r.len <= cell);
+            runs[i].dst + (cell - runs[i].src)
+        });
         self.reservations.clear();
         moves
     }
@@ -461,6 +479,7 @@ impl Book {
             end: range.end,
             chunks: Vec::new(),
             offsets: Vec::new(),
+            unindex: Vec::new(),
         };
         let delta = range.shift();
         let Some(end) = range.end.filter(|_| delta != 0) else {
@@ -489,12 +508,19 @@ impl Book {
             )));
         }
         spans.sort_unstable();
+        if self.cells.any_pinned() {
+            plan.unindex = self.blocks_over(&spans);
+        }
         (plan.chunks, plan.offsets) = chunk_shifts(&spans, self.config.max_batch, delta);
         Ok(plan)
     }
 
     /// Applies a validated removal to the metadata; ends any pass in progress.
     pub(crate) fn commit_remove(&mut self, plan: &RemovePlan) {
+        for key in &plan.unindex {
+            self.drop_block(key);
+            self.dropped_blocks.push(*key);
+        }
         self.cells.remove(plan.seq, plan.start, plan.end);
         self.reservations.drop_seq(plan.seq);
         self.pass.end();
@@ -543,6 +569,7 @@ impl Book {
         let p = &self.pass;
         let s = &self.scratch;
         self.cells.capacity_bytes()
+            + self.blocks.capacity_bytes()
             + p.positions.capacity() * 4
             + p.sequences.capacity() * 8
             + p.cells.capacity() * 4
@@ -555,6 +582,7 @@ impl Book {
     /// Panics with a precise message unless every invariant holds.
     pub(crate) fn check(&self) {
         self.cells.check();
+        self.check_blocks();
         assert!(
             self.scratch.lowest.iter().all(|&p| p == Pos::MAX),
             "scratch: lowest batch positions were left behind"

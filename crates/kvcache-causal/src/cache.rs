@@ -4,6 +4,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use candle_core::{Device, Tensor};
+use kvcache_api::block_key::BlockKey;
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, PagedKv, Pos,
     PosRange, Result, SeqId, SeqState,
@@ -222,9 +223,13 @@ impl CausalKvCache {
         if cell >= cells.len() {
             return None;
         }
+        let pos = cells
+            .position_of(cell)
+            .or_else(|| self.book.block_position(cell))?;
         Some(CellInfo {
-            pos: cells.position_of(cell)?,
+            pos,
             sequences: cells.sequences(cell).collect(),
+            blocks: usize::from(cells.pins(cell)),
         })
     }
 
@@ -339,7 +344,11 @@ impl CausalKvCache {
             pass,
             layer: self.layer,
             layers,
-            exact: (cells.clone(), self.book.pass().clone()),
+            exact: (
+                cells.clone(),
+                self.book.pass().clone(),
+                self.book.blocks().clone(),
+            ),
         })
     }
 
@@ -706,6 +715,49 @@ impl CausalCache for CausalKvCache {
         self.storage.bind_to_thread()?;
         let prepared = self.prepare_remove(seq, range)?;
         self.commit_remove(prepared)
+    }
+
+    /// Yes without a sliding window or chunked attention (which trim the
+    /// positions a chain of blocks starts with).
+    fn indexes_blocks(&self) -> bool {
+        self.book.indexes_blocks()
+    }
+
+    fn block_lengths(&self, parent: &BlockKey) -> Vec<usize> {
+        self.book.block_lengths(parent)
+    }
+
+    fn holds_block(&self, key: &BlockKey) -> bool {
+        self.book.holds_block(key)
+    }
+
+    /// Bookkeeping only: the cells stay where they are, pinned.
+    fn retain_blocks(&mut self, seq: SeqId, blocks: &[(BlockKey, usize)]) -> Result<Vec<usize>> {
+        let plan = self.book.prepare_retain(seq, blocks)?;
+        Ok(self.book.commit_retain(blocks, plan))
+    }
+
+    /// Bookkeeping only, like `copy_prefix`; ends any pass in progress.
+    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey]) -> Result<Pos> {
+        let end = self.book.prepare_adopt(seq, blocks)?;
+        self.book.commit_adopt(seq, blocks);
+        Ok(end)
+    }
+
+    fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
+        self.book.evict_blocks(cells)
+    }
+
+    fn clear_blocks(&mut self) -> Vec<BlockKey> {
+        self.book.clear_blocks()
+    }
+
+    fn indexed_blocks(&self) -> (usize, usize) {
+        self.book.indexed_blocks()
+    }
+
+    fn take_dropped_blocks(&mut self) -> Vec<BlockKey> {
+        self.book.take_dropped_blocks()
     }
 
     fn export_seq(&self, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqState> {

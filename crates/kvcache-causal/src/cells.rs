@@ -1,9 +1,10 @@
 //! The cells of a causal cache: each cell's position and sequence set, which cells
 //! are used, and every sequence's sorted position index.
 //!
-//! Every mutation keeps four views in step: per-cell positions, per-cell sequence
-//! sets, the occupancy bitset and the per-sequence run index. [`Cells::check`]
-//! verifies that they agree.
+//! Every mutation keeps four views in step: per-cell sequence sets, per-cell pins
+//! (cells the block index keeps), the occupancy bitset and the per-sequence run
+//! index. [`Cells::check`] verifies that they agree: a cell is used iff a
+//! sequence holds it or a block pins it.
 
 use kvcache_api::{Pos, SeqId};
 
@@ -25,16 +26,21 @@ pub(crate) struct Cells {
     occupancy: Occupancy,
     /// Per sequence, its positions and their cells.
     index: Vec<SeqIndex>,
+    /// Per cell, how many indexed blocks keep it ([`crate::blocks`]).
+    pins: Vec<u16>,
+    /// Cells with a pin.
+    pinned: usize,
 }
 
-/// Frees `seq`'s hold on each cell of `run`; cells nobody else holds become free.
-fn release(seqs: &mut SeqSets, occupancy: &mut Occupancy, seq: SeqId, run: Run) {
+/// Frees `seq`'s hold on each cell of `run`; cells nobody else holds and no
+/// block pins become free.
+fn release(seqs: &mut SeqSets, occupancy: &mut Occupancy, pins: &[u16], pinned: usize, seq: SeqId, run: Run) {
     let cells = run.cells();
     let emptied = seqs.remove_run(cells.clone(), seq);
-    if emptied == cells.len() {
+    if emptied == cells.len() && pinned == 0 {
         occupancy.mark_free_range(cells);
     } else if emptied > 0 {
-        for cell in cells.filter(|&c| seqs.count(c) == 0) {
+        for cell in cells.filter(|&c| seqs.count(c) == 0 && pins[c] == 0) {
             occupancy.mark_free(cell);
         }
     }
@@ -47,6 +53,8 @@ impl Cells {
             seqs: SeqSets::new(cells, max_sequences),
             occupancy: Occupancy::new(cells),
             index: vec![SeqIndex::default(); max_sequences],
+            pins: vec![0; cells],
+            pinned: 0,
         }
     }
 
@@ -119,8 +127,10 @@ impl Cells {
             seqs,
             occupancy,
             index,
+            pins,
+            pinned,
         } = self;
-        index[seq].drop_below(lo, |run| release(seqs, occupancy, seq, run));
+        index[seq].drop_below(lo, |run| release(seqs, occupancy, pins, *pinned, seq, run));
     }
 
     /// Drops `seq`'s positions `start..end` (to the end when `end` is `None`) and
@@ -131,8 +141,12 @@ impl Cells {
             seqs,
             occupancy,
             index,
+            pins,
+            pinned,
         } = self;
-        index[seq].remove(start, end, |run| release(seqs, occupancy, seq, run));
+        index[seq].remove(start, end, |run| {
+            release(seqs, occupancy, pins, *pinned, seq, run)
+        });
     }
 
     /// Drops every position of `seq`.
@@ -141,8 +155,60 @@ impl Cells {
             seqs,
             occupancy,
             index,
+            pins,
+            pinned,
         } = self;
-        index[seq].clear(|run| release(seqs, occupancy, seq, run));
+        index[seq].clear(|run| release(seqs, occupancy, pins, *pinned, seq, run));
+    }
+
+    /// Makes `seq` hold position `pos` in the pinned `cell` (adopting a block).
+    pub(crate) fn hold(&mut self, cell: usize, seq: SeqId, pos: Pos) {
+        assert!(self.pins[cell] > 0, "sequence {seq} adopts unpinned cell {cell}");
+        self.seqs.insert(cell, seq);
+        self.index[seq].insert(pos, cell as u32);
+    }
+
+    /// How many blocks keep `cell`.
+    pub(crate) fn pins(&self, cell: usize) -> u16 {
+        self.pins[cell]
+    }
+
+    /// Whether a block keeps `cell`.
+    pub(crate) fn is_pinned(&self, cell: usize) -> bool {
+        self.pins[cell] > 0
+    }
+
+    /// Whether any block keeps a cell.
+    pub(crate) fn any_pinned(&self) -> bool {
+        self.pinned > 0
+    }
+
+    /// Whether unpinning `cell` once would free it.
+    pub(crate) fn frees_on_unpin(&self, cell: usize) -> bool {
+        self.pins[cell] == 1 && self.seqs.count(cell) == 0
+    }
+
+    /// Keeps the used `cell` for one more block.
+    pub(crate) fn pin(&mut self, cell: usize) {
+        assert!(self.occupancy.is_used(cell), "pinning free cell {cell}");
+        let pins = &mut self.pins[cell];
+        *pins = pins.checked_add(1).expect("fewer than 2^16 blocks per cell");
+        if *pins == 1 {
+            self.pinned += 1;
+        }
+    }
+
+    /// Drops one block's pin of `cell`; it becomes free when nothing else keeps it.
+    pub(crate) fn unpin(&mut self, cell: usize) {
+        let pins = &mut self.pins[cell];
+        assert!(*pins > 0, "unpinning cell {cell}, which has no pin");
+        *pins -= 1;
+        if *pins == 0 {
+            self.pinned -= 1;
+            if self.seqs.count(cell) == 0 {
+                self.occupancy.mark_free(cell);
+            }
+        }
     }
 
     /// Makes empty sequence `dst` hold `src`'s positions below `len`, in the same cells.
@@ -165,9 +231,12 @@ impl Cells {
         for m in moves {
             self.seqs
                 .copy_within(m.src as usize, m.dst as usize, m.len as usize);
+            let (src, dst, len) = (m.src as usize, m.dst as usize, m.len as usize);
+            self.pins.copy_within(src..src + len, dst);
         }
         let used = self.occupancy.used();
         self.seqs.clear_from(used);
+        self.pins[used..].fill(0);
         self.occupancy.set_prefix_used(used);
         for index in &mut self.index {
             index.remap_cells(|cell| {
@@ -183,6 +252,7 @@ impl Cells {
     pub(crate) fn capacity_bytes(&self) -> usize {
         self.seqs.capacity_bytes()
             + self.occupancy.capacity_bytes()
+            + self.pins.capacity() * 2
             + self.index.capacity() * std::mem::size_of::<SeqIndex>()
             + self.index.iter().map(SeqIndex::capacity_bytes).sum::<usize>()
     }
@@ -228,12 +298,19 @@ impl Cells {
                 members, held,
                 "cell {cell}: {members} sequences in its set but {held} indexes point at it"
             );
+            let pins = self.pins[cell];
             assert_eq!(
                 self.occupancy.is_used(cell),
-                members > 0,
-                "cell {cell}: used bit disagrees with its {members} sequences"
+                members > 0 || pins > 0,
+                "cell {cell}: used bit disagrees with its {members} sequences and {pins} pins"
             );
         }
+        let pinned = self.pins.iter().filter(|&&p| p > 0).count();
+        assert_eq!(
+            self.pinned, pinned,
+            "{} cells counted as pinned, {pinned} are",
+            self.pinned
+        );
     }
 }
 

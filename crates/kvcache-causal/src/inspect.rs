@@ -5,6 +5,7 @@ use std::ops::Range;
 use candle_core::DType;
 use kvcache_api::{CacheError, CausalConfig, ForwardMode, Pos, Result, SeqId};
 
+use crate::blocks::BlockIndex;
 use crate::book::Pass;
 use crate::cells::Cells;
 use crate::storage::Plane;
@@ -16,6 +17,9 @@ pub struct CellInfo {
     pub pos: Pos,
     /// Sequences sharing the cell, ascending.
     pub sequences: Vec<SeqId>,
+    /// Indexed blocks keeping the cell (block retention); a cell no sequence
+    /// holds is used while one does.
+    pub blocks: usize,
 }
 
 /// The stored keys and values of one cell in one layer, as f32.
@@ -89,7 +93,7 @@ pub struct CachePicture {
     /// Stored tensors per layer (`None` for layers never written).
     pub layers: Vec<Option<LayerData>>,
     /// The exact bookkeeping, so that equality also covers internal indexes.
-    pub(crate) exact: (Cells, Pass),
+    pub(crate) exact: (Cells, Pass, BlockIndex),
 }
 
 impl std::fmt::Debug for CachePicture {

@@ -61,6 +61,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod blocks;
 mod book;
 mod cache;
 mod cells;

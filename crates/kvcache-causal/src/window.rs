@@ -98,7 +98,10 @@ pub(crate) fn cells_freed(cells: &Cells, keep: &[Pos]) -> usize {
                 let pos = run.pos + k as Pos;
                 let mut holders = cells.sequences(cell);
                 // Count each cell once, from its lowest holder.
-                if holders.next() == Some(seq) && holders.all(|other| pos < keep[other]) {
+                if holders.next() == Some(seq)
+                    && holders.all(|other| pos < keep[other])
+                    && !cells.is_pinned(cell)
+                {
                     freed += 1;
                 }
             }

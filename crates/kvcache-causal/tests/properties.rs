@@ -5,11 +5,15 @@
 //! `can_resume`, and the errors of rejected steps, which must change nothing.
 //! Checkpoints (`try_clone`) and rollbacks into the live cache (`try_clone_from`)
 //! switch branches mid-schedule. Transfers export a range of one sequence and
-//! import it into another (`export_seq` / `import_seq`).
+//! import it into another (`export_seq` / `import_seq`). Block retention keeps a
+//! sequence's blocks (`retain_blocks`), adopts a chain into an emptied sequence
+//! (`adopt_blocks`) and evicts least recently used blocks (`evict_blocks`),
+//! against the model's own index.
 
 mod common;
 
 use candle_core::Tensor;
+use kvcache_api::block_key::BlockKey;
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, DType, ForwardMode, Placement, Pos, PosRange, SeqId,
     SlidingWindow, VLayout,
@@ -113,6 +117,16 @@ enum Op {
         start: u8,
         len: u8,
     },
+    /// retain_blocks(seq, its chain in blocks of `block` tokens), then (when
+    /// `finish`) remove the whole sequence, as an engine ends a request.
+    Retain { seq: usize, block: usize, finish: bool },
+    /// adopt_blocks(dst emptied first, the chain ending at the `pick`th indexed
+    /// block, cut to its first `len` blocks).
+    Adopt { dst: usize, pick: u8, len: u8 },
+    /// evict_blocks(all cells but `short`).
+    Evict { short: u8 },
+    /// clear_blocks().
+    ClearBlocks,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -127,7 +141,12 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..4usize, any::<u8>(), prop::option::weighted(0.7, 0..4u8))
             .prop_map(|(seq, start, len)| Op::Remove { seq, start, len }),
         1 => (0..4usize, 0..4usize, any::<u8>()).prop_map(|(src, dst, len)| Op::Copy { src, dst, len }),
-        1 => (0..8u8, any::<u8>()).prop_map(|(kind, arg)| Op::Bad { kind, arg }),
+        1 => (0..10u8, any::<u8>()).prop_map(|(kind, arg)| Op::Bad { kind, arg }),
+        2 => (0..4usize, 1..=4usize, any::<bool>())
+            .prop_map(|(seq, block, finish)| Op::Retain { seq, block, finish }),
+        2 => (0..4usize, any::<u8>(), any::<u8>()).prop_map(|(dst, pick, len)| Op::Adopt { dst, pick, len }),
+        1 => (0..8u8).prop_map(|short| Op::Evict { short }),
+        1 => Just(Op::ClearBlocks),
         1 => prop_oneof![Just(Op::Checkpoint), Just(Op::Rollback)],
         2 => (0..4usize, 0..4usize, prop_oneof![2 => Just(0u8), 2 => Just(1), 1 => Just(2)], any::<u8>(), 1..=8u8)
             .prop_map(|(src, dst, mode, start, len)| Op::Transfer { src, dst, mode, start, len }),
@@ -371,6 +390,33 @@ impl Run {
                     self.rejected("set_causal between passes", want, |c| c.set_causal(&[0]))
                 }
             },
+            8 => {
+                // A chain one block longer than the sequence.
+                let Some(mut chain) = self.model.chain(seq, 2) else {
+                    return Ok(());
+                };
+                chain.push((BlockKey([arg.max(1); 32]), 1));
+                let want = match self.model.clone().retain(seq, &chain) {
+                    Err(e) => e,
+                    Ok(_) => return Ok(()),
+                };
+                self.rejected("retaining unheld positions", want, |c| {
+                    c.retain_blocks(seq, &chain).map(|_| ())
+                })
+            }
+            9 => {
+                // Adopting into a sequence that holds positions, or a key
+                // nobody indexed.
+                let keys = match self.model.seqs[seq].is_empty() {
+                    true => vec![BlockKey([arg.max(1); 32])],
+                    false => self.model.blocks.keys().take(1).copied().collect(),
+                };
+                let want = match self.model.clone().adopt(seq, &keys) {
+                    Err(e) => e,
+                    Ok(_) => return Ok(()),
+                };
+                self.rejected("bad adoption", want, |c| c.adopt_blocks(seq, &keys).map(|_| ()))
+            }
             _ => {
                 let batch =
                     Batch::sequence(seq, self.model.next_pos(seq), self.config.max_batch + 1).unwrap();
@@ -430,6 +476,74 @@ impl Run {
         }
     }
 
+    fn retain(&mut self, seq: usize, block: usize, finish: bool) -> Result<(), TestCaseError> {
+        let seq = self.seq(seq);
+        let Some(chain) = self.model.chain(seq, block) else {
+            return Ok(());
+        };
+        match self.model.clone().retain(seq, &chain) {
+            Err(want) => self.rejected("retain", want, |c| c.retain_blocks(seq, &chain).map(|_| ())),
+            Ok(added) => {
+                let got = self.cache.retain_blocks(seq, &chain).unwrap();
+                prop_assert_eq!(got, added, "blocks newly indexed");
+                self.model.retain(seq, &chain).unwrap();
+                if finish {
+                    self.cache.remove(seq, PosRange { start: 0, end: None }).unwrap();
+                    self.model.remove(seq, 0, None).unwrap();
+                    self.pass = None;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn adopt(&mut self, dst: usize, pick: u8, len: u8) -> Result<(), TestCaseError> {
+        let dst = self.seq(dst);
+        if self.model.blocks.is_empty() {
+            return Ok(());
+        }
+        let mut key = *self
+            .model
+            .blocks
+            .keys()
+            .nth(usize::from(pick) % self.model.blocks.len())
+            .unwrap();
+        let mut chain = vec![key];
+        while let Some(b) = self.model.blocks.get(&key).filter(|b| !b.parent.is_root()) {
+            key = b.parent;
+            chain.push(key);
+        }
+        chain.reverse();
+        chain.truncate(usize::from(len) % chain.len() + 1);
+        self.cache.remove(dst, PosRange { start: 0, end: None }).unwrap();
+        self.model.remove(dst, 0, None).unwrap();
+        self.pass = None;
+        match self.model.clone().adopt(dst, &chain) {
+            Err(want) => self.rejected("adopt", want, |c| c.adopt_blocks(dst, &chain).map(|_| ())),
+            Ok(end) => {
+                prop_assert_eq!(self.cache.adopt_blocks(dst, &chain).unwrap(), end);
+                self.model.adopt(dst, &chain).unwrap();
+                Ok(())
+            }
+        }
+    }
+
+    fn evict(&mut self, short: u8) -> Result<(), TestCaseError> {
+        let cells = self.config.num_cells().saturating_sub(usize::from(short));
+        let want = self.model.evict(cells);
+        prop_assert_eq!(self.cache.evict_blocks(cells), want, "blocks evicted");
+        Ok(())
+    }
+
+    fn clear_blocks(&mut self) -> Result<(), TestCaseError> {
+        let mut want = self.model.clear_blocks();
+        let mut got = self.cache.clear_blocks();
+        want.sort();
+        got.sort();
+        prop_assert_eq!(got, want, "blocks cleared");
+        Ok(())
+    }
+
     fn checkpoint(&mut self) {
         let cache = self.cache.try_clone().unwrap();
         assert!(
@@ -462,6 +576,15 @@ impl Run {
 
     fn compare(&self) -> Result<(), TestCaseError> {
         self.cache.check();
+        let kept: usize = self.model.blocks.values().map(|b| b.entries.len()).sum();
+        prop_assert_eq!(
+            self.cache.indexed_blocks(),
+            (self.model.blocks.len(), kept),
+            "the block index"
+        );
+        for key in self.model.blocks.keys() {
+            prop_assert!(self.cache.holds_block(key), "block {:?} is missing", key);
+        }
         if self.stored {
             for layer in 0..2 {
                 prop_assert_eq!(
@@ -512,14 +635,13 @@ fn model_import(
         })
         .collect();
     let live = |keep: &[Pos]| {
-        let ids: std::collections::BTreeSet<u64> = (0..keep.len())
-            .flat_map(|s| {
-                model.seqs[s]
-                    .iter()
-                    .filter(move |e| e.pos >= keep[s])
-                    .map(|e| e.id)
-            })
-            .collect();
+        let mut ids = model.block_ids();
+        ids.extend((0..keep.len()).flat_map(|s| {
+            model.seqs[s]
+                .iter()
+                .filter(move |e| e.pos >= keep[s])
+                .map(|e| e.id)
+        }));
         ids.len()
     };
     let kept: Vec<&Entry> = entries.iter().filter(|e| e.pos >= keep[dst]).collect();
@@ -579,6 +701,10 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 start,
                 len,
             } => r.transfer(src, dst, mode, start, len)?,
+            Op::Retain { seq, block, finish } => r.retain(seq, block, finish)?,
+            Op::Adopt { dst, pick, len } => r.adopt(dst, pick, len)?,
+            Op::Evict { short } => r.evict(short)?,
+            Op::ClearBlocks => r.clear_blocks()?,
         }
         r.compare()?;
     }

@@ -3,8 +3,9 @@
 //! errors the cache must return. Cells are not modelled, only token identity (so
 //! shared tokens are counted once when deciding whether a batch fits).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
+use kvcache_api::block_key::BlockKey;
 use kvcache_api::{CacheError, CausalConfig, Pos, SeqId};
 
 /// One stored token of one sequence.
@@ -42,6 +43,19 @@ pub struct Reference {
     /// Per sequence, its tokens sorted by position.
     pub seqs: Vec<Vec<Entry>>,
     next_id: u64,
+    /// Retained blocks by key (the model of the block index).
+    pub blocks: BTreeMap<BlockKey, RefBlock>,
+    clock: u64,
+}
+
+/// A retained block: the entries it keeps, its parent and when it was used.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RefBlock {
+    /// The block before it, [`BlockKey::ROOT`] for a first block.
+    pub parent: BlockKey,
+    /// The entries it keeps, by position.
+    pub entries: Vec<Entry>,
+    last_used: u64,
 }
 
 impl Reference {
@@ -57,6 +71,8 @@ impl Reference {
             has_shift,
             seqs: vec![Vec::new(); config.max_sequences],
             next_id: 0,
+            blocks: BTreeMap::new(),
+            clock: 0,
         }
     }
 
@@ -75,12 +91,145 @@ impl Reference {
         Ok(())
     }
 
-    fn live(&self, keep: &[Pos]) -> usize {
-        let mut ids = BTreeSet::new();
+    /// Tokens held by sequences (those at or past `keep`) or kept by blocks.
+    pub fn live(&self, keep: &[Pos]) -> usize {
+        let mut ids = self.block_ids();
         for (s, entries) in self.seqs.iter().enumerate() {
             ids.extend(entries.iter().filter(|e| e.pos >= keep[s]).map(|e| e.id));
         }
         ids.len()
+    }
+
+    /// Tokens kept by blocks.
+    pub fn block_ids(&self) -> BTreeSet<u64> {
+        self.blocks
+            .values()
+            .flat_map(|b| b.entries.iter().map(|e| e.id))
+            .collect()
+    }
+
+    fn blocks_supported(&self) -> Result<(), CacheError> {
+        match self.memory {
+            None => Ok(()),
+            Some(_) => Err(CacheError::NotSupported("windows trim".into())),
+        }
+    }
+
+    /// The chain `seq` is retained as in blocks of `block` tokens: keys
+    /// chained over the entries' ids (a token's identity), with lengths.
+    /// `None` when `seq` does not hold every position from 0 to its end.
+    pub fn chain(&self, seq: SeqId, block: usize) -> Option<Vec<(BlockKey, usize)>> {
+        let entries = &self.seqs[seq];
+        if entries.iter().enumerate().any(|(i, e)| e.pos != i as Pos) {
+            return None;
+        }
+        let ids: Vec<u32> = entries
+            .iter()
+            .flat_map(|e| [e.id as u32, (e.id >> 32) as u32])
+            .collect();
+        let (fp, ns) = (
+            kvcache_api::Fingerprint([3; 32]),
+            kvcache_api::Namespace::shared(),
+        );
+        let scope = kvcache_api::block_key::Scope::new(&fp, &ns);
+        let chain = kvcache_api::retention::block_chain(scope, 2 * block, &ids);
+        Some(chain.into_iter().map(|(k, len)| (k, len / 2)).collect())
+    }
+
+    /// `retain_blocks(seq, chain)`: the indices newly indexed.
+    pub fn retain(&mut self, seq: SeqId, chain: &[(BlockKey, usize)]) -> Result<Vec<usize>, CacheError> {
+        self.seq_check(seq)?;
+        self.blocks_supported()?;
+        let held = self.seqs[seq].len();
+        if chain.iter().map(|b| b.1).sum::<usize>() > held {
+            return Err(CacheError::InvalidArgument("positions not held".into()));
+        }
+        let mut added = Vec::new();
+        let mut start = 0;
+        for (i, &(key, len)) in chain.iter().enumerate() {
+            self.clock += 1;
+            match self.blocks.get_mut(&key) {
+                Some(b) => b.last_used = self.clock,
+                None => {
+                    let parent = if i == 0 { BlockKey::ROOT } else { chain[i - 1].0 };
+                    let entries = self.seqs[seq][start..start + len].to_vec();
+                    self.blocks.insert(
+                        key,
+                        RefBlock {
+                            parent,
+                            entries,
+                            last_used: self.clock,
+                        },
+                    );
+                    added.push(i);
+                }
+            }
+            start += len;
+        }
+        Ok(added)
+    }
+
+    /// `adopt_blocks(seq, keys)`.
+    pub fn adopt(&mut self, seq: SeqId, keys: &[BlockKey]) -> Result<Pos, CacheError> {
+        self.seq_check(seq)?;
+        self.blocks_supported()?;
+        if !self.seqs[seq].is_empty() {
+            return Err(CacheError::InvalidArgument("not empty".into()));
+        }
+        let mut parent = BlockKey::ROOT;
+        for key in keys {
+            match self.blocks.get(key) {
+                Some(b) if b.parent == parent => parent = *key,
+                _ => return Err(CacheError::InvalidArgument("not a chain".into())),
+            }
+        }
+        self.clock += 1;
+        for key in keys {
+            let b = self.blocks.get_mut(key).expect("checked");
+            b.last_used = self.clock;
+            self.seqs[seq].extend(b.entries.iter().cloned());
+        }
+        Ok(self.next_pos(seq))
+    }
+
+    /// `evict_blocks(cells)`: the keys evicted, in order.
+    pub fn evict(&mut self, cells: usize) -> Vec<BlockKey> {
+        let mut out = Vec::new();
+        loop {
+            let no_trim = vec![Pos::MIN; self.max_sequences];
+            if self.cells - self.live(&no_trim) >= cells {
+                return out;
+            }
+            let held: BTreeSet<u64> = self.seqs.iter().flatten().map(|e| e.id).collect();
+            let mut kept: BTreeMap<u64, usize> = BTreeMap::new();
+            for b in self.blocks.values() {
+                for e in &b.entries {
+                    *kept.entry(e.id).or_default() += 1;
+                }
+            }
+            let parents: BTreeSet<BlockKey> = self.blocks.values().map(|b| b.parent).collect();
+            let victim = self
+                .blocks
+                .iter()
+                .filter(|(k, b)| {
+                    !parents.contains(*k)
+                        && b.entries
+                            .iter()
+                            .any(|e| kept[&e.id] == 1 && !held.contains(&e.id))
+                })
+                .min_by_key(|(k, b)| (b.last_used, **k))
+                .map(|(k, _)| *k);
+            let Some(key) = victim else { return out };
+            self.blocks.remove(&key);
+            out.push(key);
+        }
+    }
+
+    /// `clear_blocks()`.
+    pub fn clear_blocks(&mut self) -> Vec<BlockKey> {
+        let keys = self.blocks.keys().copied().collect();
+        self.blocks.clear();
+        keys
     }
 
     /// A forward pass over `(seq, pos, val)` tokens.
@@ -173,6 +322,33 @@ impl Reference {
             if !moved.is_empty() && !self.has_shift {
                 return Err(CacheError::NotSupported("no shift".into()));
             }
+        }
+        if let (Some(end), true) = (end, delta != 0) {
+            let moved: BTreeSet<u64> = self.seqs[seq]
+                .iter()
+                .filter(|e| e.pos >= end)
+                .map(|e| e.id)
+                .collect();
+            let mut gone: BTreeSet<BlockKey> = self
+                .blocks
+                .iter()
+                .filter(|(_, b)| b.entries.iter().any(|e| moved.contains(&e.id)))
+                .map(|(k, _)| *k)
+                .collect();
+            // And every block below them.
+            loop {
+                let below: Vec<BlockKey> = self
+                    .blocks
+                    .iter()
+                    .filter(|(k, b)| gone.contains(&b.parent) && !gone.contains(*k))
+                    .map(|(k, _)| *k)
+                    .collect();
+                if below.is_empty() {
+                    break;
+                }
+                gone.extend(below);
+            }
+            self.blocks.retain(|k, _| !gone.contains(k));
         }
         let entries = &mut self.seqs[seq];
         entries.retain(|e| e.pos < start || end.is_some_and(|end| e.pos >= end));

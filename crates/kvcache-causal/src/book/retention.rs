@@ -1,0 +1,269 @@
+//! Block retention in the bookkeeping: indexing a sequence's cells by block
+//! ([`crate::blocks`]), adopting an indexed chain into a new sequence, and
+//! evicting blocks when cells are needed. Like every operation of the book,
+//! each validates first and changes nothing on error.
+//!
+//! Blocks are kept only where a sequence holds every position from 0 for as
+//! long as it lives: caches without a sliding window or chunked attention
+//! ([`Book::indexes_blocks`]). A window trims a sequence's early positions, so
+//! no chain from position 0 would survive it.
+
+use kvcache_api::block_key::BlockKey;
+use kvcache_api::{CacheError, Pos, Result, SeqId};
+
+use super::Book;
+
+/// A validated [`Book::prepare_retain`]: per block of the chain, its cells when
+/// it is new (`None`: indexed already).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RetainPlan {
+    new: Vec<Option<Vec<u32>>>,
+}
+
+impl Book {
+    /// Whether this cache keeps blocks.
+    pub(crate) fn indexes_blocks(&self) -> bool {
+        !self.attention.bounded()
+    }
+
+    fn blocks_supported(&self) -> Result<()> {
+        if self.indexes_blocks() {
+            return Ok(());
+        }
+        Err(CacheError::NotSupported(
+            "block retention in a cache with a sliding window or chunked attention (it trims \
+             the positions a chain of blocks starts with)"
+                .into(),
+        ))
+    }
+
+    /// The distinct lengths of indexed blocks following `parent`, longest first.
+    pub(crate) fn block_lengths(&self, parent: &BlockKey) -> Vec<usize> {
+        self.blocks.child_lengths(parent)
+    }
+
+    /// The block index.
+    pub(crate) fn blocks(&self) -> &crate::blocks::BlockIndex {
+        &self.blocks
+    }
+
+    /// The position a block keeps `cell` at, if one does (a scan: for
+    /// inspection only).
+    pub(crate) fn block_position(&self, cell: usize) -> Option<Pos> {
+        if !self.cells.is_pinned(cell) {
+            return None;
+        }
+        self.blocks.iter().find_map(|(_, b)| {
+            let k = b.cells.iter().position(|&c| c as usize == cell)?;
+            Some(b.start + k as Pos)
+        })
+    }
+
+    /// Whether block `key` is indexed.
+    pub(crate) fn holds_block(&self, key: &BlockKey) -> bool {
+        self.blocks.get(key).is_some()
+    }
+
+    /// Blocks indexed and the cells they pin (counted once per block).
+    pub(crate) fn indexed_blocks(&self) -> (usize, usize) {
+        (self.blocks.len(), self.blocks.cells())
+    }
+
+    /// Validates indexing `seq`'s positions as the chain `blocks` (`(key, len)`,
+    /// consecutive from position 0); changes nothing.
+    pub(crate) fn prepare_retain(&self, seq: SeqId, blocks: &[(BlockKey, usize)]) -> Result<RetainPlan> {
+        self.check_seq(seq)?;
+        self.blocks_supported()?;
+        let mut new = Vec::with_capacity(blocks.len());
+        let mut start: Pos = 0;
+        for (i, &(key, len)) in blocks.iter().enumerate() {
+            if len == 0 || key.is_root() {
+                return Err(CacheError::InvalidArgument(format!(
+                    "block {i} of the chain is empty or has the root's key"
+                )));
+            }
+            if blocks[..i].iter().any(|(k, _)| *k == key) {
+                return Err(CacheError::InvalidArgument(format!(
+                    "block {i}'s key {key:?} appears twice in the chain"
+                )));
+            }
+            let end = start + len as Pos;
+            match self.blocks.get(&key) {
+                Some(b) if b.start != start || b.end() != end => {
+                    return Err(CacheError::InvalidArgument(format!(
+                        "block {i} ({key:?}) covers positions {start}..{end}, but the index has it \
+                         at {}..{}",
+                        b.start,
+                        b.end()
+                    )));
+                }
+                Some(_) => new.push(None),
+                None => {
+                    let ranges = self.cells_of_range(seq, start..end)?;
+                    new.push(Some(ranges.into_iter().flatten().map(|c| c as u32).collect()));
+                }
+            }
+            start = end;
+        }
+        Ok(RetainPlan { new })
+    }
+
+    /// Carries out a validated retention; returns the indices of the blocks
+    /// newly indexed.
+    pub(crate) fn commit_retain(&mut self, blocks: &[(BlockKey, usize)], plan: RetainPlan) -> Vec<usize> {
+        let mut added = Vec::new();
+        let mut start: Pos = 0;
+        for (i, ((key, len), cells)) in blocks.iter().zip(plan.new).enumerate() {
+            match cells {
+                Some(cells) => {
+                    let parent = if i == 0 { BlockKey::ROOT } else { blocks[i - 1].0 };
+                    for &cell in &cells {
+                        self.cells.pin(cell as usize);
+                    }
+                    self.blocks.insert(*key, parent, start, cells);
+                    added.push(i);
+                }
+                None => self.blocks.touch(&[*key]),
+            }
+            start += *len as Pos;
+        }
+        added
+    }
+
+    /// Validates adopting the chain `blocks` into the empty `seq`; returns the
+    /// positions it would hold. Changes nothing.
+    pub(crate) fn prepare_adopt(&self, seq: SeqId, blocks: &[BlockKey]) -> Result<Pos> {
+        self.check_seq(seq)?;
+        self.blocks_supported()?;
+        if !self.cells.index(seq).is_empty() {
+            return Err(CacheError::InvalidArgument(format!(
+                "sequence {seq} must be empty to adopt blocks"
+            )));
+        }
+        let mut parent = BlockKey::ROOT;
+        let mut end: Pos = 0;
+        for (i, key) in blocks.iter().enumerate() {
+            let Some(b) = self.blocks.get(key) else {
+                return Err(CacheError::InvalidArgument(format!(
+                    "block {i} of the chain ({key:?}) is not indexed"
+                )));
+            };
+            if b.parent != parent {
+                return Err(CacheError::InvalidArgument(format!(
+                    "block {i} of the chain ({key:?}) does not follow block {}",
+                    i as isize - 1
+                )));
+            }
+            parent = *key;
+            end = b.end();
+        }
+        Ok(end)
+    }
+
+    /// Carries out a validated adoption; ends any pass in progress.
+    pub(crate) fn commit_adopt(&mut self, seq: SeqId, blocks: &[BlockKey]) {
+        for key in blocks {
+            let b = self.blocks.get(key).expect("validated");
+            let start = b.start;
+            let cells = b.cells.clone();
+            for (k, cell) in cells.into_iter().enumerate() {
+                self.cells.hold(cell as usize, seq, start + k as Pos);
+            }
+        }
+        self.blocks.touch(blocks);
+        self.reservations.drop_seq(seq);
+        self.pass.end();
+    }
+
+    /// Evicts least recently used leaves whose eviction frees a cell until
+    /// `cells` cells are free or none is left; returns their keys in order.
+    pub(crate) fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
+        let mut evicted = Vec::new();
+        while self.cells.occupancy().free() < cells {
+            let frees =
+                |b: &crate::blocks::Block| b.cells.iter().any(|&c| self.cells.frees_on_unpin(c as usize));
+            let Some(key) = self.blocks.lru_leaf(frees) else {
+                break;
+            };
+            self.drop_block(&key);
+            evicted.push(key);
+        }
+        evicted
+    }
+
+    /// Forgets every block; returns their keys.
+    pub(crate) fn clear_blocks(&mut self) -> Vec<BlockKey> {
+        let cells: Vec<u32> = self
+            .blocks
+            .iter()
+            .flat_map(|(_, b)| b.cells.iter().copied())
+            .collect();
+        let keys = self.blocks.clear();
+        for cell in cells {
+            self.cells.unpin(cell as usize);
+        }
+        keys
+    }
+
+    /// Blocks dropped by the cache itself since the last call.
+    pub(crate) fn take_dropped_blocks(&mut self) -> Vec<BlockKey> {
+        std::mem::take(&mut self.dropped_blocks)
+    }
+
+    /// Every block holding one of `cells` (sorted) and the blocks below them,
+    /// leaves first: what a shifting removal of those cells must forget.
+    pub(crate) fn blocks_over(&self, cells: &[(usize, usize)]) -> Vec<BlockKey> {
+        let moved = |c: u32| {
+            let c = c as usize;
+            let i = cells.partition_point(|&(_, end)| end <= c);
+            i < cells.len() && cells[i].0 <= c
+        };
+        let mut out: Vec<BlockKey> = Vec::new();
+        for (key, b) in self.blocks.iter() {
+            if b.cells.iter().any(|&c| moved(c)) {
+                for k in self.blocks.subtree_leaves_first(key) {
+                    if !out.contains(&k) {
+                        out.push(k);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Forgets the leaf `key` and unpins its cells.
+    pub(crate) fn drop_block(&mut self, key: &BlockKey) {
+        let block = self.blocks.remove_leaf(key);
+        for cell in block.cells {
+            self.cells.unpin(cell as usize);
+        }
+    }
+
+    /// Panics unless the index agrees with the cells: pins counted per block,
+    /// and every sequence holding a block's cell at the block's position.
+    pub(crate) fn check_blocks(&self) {
+        self.blocks.check();
+        let mut pins = vec![0u16; self.cells.len()];
+        for (key, b) in self.blocks.iter() {
+            for (k, &cell) in b.cells.iter().enumerate() {
+                pins[cell as usize] += 1;
+                let pos = b.start + k as Pos;
+                for seq in self.cells.sequences(cell as usize) {
+                    assert_eq!(
+                        self.cells.index(seq).cell_of(pos),
+                        Some(cell),
+                        "block {key:?} keeps position {pos} in cell {cell}, which sequence {seq} holds \
+                         at another position"
+                    );
+                }
+            }
+        }
+        for (cell, &n) in pins.iter().enumerate() {
+            assert_eq!(
+                self.cells.pins(cell),
+                n,
+                "cell {cell}: pins disagree with the blocks"
+            );
+        }
+    }
+}
