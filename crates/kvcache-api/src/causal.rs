@@ -225,10 +225,10 @@ pub trait CausalCache {
         false
     }
 
-    /// The distinct lengths of the indexed blocks that follow `parent`
-    /// ([`BlockKey::ROOT`] for a prompt's first block), longest first:
-    /// the lengths whose keys a lookup must compute ([`indexed_prefix`](crate::retention::indexed_prefix)).
-    fn block_lengths(&self, parent: &BlockKey) -> Vec<usize> {
+    /// The indexed blocks that follow `parent` ([`BlockKey::ROOT`] for a
+    /// prompt's first block) with their lengths: where a lookup goes next
+    /// ([`BlockTokens::longest_prefix`](crate::retention::BlockTokens::longest_prefix)).
+    fn block_children(&self, parent: &BlockKey) -> Vec<(BlockKey, usize)> {
         let _ = parent;
         Vec::new()
     }
@@ -251,13 +251,21 @@ pub trait CausalCache {
         Err(crate::CacheError::NotSupported("block retention".into()))
     }
 
-    /// Makes the empty sequence `seq` hold the indexed chain `blocks` (the
-    /// first at position 0, each following the previous) in their cells, with
-    /// no copy ([`copy_prefix`](Self::copy_prefix)'s semantics). Returns the
-    /// positions it now holds; on error nothing changes.
-    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey]) -> Result<Pos> {
-        let _ = (seq, blocks);
+    /// Makes the empty sequence `seq` hold the first `len` positions of the
+    /// indexed chain `blocks` (the first at position 0, each following the
+    /// previous; `len` within the last block, which may be adopted in part)
+    /// in their cells, with no copy ([`copy_prefix`](Self::copy_prefix)'s
+    /// semantics). On error nothing changes.
+    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
+        let _ = (seq, blocks, len);
         Err(crate::CacheError::NotSupported("block retention".into()))
+    }
+
+    /// Forgets the indexed blocks among `keys` and every block below them
+    /// (cells sequences still hold stay); returns the keys forgotten.
+    fn forget_blocks(&mut self, keys: &[BlockKey]) -> Vec<BlockKey> {
+        let _ = keys;
+        Vec::new()
     }
 
     /// Evicts indexed blocks, least recently used first (leaves before their

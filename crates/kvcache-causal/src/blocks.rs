@@ -16,10 +16,10 @@
 //! only those whose eviction frees a cell.
 //!
 //! Invariants ([`BlockIndex::check`]): every parent is indexed and ends where
-//! its children start; each block's child count is right; the distinct child
-//! lengths per parent are counted exactly.
+//! its children start; each parent's list of children is exactly the blocks
+//! naming it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use kvcache_api::block_key::BlockKey;
 use kvcache_api::Pos;
@@ -33,8 +33,6 @@ pub(crate) struct Block {
     pub start: Pos,
     /// The cell of each position `start..start + cells.len()`.
     pub cells: Vec<u32>,
-    /// Indexed blocks whose parent this is.
-    children: u32,
     /// The index's clock when it was last stored or adopted.
     last_used: u64,
 }
@@ -50,8 +48,8 @@ impl Block {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct BlockIndex {
     blocks: HashMap<BlockKey, Block>,
-    /// Per parent (the root included), how many children of each length.
-    lengths: HashMap<BlockKey, BTreeMap<u32, u32>>,
+    /// Per parent (the root included), its children in the order indexed.
+    children: HashMap<BlockKey, Vec<BlockKey>>,
     /// Cells pinned by blocks, counted with multiplicity.
     cells: usize,
     clock: u64,
@@ -73,12 +71,13 @@ impl BlockIndex {
         self.blocks.get(key)
     }
 
-    /// The distinct lengths of the blocks following `parent`, longest first.
-    pub fn child_lengths(&self, parent: &BlockKey) -> Vec<usize> {
-        self.lengths
-            .get(parent)
-            .map(|lens| lens.keys().rev().map(|&l| l as usize).collect())
-            .unwrap_or_default()
+    /// The blocks following `parent` (the root for first blocks).
+    pub fn children(&self, parent: &BlockKey) -> &[BlockKey] {
+        self.children.get(parent).map_or(&[], Vec::as_slice)
+    }
+
+    fn has_children(&self, key: &BlockKey) -> bool {
+        self.children.contains_key(key)
     }
 
     /// Indexes `key` after `parent` (indexed, or the root) at `start` in
@@ -87,22 +86,16 @@ impl BlockIndex {
         assert!(!cells.is_empty(), "an empty block");
         assert!(!self.blocks.contains_key(&key), "block {key:?} indexed twice");
         if !parent.is_root() {
-            let p = self.blocks.get_mut(&parent).expect("the parent is indexed");
+            let p = self.blocks.get(&parent).expect("the parent is indexed");
             assert_eq!(
                 p.end(),
                 start,
                 "block {key:?} does not start where its parent ends"
             );
-            p.children += 1;
         } else {
             assert_eq!(start, 0, "a first block starts at 0");
         }
-        *self
-            .lengths
-            .entry(parent)
-            .or_default()
-            .entry(cells.len() as u32)
-            .or_default() += 1;
+        self.children.entry(parent).or_default().push(key);
         self.cells += cells.len();
         self.clock += 1;
         self.blocks.insert(
@@ -111,7 +104,6 @@ impl BlockIndex {
                 parent,
                 start,
                 cells,
-                children: 0,
                 last_used: self.clock,
             },
         );
@@ -131,29 +123,22 @@ impl BlockIndex {
     pub fn lru_leaf(&self, mut frees: impl FnMut(&Block) -> bool) -> Option<BlockKey> {
         self.blocks
             .iter()
-            .filter(|(_, b)| b.children == 0 && frees(b))
+            .filter(|(key, b)| !self.has_children(key) && frees(b))
             .min_by_key(|(key, b)| (b.last_used, **key))
             .map(|(key, _)| *key)
     }
 
     /// Removes the leaf `key`; returns it (the caller unpins its cells).
     pub fn remove_leaf(&mut self, key: &BlockKey) -> Block {
+        assert!(
+            !self.has_children(key),
+            "removing block {key:?}, which has children"
+        );
         let block = self.blocks.remove(key).expect("an indexed block");
-        assert_eq!(block.children, 0, "removing block {key:?}, which has children");
-        if !block.parent.is_root() {
-            self.blocks
-                .get_mut(&block.parent)
-                .expect("the parent is indexed")
-                .children -= 1;
-        }
-        let lens = self.lengths.get_mut(&block.parent).expect("counted");
-        let n = lens.get_mut(&(block.cells.len() as u32)).expect("counted");
-        *n -= 1;
-        if *n == 0 {
-            lens.remove(&(block.cells.len() as u32));
-            if lens.is_empty() {
-                self.lengths.remove(&block.parent);
-            }
+        let siblings = self.children.get_mut(&block.parent).expect("listed");
+        siblings.retain(|k| k != key);
+        if siblings.is_empty() {
+            self.children.remove(&block.parent);
         }
         self.cells -= block.cells.len();
         block
@@ -161,20 +146,11 @@ impl BlockIndex {
 
     /// `key` and every block below it, leaves first.
     pub fn subtree_leaves_first(&self, key: &BlockKey) -> Vec<BlockKey> {
-        // Children are found by scanning: subtrees are removed only when a
-        // shifting removal moves a pinned cell, which is rare.
         let mut order = vec![*key];
         let mut i = 0;
         while i < order.len() {
             let parent = order[i];
-            if self.blocks[&parent].children > 0 {
-                order.extend(
-                    self.blocks
-                        .iter()
-                        .filter(|(_, b)| b.parent == parent)
-                        .map(|(k, _)| *k),
-                );
-            }
+            order.extend_from_slice(self.children(&parent));
             i += 1;
         }
         order.reverse();
@@ -199,7 +175,7 @@ impl BlockIndex {
     pub fn clear(&mut self) -> Vec<BlockKey> {
         let keys = self.blocks.keys().copied().collect();
         self.blocks.clear();
-        self.lengths.clear();
+        self.children.clear();
         self.cells = 0;
         keys
     }
@@ -212,13 +188,13 @@ impl BlockIndex {
                 .values()
                 .map(|b| b.cells.capacity() * 4)
                 .sum::<usize>()
-            + self.lengths.capacity() * (std::mem::size_of::<BlockKey>() + 32)
+            + self.children.capacity() * (std::mem::size_of::<BlockKey>() + 32)
+            + self.children.values().map(|c| c.capacity() * 32).sum::<usize>()
     }
 
     /// Panics unless the forest is consistent.
     pub fn check(&self) {
-        let mut children: HashMap<BlockKey, u32> = HashMap::new();
-        let mut lengths: HashMap<BlockKey, BTreeMap<u32, u32>> = HashMap::new();
+        let mut children: HashMap<BlockKey, Vec<BlockKey>> = HashMap::new();
         let mut cells = 0;
         for (key, b) in &self.blocks {
             assert!(!b.cells.is_empty(), "block {key:?} is empty");
@@ -234,24 +210,27 @@ impl BlockIndex {
                     b.start,
                     "block {key:?} does not start where its parent ends"
                 );
-                *children.entry(b.parent).or_default() += 1;
             }
-            *lengths
-                .entry(b.parent)
-                .or_default()
-                .entry(b.cells.len() as u32)
-                .or_default() += 1;
+            children.entry(b.parent).or_default().push(*key);
             cells += b.cells.len();
         }
-        for (key, b) in &self.blocks {
-            let n = children.get(key).copied().unwrap_or(0);
-            assert_eq!(
-                b.children, n,
-                "block {key:?} counts {} children, has {n}",
-                b.children
-            );
-        }
-        assert_eq!(lengths, self.lengths, "child lengths are miscounted");
+        let sorted = |m: &HashMap<BlockKey, Vec<BlockKey>>| {
+            let mut v: Vec<(BlockKey, Vec<BlockKey>)> = m
+                .iter()
+                .map(|(k, c)| {
+                    let mut c = c.clone();
+                    c.sort();
+                    (*k, c)
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            sorted(&children),
+            sorted(&self.children),
+            "children are misrecorded"
+        );
         assert_eq!(cells, self.cells, "pinned cells are miscounted");
     }
 }
@@ -271,14 +250,14 @@ mod tests {
         index.insert(key(2), key(1), 2, vec![2, 3]);
         index.insert(key(3), key(1), 2, vec![4]);
         index.check();
-        assert_eq!(index.child_lengths(&key(1)), vec![2, 1]);
+        assert_eq!(index.children(&key(1)), [key(2), key(3)]);
         // Key 2 is older than key 3, and key 1 has children.
         assert_eq!(index.lru_leaf(|_| true), Some(key(2)));
         index.touch(&[key(1), key(2)]);
         assert_eq!(index.lru_leaf(|_| true), Some(key(3)));
         index.remove_leaf(&key(3));
         index.check();
-        assert_eq!(index.child_lengths(&key(1)), vec![2]);
+        assert_eq!(index.children(&key(1)), [key(2)]);
         index.remove_leaf(&key(2));
         assert_eq!(index.lru_leaf(|_| true), Some(key(1)));
         assert_eq!(index.subtree_leaves_first(&key(1)), vec![key(1)]);

@@ -723,8 +723,8 @@ impl CausalCache for CausalKvCache {
         self.book.indexes_blocks()
     }
 
-    fn block_lengths(&self, parent: &BlockKey) -> Vec<usize> {
-        self.book.block_lengths(parent)
+    fn block_children(&self, parent: &BlockKey) -> Vec<(BlockKey, usize)> {
+        self.book.block_children(parent)
     }
 
     fn holds_block(&self, key: &BlockKey) -> bool {
@@ -738,10 +738,14 @@ impl CausalCache for CausalKvCache {
     }
 
     /// Bookkeeping only, like `copy_prefix`; ends any pass in progress.
-    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey]) -> Result<Pos> {
-        let end = self.book.prepare_adopt(seq, blocks)?;
-        self.book.commit_adopt(seq, blocks);
-        Ok(end)
+    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
+        self.book.prepare_adopt(seq, blocks, len)?;
+        self.book.commit_adopt(seq, blocks, len);
+        Ok(())
+    }
+
+    fn forget_blocks(&mut self, keys: &[BlockKey]) -> Vec<BlockKey> {
+        self.book.forget_blocks(keys)
     }
 
     fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {

@@ -121,8 +121,10 @@ enum Op {
     /// `finish`) remove the whole sequence, as an engine ends a request.
     Retain { seq: usize, block: usize, finish: bool },
     /// adopt_blocks(dst emptied first, the chain ending at the `pick`th indexed
-    /// block, cut to its first `len` blocks).
-    Adopt { dst: usize, pick: u8, len: u8 },
+    /// block, cut to its first `len` blocks, the last in part by `part`).
+    Adopt { dst: usize, pick: u8, len: u8, part: u8 },
+    /// forget_blocks(the `pick`th indexed block).
+    Forget { pick: u8 },
     /// evict_blocks(all cells but `short`).
     Evict { short: u8 },
     /// clear_blocks().
@@ -144,7 +146,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..10u8, any::<u8>()).prop_map(|(kind, arg)| Op::Bad { kind, arg }),
         2 => (0..4usize, 1..=4usize, any::<bool>())
             .prop_map(|(seq, block, finish)| Op::Retain { seq, block, finish }),
-        2 => (0..4usize, any::<u8>(), any::<u8>()).prop_map(|(dst, pick, len)| Op::Adopt { dst, pick, len }),
+        2 => (0..4usize, any::<u8>(), any::<u8>(), any::<u8>())
+            .prop_map(|(dst, pick, len, part)| Op::Adopt { dst, pick, len, part }),
+        1 => any::<u8>().prop_map(|pick| Op::Forget { pick }),
         1 => (0..8u8).prop_map(|short| Op::Evict { short }),
         1 => Just(Op::ClearBlocks),
         1 => prop_oneof![Just(Op::Checkpoint), Just(Op::Rollback)],
@@ -411,11 +415,11 @@ impl Run {
                     true => vec![BlockKey([arg.max(1); 32])],
                     false => self.model.blocks.keys().take(1).copied().collect(),
                 };
-                let want = match self.model.clone().adopt(seq, &keys) {
+                let want = match self.model.clone().adopt(seq, &keys, 1) {
                     Err(e) => e,
                     Ok(_) => return Ok(()),
                 };
-                self.rejected("bad adoption", want, |c| c.adopt_blocks(seq, &keys).map(|_| ()))
+                self.rejected("bad adoption", want, |c| c.adopt_blocks(seq, &keys, 1))
             }
             _ => {
                 let batch =
@@ -497,7 +501,7 @@ impl Run {
         }
     }
 
-    fn adopt(&mut self, dst: usize, pick: u8, len: u8) -> Result<(), TestCaseError> {
+    fn adopt(&mut self, dst: usize, pick: u8, len: u8, part: u8) -> Result<(), TestCaseError> {
         let dst = self.seq(dst);
         if self.model.blocks.is_empty() {
             return Ok(());
@@ -515,17 +519,34 @@ impl Run {
         }
         chain.reverse();
         chain.truncate(usize::from(len) % chain.len() + 1);
+        let last = &self.model.blocks[chain.last().unwrap()].entries;
+        let end = last[0].pos + 1 + Pos::from(part) % last.len() as Pos;
         self.cache.remove(dst, PosRange { start: 0, end: None }).unwrap();
         self.model.remove(dst, 0, None).unwrap();
         self.pass = None;
-        match self.model.clone().adopt(dst, &chain) {
-            Err(want) => self.rejected("adopt", want, |c| c.adopt_blocks(dst, &chain).map(|_| ())),
-            Ok(end) => {
-                prop_assert_eq!(self.cache.adopt_blocks(dst, &chain).unwrap(), end);
-                self.model.adopt(dst, &chain).unwrap();
+        match self.model.clone().adopt(dst, &chain, end) {
+            Err(want) => self.rejected("adopt", want, |c| c.adopt_blocks(dst, &chain, end)),
+            Ok(()) => {
+                self.cache.adopt_blocks(dst, &chain, end).unwrap();
+                self.model.adopt(dst, &chain, end).unwrap();
                 Ok(())
             }
         }
+    }
+
+    fn forget(&mut self, pick: u8) -> Result<(), TestCaseError> {
+        let Some(&key) = self
+            .model
+            .blocks
+            .keys()
+            .nth(usize::from(pick) % self.model.blocks.len().max(1))
+        else {
+            return Ok(());
+        };
+        let mut got = self.cache.forget_blocks(&[key]);
+        got.sort();
+        prop_assert_eq!(got, self.model.forget(&[key]), "blocks forgotten");
+        Ok(())
     }
 
     fn evict(&mut self, short: u8) -> Result<(), TestCaseError> {
@@ -702,7 +723,8 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 len,
             } => r.transfer(src, dst, mode, start, len)?,
             Op::Retain { seq, block, finish } => r.retain(seq, block, finish)?,
-            Op::Adopt { dst, pick, len } => r.adopt(dst, pick, len)?,
+            Op::Adopt { dst, pick, len, part } => r.adopt(dst, pick, len, part)?,
+            Op::Forget { pick } => r.forget(pick)?,
             Op::Evict { short } => r.evict(short)?,
             Op::ClearBlocks => r.clear_blocks()?,
         }

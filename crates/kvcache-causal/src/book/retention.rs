@@ -37,9 +37,13 @@ impl Book {
         ))
     }
 
-    /// The distinct lengths of indexed blocks following `parent`, longest first.
-    pub(crate) fn block_lengths(&self, parent: &BlockKey) -> Vec<usize> {
-        self.blocks.child_lengths(parent)
+    /// The indexed blocks following `parent` and their lengths.
+    pub(crate) fn block_children(&self, parent: &BlockKey) -> Vec<(BlockKey, usize)> {
+        self.blocks
+            .children(parent)
+            .iter()
+            .map(|k| (*k, self.blocks.get(k).expect("a listed child").cells.len()))
+            .collect()
     }
 
     /// The block index.
@@ -130,9 +134,10 @@ impl Book {
         added
     }
 
-    /// Validates adopting the chain `blocks` into the empty `seq`; returns the
-    /// positions it would hold. Changes nothing.
-    pub(crate) fn prepare_adopt(&self, seq: SeqId, blocks: &[BlockKey]) -> Result<Pos> {
+    /// Validates adopting the first `len` positions of the chain `blocks`
+    /// into the empty `seq` (its last block in part, none of it unused);
+    /// changes nothing.
+    pub(crate) fn prepare_adopt(&self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
         self.check_seq(seq)?;
         self.blocks_supported()?;
         if !self.cells.index(seq).is_empty() {
@@ -141,7 +146,7 @@ impl Book {
             )));
         }
         let mut parent = BlockKey::ROOT;
-        let mut end: Pos = 0;
+        let (mut start, mut end): (Pos, Pos) = (0, 0);
         for (i, key) in blocks.iter().enumerate() {
             let Some(b) = self.blocks.get(key) else {
                 return Err(CacheError::InvalidArgument(format!(
@@ -150,29 +155,51 @@ impl Book {
             };
             if b.parent != parent {
                 return Err(CacheError::InvalidArgument(format!(
-                    "block {i} of the chain ({key:?}) does not follow block {}",
-                    i as isize - 1
+                    "block {i} of the chain ({key:?}) does not follow the block before it"
                 )));
             }
             parent = *key;
-            end = b.end();
+            (start, end) = (b.start, b.end());
         }
-        Ok(end)
+        if len <= start || len > end {
+            return Err(CacheError::InvalidArgument(format!(
+                "adopting {len} positions of a chain whose last block covers {start}..{end}"
+            )));
+        }
+        Ok(())
     }
 
     /// Carries out a validated adoption; ends any pass in progress.
-    pub(crate) fn commit_adopt(&mut self, seq: SeqId, blocks: &[BlockKey]) {
+    pub(crate) fn commit_adopt(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) {
         for key in blocks {
             let b = self.blocks.get(key).expect("validated");
             let start = b.start;
             let cells = b.cells.clone();
             for (k, cell) in cells.into_iter().enumerate() {
-                self.cells.hold(cell as usize, seq, start + k as Pos);
+                let pos = start + k as Pos;
+                if pos < len {
+                    self.cells.hold(cell as usize, seq, pos);
+                }
             }
         }
         self.blocks.touch(blocks);
         self.reservations.drop_seq(seq);
         self.pass.end();
+    }
+
+    /// Forgets `keys` (those indexed) and every block below them; returns
+    /// what was forgotten, leaves first.
+    pub(crate) fn forget_blocks(&mut self, keys: &[BlockKey]) -> Vec<BlockKey> {
+        let mut gone = Vec::new();
+        for key in keys {
+            if self.blocks.get(key).is_some() {
+                for k in self.blocks.subtree_leaves_first(key) {
+                    self.drop_block(&k);
+                    gone.push(k);
+                }
+            }
+        }
+        gone
     }
 
     /// Evicts least recently used leaves whose eviction frees a cell until

@@ -169,27 +169,60 @@ impl Reference {
         Ok(added)
     }
 
-    /// `adopt_blocks(seq, keys)`.
-    pub fn adopt(&mut self, seq: SeqId, keys: &[BlockKey]) -> Result<Pos, CacheError> {
+    /// `adopt_blocks(seq, keys, len)`.
+    pub fn adopt(&mut self, seq: SeqId, keys: &[BlockKey], len: Pos) -> Result<(), CacheError> {
         self.seq_check(seq)?;
         self.blocks_supported()?;
         if !self.seqs[seq].is_empty() {
             return Err(CacheError::InvalidArgument("not empty".into()));
         }
         let mut parent = BlockKey::ROOT;
+        let (mut start, mut end) = (0, 0);
         for key in keys {
             match self.blocks.get(key) {
-                Some(b) if b.parent == parent => parent = *key,
+                Some(b) if b.parent == parent => {
+                    parent = *key;
+                    start = b.entries[0].pos;
+                    end = start + b.entries.len() as Pos;
+                }
                 _ => return Err(CacheError::InvalidArgument("not a chain".into())),
             }
+        }
+        if len <= start || len > end {
+            return Err(CacheError::InvalidArgument(
+                "length outside the last block".into(),
+            ));
         }
         self.clock += 1;
         for key in keys {
             let b = self.blocks.get_mut(key).expect("checked");
             b.last_used = self.clock;
-            self.seqs[seq].extend(b.entries.iter().cloned());
+            self.seqs[seq].extend(b.entries.iter().filter(|e| e.pos < len).cloned());
         }
-        Ok(self.next_pos(seq))
+        Ok(())
+    }
+
+    /// `forget_blocks(keys)`: the keys forgotten (sorted).
+    pub fn forget(&mut self, keys: &[BlockKey]) -> Vec<BlockKey> {
+        let mut gone: BTreeSet<BlockKey> = keys
+            .iter()
+            .filter(|k| self.blocks.contains_key(k))
+            .copied()
+            .collect();
+        loop {
+            let below: Vec<BlockKey> = self
+                .blocks
+                .iter()
+                .filter(|(k, b)| gone.contains(&b.parent) && !gone.contains(*k))
+                .map(|(k, _)| *k)
+                .collect();
+            if below.is_empty() {
+                break;
+            }
+            gone.extend(below);
+        }
+        self.blocks.retain(|k, _| !gone.contains(k));
+        gone.into_iter().collect()
     }
 
     /// `evict_blocks(cells)`: the keys evicted, in order.
