@@ -147,6 +147,7 @@ pub fn context_shift<'m>(
             context: Some(context),
             keep: prompt.len().min(context / 2),
             stop_tokens: Vec::new(),
+            block_tokens: None,
         },
     )?;
     engine.submit(Request::new(0, prompt, context + context / 2))?;

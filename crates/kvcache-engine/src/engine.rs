@@ -19,14 +19,28 @@
 //! sequence over), evaluating only the rest. Two namespaces never share cells.
 //! Idle sequences are dropped, least recently used first, when a request needs
 //! their slot or a pass needs their cells.
+//!
+//! With [`EngineConfig::block_tokens`] set and a cache that
+//! [indexes blocks](CausalCache::indexes_blocks), prefixes are kept by block
+//! instead: a finished sequence's cells are indexed by chained block key
+//! ([`kvcache_api::retention`]) and its sequence id is free at once, so what
+//! is kept depends on cells, not on sequence slots. A joining request adopts
+//! the longest indexed chain ([`CausalCache::adopt_blocks`]), or shares the
+//! cells of a running request when that is longer, then imports whatever the
+//! store holds beyond it; one whose prompt extends a prefix a running request
+//! is still evaluating waits for it instead of evaluating it again. Blocks are
+//! evicted least recently used first when a pass needs their cells.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
+use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::retention::{block_chain, BlockTokens};
 use kvcache_api::{
-    CacheError, CausalCache, Namespace, Pos, PosRange, PrefixStore, SeqId, StoreClient, Submitted, WriteBack,
+    CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, StoreClient,
+    Submitted, WriteBack,
 };
 
 use crate::model::{BatchToken, Model};
@@ -164,6 +178,11 @@ pub struct EngineConfig {
     /// Tokens that end a request when generated (end of turn, end of
     /// sequence); the token is kept as its last generated one.
     pub stop_tokens: Vec<u32>,
+    /// With prefix reuse ([`Engine::set_prefix_reuse`]) on a cache that
+    /// indexes blocks: keep finished sequences by blocks of this many tokens
+    /// (their last, shorter block too), not as idle sequences. `None`: keep
+    /// idle sequences, one per sequence id.
+    pub block_tokens: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -174,6 +193,7 @@ impl Default for EngineConfig {
             context: None,
             keep: 4,
             stop_tokens: Vec::new(),
+            block_tokens: None,
         }
     }
 }
@@ -325,6 +345,16 @@ struct Idle {
     last_used: Instant,
 }
 
+/// How a queued request starts.
+enum Start {
+    /// In sequence `seq`, holding the first `reused` prompt tokens.
+    Join { seq: SeqId, reused: usize },
+    /// Not yet: a running request is evaluating a longer prefix it shares.
+    Wait,
+    /// No sequence id is free.
+    NoRoom,
+}
+
 /// A queued request and its token picker.
 #[derive(Debug)]
 struct Queued {
@@ -348,6 +378,11 @@ pub struct ReuseStats {
     pub evictions: usize,
     /// Requests cancelled before they finished.
     pub cancelled: usize,
+    /// Blocks evicted from the cache's block index to make room.
+    pub blocks_evicted: usize,
+    /// Requests that waited for a running request to evaluate the prefix
+    /// they share instead of evaluating it too (counted once per request).
+    pub waited_for_prefix: usize,
 }
 
 /// A continuous-batching engine over one causal cache with one slot per
@@ -378,6 +413,12 @@ pub struct Engine<'m, C, M = Llama> {
     /// Log-probabilities of the picks whose sampler asked for them, in the
     /// order of their [`Event::Token`]s ([`Engine::take_logprobs`]).
     logprobs: Vec<(usize, TokenLogprobs)>,
+    /// The model blocks are keyed under (the store's, once one is set).
+    fingerprint: Fingerprint,
+    /// Ids of queued requests already counted as waiting for a prefix.
+    waiting: Vec<usize>,
+    /// The tokens of each block the cache indexes, and their last use.
+    block_tokens: BlockTokens,
 }
 
 impl<'m, C, M> Engine<'m, C, M>
@@ -388,9 +429,9 @@ where
     /// An engine with `cache.config().max_sequences` slots.
     pub fn new(model: &'m M, cache: C, config: EngineConfig) -> Result<Self> {
         let slots = cache.config().max_sequences;
-        if config.max_batch == 0 || config.prefill_chunk == 0 {
+        if config.max_batch == 0 || config.prefill_chunk == 0 || config.block_tokens == Some(0) {
             return Err(EngineError::InvalidArgument(
-                "max_batch and prefill_chunk must be positive".into(),
+                "max_batch, prefill_chunk and block_tokens must be positive".into(),
             ));
         }
         if config.max_batch > cache.config().max_batch {
@@ -416,6 +457,9 @@ where
             reuse_prefixes: false,
             logprobs: Vec::new(),
             tokenizer: None,
+            fingerprint: Fingerprint::default(),
+            waiting: Vec::new(),
+            block_tokens: BlockTokens::default(),
         })
     }
 
@@ -434,7 +478,20 @@ where
     /// same one, or every import and every export is refused and counted
     /// ([`Stats::store_errors`]).
     pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, deadline: Duration) {
-        self.store = Some(StoreClient::new(store, deadline));
+        let client = StoreClient::new(store, deadline);
+        self.fingerprint = client.fingerprint();
+        self.store = Some(client);
+    }
+
+    /// Whether finished sequences are kept by block: prefix reuse on,
+    /// [`EngineConfig::block_tokens`] set, and a cache that indexes blocks.
+    pub fn keeps_blocks(&self) -> bool {
+        self.reuse_prefixes && self.config.block_tokens.is_some() && self.cache.indexes_blocks()
+    }
+
+    /// Blocks in the cache's index and the cells they keep.
+    pub fn indexed_blocks(&self) -> (usize, usize) {
+        self.cache.indexed_blocks()
     }
 
     /// The client the engine reads and writes its store through, if it has one.
@@ -449,6 +506,8 @@ where
         self.reuse_prefixes = on;
         if !on {
             self.evict_idle(Duration::ZERO)?;
+            let gone = self.cache.clear_blocks();
+            self.block_tokens.forget(&gone);
         }
         Ok(())
     }
@@ -508,6 +567,7 @@ where
     pub fn cancel(&mut self, id: usize) -> Result<bool> {
         if let Some(i) = self.queue.iter().position(|q| q.req.id == id) {
             self.queue.remove(i);
+            self.waiting.retain(|&w| w != id);
             self.reuse.cancelled += 1;
             return Ok(true);
         }
@@ -560,10 +620,14 @@ where
         self.reuse
     }
 
-    /// Drops the sequences kept for reuse that have not been used for `age`;
-    /// returns how many.
+    /// Drops the sequences and blocks kept for reuse that have not been used
+    /// for `age`; returns how many.
     pub fn evict_idle(&mut self, age: Duration) -> Result<usize> {
-        let mut n = 0;
+        let old = self.block_tokens.unused_for(age);
+        let gone = self.cache.forget_blocks(&old);
+        self.block_tokens.forget(&gone);
+        self.reuse.blocks_evicted += gone.len();
+        let mut n = gone.len();
         for seq in 0..self.idle.len() {
             if self.idle[seq]
                 .as_ref()
@@ -602,12 +666,12 @@ where
         Ok(true)
     }
 
-    /// Imports the longest stored prefix of `prompt` into the empty sequence
-    /// `seq`, leaving at least the last prompt token to evaluate. Returns the
-    /// tokens imported; any failure imports nothing.
-    fn restore(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32]) -> usize {
+    /// Imports the stored run of `prompt` past `from` into `seq`, which holds
+    /// exactly its first `from` tokens, leaving at least the last prompt token
+    /// to evaluate. Returns the tokens imported; any failure imports nothing.
+    fn restore(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32], from: usize) -> usize {
         let Some(client) = &self.store else { return 0 };
-        let fetched = match client.restore(namespace, prompt, 0) {
+        let fetched = match client.restore(namespace, prompt, from) {
             Ok(Some(fetched)) => fetched,
             Ok(None) => return 0,
             Err(error) => {
@@ -671,6 +735,14 @@ where
         Ok(())
     }
 
+    /// Evicts indexed blocks until `cells` cells are free; whether any was.
+    fn evict_blocks(&mut self, cells: usize) -> bool {
+        let evicted = self.cache.evict_blocks(cells);
+        self.block_tokens.forget(&evicted);
+        self.reuse.blocks_evicted += evicted.len();
+        !evicted.is_empty()
+    }
+
     /// Drops the least recently used idle sequence; `false` when there is none.
     fn evict_lru(&mut self) -> Result<bool> {
         let oldest = (0..self.idle.len())
@@ -721,51 +793,34 @@ where
         Ok(None)
     }
 
+    /// Admits queued requests, oldest first, while sequence ids are free;
+    /// a request waiting for a running request's prefix lets later ones by.
     fn admit(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
-        while let Some(next) = self.queue.front() {
-            let (namespace, prompt) = (next.req.namespace.clone(), next.req.prompt.clone());
-            let source = if self.reuse_prefixes {
-                self.longest_prefix(&namespace, &prompt)
+        let mut i = 0;
+        while i < self.queue.len() {
+            let (namespace, prompt) = (
+                self.queue[i].req.namespace.clone(),
+                self.queue[i].req.prompt.clone(),
+            );
+            let start = if self.keeps_blocks() {
+                self.start_by_blocks(i, &namespace, &prompt)?
             } else {
-                None
+                self.start_by_sequences(&namespace, &prompt)?
             };
-            // A request that extends the whole prompt of a finished one
-            // continues it (the next turn of a conversation): it takes that
-            // sequence over rather than sharing its cells from another slot,
-            // so the finished turn's cells are not kept twice.
-            let continues = source
-                .filter(|&(src, len)| self.idle[src].as_ref().is_some_and(|idle| len >= idle.prompt_len));
-            let seq = match continues {
-                Some((src, _)) => src,
-                None => match self.free_seq(source.map(|s| s.0))? {
-                    Some(seq) => seq,
-                    None => break,
-                },
+            let (seq, reused) = match start {
+                Start::Join { seq, reused } => (seq, reused),
+                Start::Wait => {
+                    i += 1;
+                    continue;
+                }
+                Start::NoRoom => break,
             };
             let Queued {
                 req,
                 sampler,
                 submitted,
-            } = self.queue.pop_front().expect("front exists");
-            let reused = match source {
-                Some((src, len)) if src == seq => {
-                    // Take the idle sequence over, keeping its shared prefix.
-                    self.cache.remove(seq, PosRange::from(len as Pos..))?;
-                    self.idle[seq] = None;
-                    len
-                }
-                Some((src, len)) => {
-                    self.cache.copy_prefix(src, seq, len as Pos)?;
-                    if let Some(idle) = self.idle[src].as_mut() {
-                        idle.last_used = Instant::now();
-                    }
-                    len
-                }
-                None => {
-                    self.cache.remove(seq, PosRange::from(0..))?;
-                    0
-                }
-            };
+            } = self.queue.remove(i).expect("a queued request");
+            self.waiting.retain(|&id| id != req.id);
             if self.reuse_prefixes {
                 if reused > 0 {
                     self.reuse.hits += 1;
@@ -774,11 +829,9 @@ where
                 }
                 self.reuse.reused_tokens += reused;
             }
-            let restored = if reused == 0 {
-                self.restore(seq, &namespace, &prompt)
-            } else {
-                0
-            };
+            // The longer of what memory and the store hold: the store's run
+            // past what the cache gave.
+            let restored = self.restore(seq, &namespace, &prompt, reused);
             on_event(&Event::Joined {
                 id: req.id,
                 seq,
@@ -788,7 +841,7 @@ where
             self.slots[seq] = Some(Slot {
                 tokens: req.prompt.clone(),
                 req,
-                cached: reused.max(restored),
+                cached: reused + restored,
                 generated: Vec::new(),
                 joined: Instant::now(),
                 first_token: None,
@@ -800,6 +853,116 @@ where
             });
         }
         Ok(())
+    }
+
+    /// Starts a request on idle sequences: the sequence holding the longest
+    /// prefix is continued in place (a request extending a finished one's
+    /// whole prompt: the next turn of a conversation, whose finished turn's
+    /// cells are then not kept twice) or shared by copy-prefix.
+    fn start_by_sequences(&mut self, namespace: &Namespace, prompt: &[u32]) -> Result<Start> {
+        let source = if self.reuse_prefixes {
+            self.longest_prefix(namespace, prompt)
+        } else {
+            None
+        };
+        let continues =
+            source.filter(|&(src, len)| self.idle[src].as_ref().is_some_and(|idle| len >= idle.prompt_len));
+        let seq = match continues {
+            Some((src, _)) => src,
+            None => match self.free_seq(source.map(|s| s.0))? {
+                Some(seq) => seq,
+                None => return Ok(Start::NoRoom),
+            },
+        };
+        let reused = match source {
+            Some((src, len)) if src == seq => {
+                // Take the idle sequence over, keeping its shared prefix.
+                self.cache.remove(seq, PosRange::from(len as Pos..))?;
+                self.idle[seq] = None;
+                len
+            }
+            Some((src, len)) => {
+                self.cache.copy_prefix(src, seq, len as Pos)?;
+                if let Some(idle) = self.idle[src].as_mut() {
+                    idle.last_used = Instant::now();
+                }
+                len
+            }
+            None => {
+                self.cache.remove(seq, PosRange::from(0..))?;
+                0
+            }
+        };
+        Ok(Start::Join { seq, reused })
+    }
+
+    /// Starts queued request `i` on the block index: the longest indexed
+    /// chain, or a running request's cells where those go further; it waits
+    /// while a running request is still evaluating a longer shared prefix.
+    fn start_by_blocks(&mut self, i: usize, namespace: &Namespace, prompt: &[u32]) -> Result<Start> {
+        let limit = prompt.len() - 1;
+        let scope = Scope::new(&self.fingerprint, namespace);
+        let kept = self.block_tokens.longest_prefix(&self.cache, scope, prompt, limit);
+        let adopted = kept.len;
+        let running = self.longest_prefix(namespace, prompt);
+        let best = adopted.max(running.map_or(0, |r| r.1));
+        let pending = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.req.namespace == *namespace && s.generated.is_empty() && s.shifts == 0)
+            .map(|s| common_prefix(&s.req.prompt, prompt).min(limit))
+            .max()
+            .unwrap_or(0);
+        if pending > best {
+            let id = self.queue[i].req.id;
+            if !self.waiting.contains(&id) {
+                self.waiting.push(id);
+                self.reuse.waited_for_prefix += 1;
+            }
+            return Ok(Start::Wait);
+        }
+        let Some(seq) = self.free_seq(None)? else {
+            return Ok(Start::NoRoom);
+        };
+        self.cache.remove(seq, PosRange::from(0..))?;
+        let reused = match running {
+            Some((src, len)) if len > adopted => {
+                self.cache.copy_prefix(src, seq, len as Pos)?;
+                len
+            }
+            _ if adopted > 0 => {
+                self.cache.adopt_blocks(seq, &kept.keys, adopted as Pos)?;
+                self.block_tokens.touch(&kept.keys);
+                adopted
+            }
+            _ => 0,
+        };
+        Ok(Start::Join { seq, reused })
+    }
+
+    /// Keeps the finished `seq`'s cells by block ([`EngineConfig::block_tokens`])
+    /// and frees its sequence id. Returns the blocks newly indexed.
+    fn retain(
+        &mut self,
+        seq: SeqId,
+        namespace: &Namespace,
+        tokens: &[u32],
+    ) -> Result<Vec<(BlockKey, usize)>> {
+        let block = self.config.block_tokens.expect("keeping blocks");
+        let chain = block_chain(Scope::new(&self.fingerprint, namespace), block, tokens);
+        let kept = match self.cache.retain_blocks(seq, &chain) {
+            Ok(new) => {
+                self.block_tokens.record(&chain, tokens, &new);
+                new.into_iter().map(|i| chain[i]).collect()
+            }
+            Err(error) => {
+                tracing::warn!(%error, seq, "block retention refused: the finished sequence is not kept");
+                Vec::new()
+            }
+        };
+        self.cache.remove(seq, PosRange::from(0..))?;
+        Ok(kept)
     }
 
     fn context_shifts(&mut self, on_event: &mut dyn FnMut(&Event)) -> Result<usize> {
@@ -820,6 +983,8 @@ where
             }
             let removed = keep as Pos..(keep + discard) as Pos;
             self.cache.remove(seq, PosRange::from(removed.clone()))?;
+            // Blocks whose cells the shift moved are no longer what their keys say.
+            self.block_tokens.forget(&self.cache.take_dropped_blocks());
             s.tokens.drain(keep..keep + discard);
             s.cached -= discard;
             s.shifts += 1;
@@ -837,6 +1002,9 @@ where
     fn hidden_making_room(&mut self, batch: &[BatchToken]) -> Result<Tensor> {
         loop {
             match self.model.hidden(batch, &mut self.cache) {
+                Err(EngineError::Cache(CacheError::Full { .. })) if self.evict_blocks(batch.len()) => {
+                    continue
+                }
                 Err(EngineError::Cache(CacheError::Full { .. })) if self.evict_lru()? => continue,
                 result => return result,
             }
@@ -1019,7 +1187,9 @@ where
     /// never shifted) or freed.
     fn finish(&mut self, seq: SeqId, reason: FinishReason, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
         let mut s = self.slots[seq].take().expect("live");
-        if self.reuse_prefixes && s.shifts == 0 {
+        if self.keeps_blocks() && s.shifts == 0 {
+            self.retain(seq, &s.req.namespace, &s.tokens[..s.cached])?;
+        } else if self.reuse_prefixes && s.shifts == 0 {
             s.tokens.truncate(s.cached);
             self.idle[seq] = Some(Idle {
                 namespace: s.req.namespace.clone(),

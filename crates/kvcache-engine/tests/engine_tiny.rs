@@ -101,6 +101,7 @@ fn context_shift_equals_recomputing_the_shifted_tokens() {
             context: Some(ctx),
             keep,
             stop_tokens: Vec::new(),
+            block_tokens: None,
         },
     )
     .unwrap();

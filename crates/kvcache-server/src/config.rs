@@ -25,10 +25,17 @@ pub struct ServerConfig {
     /// resumes without recomputing when its next turn parts from what the
     /// cache holds at most `window_memory - window` positions before its end.
     pub window_memory: usize,
+    /// Keep finished requests' cells by blocks of this many tokens, independent
+    /// of sequence ids, on a model whose cache indexes blocks (no sliding
+    /// window: SmolLM2); `None`, or a model with window layers: keep them as
+    /// idle sequences, at most `max_sequences` of them.
+    pub block_tokens: Option<usize>,
     /// Requests admitted beyond `max_sequences` before new ones are refused
     /// with 503 and `Retry-After`.
     pub max_queue: usize,
-    /// How long a finished sequence's cells stay cached for reuse.
+    /// How long a finished sequence's cells stay cached for reuse (idle
+    /// sequences; blocks are evicted least recently used first when cells
+    /// are needed).
     pub idle_ttl: Duration,
     /// Generated tokens when a request names no `max_tokens`.
     pub default_max_tokens: usize,
@@ -106,6 +113,7 @@ impl Default for ServerConfig {
             prefill_chunk: 128,
             attention: AttentionPath::Paged,
             window_memory: 1024,
+            block_tokens: Some(16),
             max_queue: 64,
             idle_ttl: Duration::from_secs(300),
             default_max_tokens: 256,

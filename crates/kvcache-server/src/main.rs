@@ -62,6 +62,11 @@ struct Args {
     /// positions before its end.
     #[arg(long, value_name = "POSITIONS", default_value_t = 1024)]
     window_memory: usize,
+    /// Keep finished requests' prefixes by blocks of this many tokens, whatever
+    /// sequence ran them (models without sliding-window layers); 0 keeps them
+    /// as idle sequences, at most --max-sequences of them.
+    #[arg(long, value_name = "TOKENS", default_value_t = 16)]
+    block_tokens: usize,
     /// Requests waiting beyond --max-sequences before new ones get 503 and Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -212,6 +217,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_batch: args.max_batch,
         prefill_chunk: args.prefill_chunk,
         window_memory: args.window_memory,
+        block_tokens: (args.block_tokens > 0).then_some(args.block_tokens),
         attention: match args.attention {
             AttentionArg::Paged => AttentionPath::Paged,
             AttentionArg::Dense => AttentionPath::Dense,

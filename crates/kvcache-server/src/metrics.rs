@@ -114,6 +114,18 @@ impl Metrics {
             g.reuse.evictions as f64,
         );
         metric(
+            "kvcache_blocks_evicted_total",
+            "counter",
+            "Cached prefix blocks evicted, least recently used first, to make room or for age.",
+            g.reuse.blocks_evicted as f64,
+        );
+        metric(
+            "kvcache_prefix_waits_total",
+            "counter",
+            "Requests that waited for a running request to evaluate a prefix they share.",
+            g.reuse.waited_for_prefix as f64,
+        );
+        metric(
             "kvcache_requests_cancelled_total",
             "counter",
             "Requests cancelled because their client went away.",
@@ -160,6 +172,18 @@ impl Metrics {
             "gauge",
             "Finished sequences kept for prefix reuse.",
             g.idle as f64,
+        );
+        metric(
+            "kvcache_blocks_cached",
+            "gauge",
+            "Prefix blocks of finished requests kept for reuse.",
+            g.blocks.0 as f64,
+        );
+        metric(
+            "kvcache_block_cells",
+            "gauge",
+            "Cells those blocks keep (counted once per block).",
+            g.blocks.1 as f64,
         );
         metric(
             "kvcache_queue_depth",

@@ -87,6 +87,8 @@ pub struct Gauges {
     pub queued: usize,
     /// Finished sequences kept for reuse.
     pub idle: usize,
+    /// Blocks kept for reuse and the cells they keep.
+    pub blocks: (usize, usize),
     /// Prefix reuse counters.
     pub reuse: ReuseStats,
     /// Tokens generated.
@@ -287,6 +289,7 @@ fn build_engine<'m, M: Model>(
             context: Some(config.context),
             keep: 4,
             stop_tokens: tokenizer.end_of_turn_ids(),
+            block_tokens: config.block_tokens,
         },
     )?;
     engine.set_tokenizer(tokenizer);
@@ -458,6 +461,7 @@ fn serve<M: Model>(
             active: engine.active(),
             queued: engine.queued(),
             idle: engine.idle_sequences(),
+            blocks: engine.indexed_blocks(),
             reuse: engine.reuse_stats(),
             generated_tokens: stats.generated_tokens,
             passes: stats.passes,

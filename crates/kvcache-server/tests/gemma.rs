@@ -50,6 +50,7 @@ fn engine_answer(prompt: &[u32], max_tokens: usize) -> (Vec<u32>, String) {
             context: Some(1024),
             keep: 4,
             stop_tokens: tokenizer.end_of_turn_ids(),
+            block_tokens: None,
         },
     )
     .unwrap();
