@@ -39,6 +39,7 @@ mod config;
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 mod error;
+pub mod events;
 pub mod host;
 mod mixed;
 mod paged;
@@ -52,6 +53,7 @@ pub use batch::{Batch, Pos, SeqId};
 pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
 pub use config::{CausalConfig, DType, KvStorage, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
+pub use events::{EventLog, KvEvent, KvEventSink, Medium};
 pub use host::{
     Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
     PrefixStore, SeqState, Submitted,
