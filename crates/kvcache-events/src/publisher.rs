@@ -1,0 +1,257 @@
+//! [`ZmqPublisher`]: a [`KvEventSink`] that binds a ZMQ PUB socket and sends
+//! each batch as vLLM's `ZmqEventPublisher` does.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::{Stream, StreamExt};
+use kvcache_api::events::{KvEvent, KvEventSink};
+use tokio::sync::mpsc;
+use zeromq::{PubSocket, Socket, SocketEvent, SocketSend, ZmqMessage};
+
+use crate::wire::encode_batch;
+
+/// Why a publisher could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EventsError {
+    /// The endpoint could not be bound (in use, not `tcp://HOST:PORT`, ...).
+    #[error("cannot bind the KV events socket to {endpoint}: {reason}")]
+    Bind {
+        /// The endpoint asked for.
+        endpoint: String,
+        /// What ZMQ said.
+        reason: String,
+    },
+    /// The sending thread or its runtime could not start.
+    #[error("cannot start the KV events thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// How a [`ZmqPublisher`] publishes.
+#[derive(Debug, Clone)]
+pub struct ZmqPublisherConfig {
+    /// What to bind, `tcp://HOST:PORT` (port 0 picks a free one; see
+    /// [`ZmqPublisher::endpoint`]).
+    pub endpoint: String,
+    /// The first frame of every message (vLLM's `topic`, empty by default).
+    pub topic: String,
+    /// Batches waiting for the sending thread at most; past that `publish`
+    /// drops (vLLM's `max_queue_size` blocks instead).
+    pub queue_batches: usize,
+    /// Sent in every batch as `data_parallel_rank` (vLLM sends its rank, 0
+    /// without data parallelism).
+    pub data_parallel_rank: i32,
+    /// The sequence number of the first batch (the `AllBlocksCleared` sent at
+    /// start); each batch after it takes the next. vLLM starts at 0. The
+    /// default is the start time in microseconds since the Unix epoch, so a
+    /// restarted publisher's numbers continue above its last run's: Dynamo's
+    /// listener drops a batch whose number is not above the last it applied,
+    /// and would otherwise ignore a restarted replica (its `AllBlocksCleared`
+    /// first) until the numbers passed the old ones. Set 0 for vLLM's.
+    pub first_sequence: u64,
+    /// How long the sending thread holds the first batch (and what is queued
+    /// behind it) for a subscriber to connect, after `bind`. What a PUB
+    /// socket sends before a subscriber has connected and subscribed is lost,
+    /// and a router's subscriber reconnects to a restarted engine only after
+    /// the socket is bound again (Dynamo's within a second or two): sending
+    /// `AllBlocksCleared` at once would reach nobody. The batches go out as
+    /// soon as one subscriber has connected (and 100 ms for its subscription
+    /// to arrive), or when this has passed without one. `publish` never
+    /// waits for it; the queue takes what comes meanwhile.
+    pub startup_wait: Duration,
+}
+
+impl ZmqPublisherConfig {
+    /// Defaults for `endpoint`: empty topic, 10,000 queued batches, rank 0,
+    /// the first sequence number from the clock.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        let micros = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        ZmqPublisherConfig {
+            endpoint: endpoint.into(),
+            topic: String::new(),
+            queue_batches: 10_000,
+            data_parallel_rank: 0,
+            first_sequence: micros,
+            startup_wait: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the sending thread gets: one batch, its number and its time.
+struct Queued {
+    sequence: u64,
+    ts: f64,
+    events: Vec<KvEvent>,
+}
+
+/// Counters shared with the sending thread.
+#[derive(Debug, Default)]
+struct Counters {
+    /// Batches `publish` dropped because the queue was full.
+    dropped: AtomicU64,
+    /// Batches handed to the socket.
+    sent: AtomicU64,
+}
+
+/// Publishes KV events on a ZMQ PUB socket in vLLM's wire format.
+///
+/// Each [`publish`](KvEventSink::publish) call is one batch: `[topic,
+/// sequence number (8 bytes, big-endian), msgpack KVEventBatch]`, three
+/// frames, as vLLM's `ZmqEventPublisher` sends them, one sequence number per
+/// batch. The first batch, sent as the socket is bound, is
+/// `AllBlocksCleared`: a restarted engine holds nothing, and a router that
+/// remembers its old blocks forgets them without any replay.
+///
+/// Nothing here waits for a subscriber. `publish` timestamps the batch,
+/// numbers it and puts it on a bounded queue (`try_send`, under a lock held
+/// for nothing else, so numbers follow the queue's order); when the queue is
+/// full the batch
+/// is dropped and counted ([`dropped`](Self::dropped)), and the sequence
+/// number it would have had is skipped, so a subscriber sees the gap (Dynamo
+/// logs it) instead of silently missing blocks. A thread encodes and sends;
+/// the socket (the pure-Rust `zeromq` crate) hands each message to every
+/// subscriber's queue without waiting and drops it for a subscriber whose
+/// queue is full (ZMTP's rule for PUB; the queue holds about 128 KiB beyond
+/// the kernel's socket buffer), so a stalled or vanished subscriber costs
+/// neither the engine nor the other subscribers anything.
+///
+/// One caveat of that socket: a message that a subscriber's socket buffer
+/// could take only in part is finished by the next message sent to it. A
+/// subscriber that keeps up never meets it.
+#[derive(Debug)]
+pub struct ZmqPublisher {
+    queue: Option<mpsc::Sender<Queued>>,
+    /// The next batch's sequence number; held only to number a batch and
+    /// `try_send` it, so numbers follow the queue's order.
+    next_sequence: Mutex<u64>,
+    counters: Arc<Counters>,
+    endpoint: String,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ZmqPublisher {
+    /// Binds `config.endpoint` and starts the sending thread; the first batch,
+    /// `AllBlocksCleared`, is queued before this returns.
+    pub fn bind(config: ZmqPublisherConfig) -> Result<Self, EventsError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let mut socket = PubSocket::new();
+        let monitor = socket.monitor();
+        let endpoint = runtime
+            .block_on(socket.bind(&config.endpoint))
+            .map_err(|e| EventsError::Bind {
+                endpoint: config.endpoint.clone(),
+                reason: e.to_string(),
+            })?
+            .to_string();
+        let (queue, receiver) = mpsc::channel(config.queue_batches.max(1));
+        let counters = Arc::new(Counters::default());
+        let sender = Sender {
+            socket,
+            topic: config.topic.into_bytes(),
+            rank: config.data_parallel_rank,
+            counters: counters.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("kv-events".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    first_subscriber(monitor, config.startup_wait).await;
+                    sender.run(receiver).await
+                })
+            })?;
+        let publisher = ZmqPublisher {
+            queue: Some(queue),
+            next_sequence: Mutex::new(config.first_sequence),
+            counters,
+            endpoint,
+            thread: Some(thread),
+        };
+        publisher.publish(vec![KvEvent::AllBlocksCleared]);
+        Ok(publisher)
+    }
+
+    /// The bound endpoint, with the port the system chose for port 0.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Batches dropped so far because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.counters.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Batches handed to the socket so far (whether or not anyone listened).
+    pub fn sent(&self) -> u64 {
+        self.counters.sent.load(Ordering::Relaxed)
+    }
+}
+
+impl KvEventSink for ZmqPublisher {
+    fn publish(&self, events: Vec<KvEvent>) {
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let Some(queue) = &self.queue else { return };
+        let mut next = self.next_sequence.lock().unwrap_or_else(|e| e.into_inner());
+        let sequence = *next;
+        // A dropped batch keeps its number: subscribers see the gap.
+        *next = sequence.wrapping_add(1);
+        if queue.try_send(Queued { sequence, ts, events }).is_err() {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ZmqPublisher {
+    /// Sends what is queued (never waiting for subscribers), then stops.
+    fn drop(&mut self) {
+        drop(self.queue.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Waits until a subscriber has connected (and its subscription had time
+/// to arrive) or `wait` has passed.
+async fn first_subscriber(mut monitor: impl Stream<Item = SocketEvent> + Unpin, wait: Duration) {
+    let accepted = async {
+        while let Some(event) = monitor.next().await {
+            if let SocketEvent::Accepted(..) = event {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(wait, accepted).await;
+}
+
+/// The sending thread's state.
+struct Sender {
+    socket: PubSocket,
+    topic: Vec<u8>,
+    rank: i32,
+    counters: Arc<Counters>,
+}
+
+impl Sender {
+    async fn run(mut self, mut queue: mpsc::Receiver<Queued>) {
+        while let Some(batch) = queue.recv().await {
+            let payload = encode_batch(batch.ts, &batch.events, Some(self.rank));
+            let mut message = ZmqMessage::from(self.topic.clone());
+            message.push_back(batch.sequence.to_be_bytes().to_vec().into());
+            message.push_back(payload.into());
+            if let Err(error) = self.socket.send(message).await {
+                tracing::warn!(%error, "KV events: send failed; batch lost");
+            }
+            self.counters.sent.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = self.socket.close().await;
+    }
+}
