@@ -1,6 +1,7 @@
 //! `cargo xtask`: set-up and task runner for kvcache-rs. `cargo xtask help` says what it does.
 
 mod cargo;
+mod dynamo_venv;
 mod error;
 mod files;
 mod layout;

@@ -19,6 +19,12 @@ pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
     let python = crate::openai_venv::ensure(&layout.cache)?;
     cargo.set_env(crate::openai_venv::PYTHON_ENV, python);
     cargo.set_env(crate::openai_venv::REQUIRE_ENV, "1");
+    // kvcache-events' test subscribes NVIDIA Dynamo's KV indexer (Linux wheels only).
+    if crate::dynamo_venv::supported() {
+        let python = crate::dynamo_venv::ensure(&layout.cache)?;
+        cargo.set_env(crate::dynamo_venv::PYTHON_ENV, python);
+        cargo.set_env(crate::dynamo_venv::REQUIRE_ENV, "1");
+    }
     let chosen = Chosen::scan(args);
     if chosen.targets {
         return cargo.run(&chosen.command(&["test", "--no-fail-fast"], args));
