@@ -32,8 +32,9 @@
 //! dynamo.indexer`) uses them to link a stored block to its parent and to
 //! find the blocks a `BlockRemoved` names, per worker. It never matches a
 //! request against them. For every stored block it computes its own
-//! `LocalBlockHash` from the block's `token_ids` (XXH3-64 with a fixed seed
-//! over the block's tokens; `compute_block_hash_for_seq`), and a query for a
+//! `LocalBlockHash` from the block's `token_ids` (XXH3-64, seed 1337, over
+//! the block's tokens as little-endian `u32`s; `compute_block_hash_for_seq`:
+//! checked, `[1, 2, 3, 4]` gives 14643705804678351452), and a query for a
 //! request's token ids hashes them the same way and walks the tree. So two
 //! workers that hold the same tokens match the same request whatever hashes
 //! they publish, and a hash chain of ours (SHA-256 over the model
