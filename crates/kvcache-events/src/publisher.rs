@@ -2,13 +2,13 @@
 //! each batch as vLLM's `ZmqEventPublisher` does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::{Stream, StreamExt};
 use kvcache_api::events::{KvEvent, KvEventSink};
-use tokio::sync::mpsc;
 use zeromq::{PubSocket, Socket, SocketEvent, SocketSend, ZmqMessage};
 
 use crate::wire::encode_batch;
@@ -102,29 +102,31 @@ struct Counters {
 /// Each [`publish`](KvEventSink::publish) call is one batch: `[topic,
 /// sequence number (8 bytes, big-endian), msgpack KVEventBatch]`, three
 /// frames, as vLLM's `ZmqEventPublisher` sends them, one sequence number per
-/// batch. The first batch, sent as the socket is bound, is
-/// `AllBlocksCleared`: a restarted engine holds nothing, and a router that
-/// remembers its old blocks forgets them without any replay.
+/// batch. The first batch is `AllBlocksCleared`, sent once a subscriber has
+/// connected (see [`ZmqPublisherConfig::startup_wait`]): a restarted engine
+/// holds nothing, and a router that remembers its old blocks forgets them
+/// without any replay.
 ///
 /// Nothing here waits for a subscriber. `publish` timestamps the batch,
 /// numbers it and puts it on a bounded queue (`try_send`, under a lock held
-/// for nothing else, so numbers follow the queue's order); when the queue is
-/// full the batch
-/// is dropped and counted ([`dropped`](Self::dropped)), and the sequence
-/// number it would have had is skipped, so a subscriber sees the gap (Dynamo
-/// logs it) instead of silently missing blocks. A thread encodes and sends;
-/// the socket (the pure-Rust `zeromq` crate) hands each message to every
-/// subscriber's queue without waiting and drops it for a subscriber whose
-/// queue is full (ZMTP's rule for PUB; the queue holds about 128 KiB beyond
-/// the kernel's socket buffer), so a stalled or vanished subscriber costs
-/// neither the engine nor the other subscribers anything.
+/// for nothing else, so numbers follow the queue's order; about 0.1 us).
+/// When the queue is full the batch is dropped and counted
+/// ([`dropped`](Self::dropped)), and its sequence number stays unused, so a
+/// subscriber sees the gap (Dynamo logs it) instead of silently missing
+/// blocks. A thread of the publisher's own polls the queue every
+/// millisecond, encodes and sends; the socket (the pure-Rust `zeromq` crate)
+/// hands each message to every subscriber's queue without waiting and drops
+/// it for a subscriber whose queue is full (ZMTP's rule for PUB; that queue
+/// holds about 128 KiB beyond the kernel's socket buffers), so a stalled or
+/// vanished subscriber costs neither the engine nor the other subscribers
+/// anything.
 ///
 /// One caveat of that socket: a message that a subscriber's socket buffer
 /// could take only in part is finished by the next message sent to it. A
 /// subscriber that keeps up never meets it.
 #[derive(Debug)]
 pub struct ZmqPublisher {
-    queue: Option<mpsc::Sender<Queued>>,
+    queue: Option<SyncSender<Queued>>,
     /// The next batch's sequence number; held only to number a batch and
     /// `try_send` it, so numbers follow the queue's order.
     next_sequence: Mutex<u64>,
@@ -149,7 +151,7 @@ impl ZmqPublisher {
                 reason: e.to_string(),
             })?
             .to_string();
-        let (queue, receiver) = mpsc::channel(config.queue_batches.max(1));
+        let (queue, receiver) = mpsc::sync_channel(config.queue_batches.max(1));
         let counters = Arc::new(Counters::default());
         let sender = Sender {
             socket,
@@ -232,6 +234,10 @@ async fn first_subscriber(mut monitor: impl Stream<Item = SocketEvent> + Unpin, 
     let _ = tokio::time::timeout(wait, accepted).await;
 }
 
+/// How often the sending thread looks for batches when it found none: a
+/// batch waits at most this long (plus the timer's slack) to be sent.
+const POLL: Duration = Duration::from_millis(1);
+
 /// The sending thread's state.
 struct Sender {
     socket: PubSocket,
@@ -241,8 +247,26 @@ struct Sender {
 }
 
 impl Sender {
-    async fn run(mut self, mut queue: mpsc::Receiver<Queued>) {
-        while let Some(batch) = queue.recv().await {
+    /// Sends what is queued, in order, until the publisher is dropped. The
+    /// queue is polled every [`POLL`] rather than waited on: a thread parked on
+    /// it would have to be woken by `publish`, a system call (about 6 us where
+    /// a `try_send` alone takes 0.1 us).
+    async fn run(mut self, queue: mpsc::Receiver<Queued>) {
+        let mut sent: u64 = 0;
+        loop {
+            // Let the socket's own tasks (accepting, subscriptions) run
+            // between batches of a long queue.
+            if sent % 64 == 63 {
+                tokio::task::yield_now().await;
+            }
+            let batch = match queue.try_recv() {
+                Ok(batch) => batch,
+                Err(TryRecvError::Empty) => {
+                    tokio::time::sleep(POLL).await;
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => break,
+            };
             let payload = encode_batch(batch.ts, &batch.events, Some(self.rank));
             let mut message = ZmqMessage::from(self.topic.clone());
             message.push_back(batch.sequence.to_be_bytes().to_vec().into());
@@ -251,6 +275,7 @@ impl Sender {
                 tracing::warn!(%error, "KV events: send failed; batch lost");
             }
             self.counters.sent.fetch_add(1, Ordering::Relaxed);
+            sent += 1;
         }
         let _ = self.socket.close().await;
     }
