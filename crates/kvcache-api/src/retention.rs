@@ -73,6 +73,11 @@ impl BlockTokens {
         self.blocks.is_empty()
     }
 
+    /// The tokens of block `key`, if recorded.
+    pub fn tokens(&self, key: &BlockKey) -> Option<&[u32]> {
+        self.blocks.get(key).map(|(tokens, _)| tokens.as_slice())
+    }
+
     /// Records the blocks `new` (indices into `chain`, which covers `tokens`
     /// from position 0) and marks the whole chain used now.
     pub fn record(&mut self, chain: &[(BlockKey, usize)], tokens: &[u32], new: &[usize]) {

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::events::{block_hash, KvEvent, KvEventSink, Medium};
 use kvcache_api::retention::{block_chain, BlockTokens};
 use kvcache_api::{
     CacheError, CausalCache, Fingerprint, Namespace, Pos, PosRange, PrefixStore, SeqId, StoreClient,
@@ -419,6 +420,8 @@ pub struct Engine<'m, C, M = Llama> {
     waiting: Vec<usize>,
     /// The tokens of each block the cache indexes, and their last use.
     block_tokens: BlockTokens,
+    /// Where changes of the block index are reported, if anywhere.
+    events: Option<Arc<dyn KvEventSink>>,
 }
 
 impl<'m, C, M> Engine<'m, C, M>
@@ -460,6 +463,7 @@ where
             fingerprint: Fingerprint::default(),
             waiting: Vec::new(),
             block_tokens: BlockTokens::default(),
+            events: None,
         })
     }
 
@@ -489,6 +493,18 @@ where
         self.reuse_prefixes && self.config.block_tokens.is_some() && self.cache.indexes_blocks()
     }
 
+    /// Reports the block index's changes to `sink` as KV events in vLLM's
+    /// schema ([`kvcache_api::events`]; `kvcache-events` publishes them over
+    /// ZMQ for a cache-aware router such as NVIDIA Dynamo's): every full
+    /// block of [`EngineConfig::block_tokens`] tokens kept is `BlockStored`
+    /// (with its tokens, its parent and its namespace), every one evicted,
+    /// aged out or forgotten `BlockRemoved`; tails, shorter than a block, are
+    /// kept but not reported (a router counts whole blocks). Set it before
+    /// the first request: blocks kept earlier are never reported.
+    pub fn set_event_sink(&mut self, sink: Arc<dyn KvEventSink>) {
+        self.events = Some(sink);
+    }
+
     /// Blocks in the cache's index and the cells they keep.
     pub fn indexed_blocks(&self) -> (usize, usize) {
         self.cache.indexed_blocks()
@@ -507,7 +523,7 @@ where
         if !on {
             self.evict_idle(Duration::ZERO)?;
             let gone = self.cache.clear_blocks();
-            self.block_tokens.forget(&gone);
+            self.blocks_gone(&gone);
         }
         Ok(())
     }
@@ -625,8 +641,8 @@ where
     pub fn evict_idle(&mut self, age: Duration) -> Result<usize> {
         let old = self.block_tokens.unused_for(age);
         let gone = self.cache.forget_blocks(&old);
-        self.block_tokens.forget(&gone);
         self.reuse.blocks_evicted += gone.len();
+        self.blocks_gone(&gone);
         let mut n = gone.len();
         for seq in 0..self.idle.len() {
             if self.idle[seq]
@@ -738,9 +754,60 @@ where
     /// Evicts indexed blocks until `cells` cells are free; whether any was.
     fn evict_blocks(&mut self, cells: usize) -> bool {
         let evicted = self.cache.evict_blocks(cells);
-        self.block_tokens.forget(&evicted);
         self.reuse.blocks_evicted += evicted.len();
-        !evicted.is_empty()
+        let any = !evicted.is_empty();
+        self.blocks_gone(&evicted);
+        any
+    }
+
+    /// Forgets the tokens of blocks the cache no longer keeps, reporting the
+    /// full ones removed.
+    fn blocks_gone(&mut self, keys: &[BlockKey]) {
+        if keys.is_empty() {
+            return;
+        }
+        if let (Some(sink), Some(block)) = (&self.events, self.config.block_tokens) {
+            let removed: Vec<u64> = keys
+                .iter()
+                .filter(|k| self.block_tokens.tokens(k).is_some_and(|t| t.len() == block))
+                .map(|k| block_hash(&k.0))
+                .collect();
+            if !removed.is_empty() {
+                sink.publish(vec![KvEvent::BlockRemoved {
+                    block_hashes: removed,
+                    medium: Medium::Device,
+                }]);
+            }
+        }
+        self.block_tokens.forget(keys);
+    }
+
+    /// Reports the full blocks among `new` (indices into `chain`, which
+    /// covers `tokens` from position 0) as stored.
+    fn blocks_stored(
+        &self,
+        namespace: &Namespace,
+        chain: &[(BlockKey, usize)],
+        tokens: &[u32],
+        new: &[usize],
+    ) {
+        let (Some(sink), Some(block)) = (&self.events, self.config.block_tokens) else {
+            return;
+        };
+        let full: Vec<usize> = new.iter().copied().filter(|&i| chain[i].1 == block).collect();
+        if full.is_empty() {
+            return;
+        }
+        // New full blocks follow each other (a chain's kept part comes first).
+        let first = full[0];
+        sink.publish(vec![KvEvent::BlockStored {
+            block_hashes: full.iter().map(|&i| block_hash(&chain[i].0 .0)).collect(),
+            parent_block_hash: first.checked_sub(1).map(|p| block_hash(&chain[p].0 .0)),
+            token_ids: tokens[first * block..(full[full.len() - 1] + 1) * block].to_vec(),
+            block_size: block,
+            medium: Medium::Device,
+            namespace: namespace.clone(),
+        }]);
     }
 
     /// Drops the least recently used idle sequence; `false` when there is none.
@@ -902,7 +969,9 @@ where
     fn start_by_blocks(&mut self, i: usize, namespace: &Namespace, prompt: &[u32]) -> Result<Start> {
         let limit = prompt.len() - 1;
         let scope = Scope::new(&self.fingerprint, namespace);
-        let kept = self.block_tokens.longest_prefix(&self.cache, scope, prompt, limit);
+        let kept = self
+            .block_tokens
+            .longest_prefix(&self.cache, scope, prompt, limit);
         let adopted = kept.len;
         let running = self.longest_prefix(namespace, prompt);
         let best = adopted.max(running.map_or(0, |r| r.1));
@@ -954,6 +1023,7 @@ where
         let kept = match self.cache.retain_blocks(seq, &chain) {
             Ok(new) => {
                 self.block_tokens.record(&chain, tokens, &new);
+                self.blocks_stored(namespace, &chain, tokens, &new);
                 new.into_iter().map(|i| chain[i]).collect()
             }
             Err(error) => {
@@ -970,6 +1040,7 @@ where
             return Ok(0);
         };
         let mut n = 0;
+        let mut dropped = Vec::new();
         for (seq, slot) in self.slots.iter_mut().enumerate() {
             let Some(s) = slot else { continue };
             // Only decoding sequences (one pending token) reach the limit.
@@ -984,7 +1055,7 @@ where
             let removed = keep as Pos..(keep + discard) as Pos;
             self.cache.remove(seq, PosRange::from(removed.clone()))?;
             // Blocks whose cells the shift moved are no longer what their keys say.
-            self.block_tokens.forget(&self.cache.take_dropped_blocks());
+            dropped.extend(self.cache.take_dropped_blocks());
             s.tokens.drain(keep..keep + discard);
             s.cached -= discard;
             s.shifts += 1;
@@ -995,6 +1066,7 @@ where
                 removed,
             });
         }
+        self.blocks_gone(&dropped);
         Ok(n)
     }
 

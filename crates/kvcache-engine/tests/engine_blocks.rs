@@ -235,6 +235,71 @@ fn a_prompt_parting_mid_block_reuses_every_token_before_it() {
     }
     // Idle blocks age out and give their cells back.
     assert!(engine.evict_idle(std::time::Duration::ZERO).unwrap() > 0);
-    assert_eq!((engine.indexed_blocks(), engine.cache().used_cells()), ((0, 0), 0));
+    assert_eq!(
+        (engine.indexed_blocks(), engine.cache().used_cells()),
+        ((0, 0), 0)
+    );
     engine.cache().check();
+}
+
+#[test]
+fn kept_blocks_are_reported_as_kv_events() {
+    use kvcache_api::block_key::{BlockKey, KeyChain, Scope};
+    use kvcache_api::events::{block_hash, EventLog, KvEvent, Medium};
+    use kvcache_api::Fingerprint;
+    use std::sync::Arc;
+
+    let model = model();
+    let mut engine = engine(&model, 2, 64, 8);
+    let log = Arc::new(EventLog::new());
+    engine.set_event_sink(log.clone());
+    let first = Request::new(0, conversation(6, 13), 3);
+    engine.submit(first.clone()).unwrap();
+    let done = drain(&mut engine);
+    // Kept: 15 tokens, three full blocks and a tail of 3, which is not reported.
+    let kept = [&first.prompt[..], &done[0].generated[..2]].concat();
+    let (fp, ns) = (Fingerprint::default(), Namespace::shared());
+    let keys: Vec<BlockKey> = KeyChain::new(Scope::new(&fp, &ns), BLOCK, &kept)
+        .map(|(_, k)| k)
+        .collect();
+    let hashes: Vec<u64> = keys.iter().map(|k| block_hash(&k.0)).collect();
+    assert_eq!(
+        log.take(),
+        [KvEvent::BlockStored {
+            block_hashes: hashes.clone(),
+            parent_block_hash: None,
+            token_ids: kept[..12].to_vec(),
+            block_size: BLOCK,
+            medium: Medium::Device,
+            namespace: ns.clone(),
+        }]
+    );
+    // The next turn adds blocks after the third; the tail is replaced by a
+    // full block.
+    let next = Request::new(1, [&kept[..], &[7, 8, 9]].concat(), 1);
+    engine.submit(next.clone()).unwrap();
+    drain(&mut engine);
+    let events = log.take();
+    let KvEvent::BlockStored {
+        block_hashes,
+        parent_block_hash,
+        token_ids,
+        ..
+    } = &events[0]
+    else {
+        panic!("{events:?}");
+    };
+    assert_eq!((block_hashes.len(), *parent_block_hash), (1, Some(hashes[2])));
+    assert_eq!(token_ids, &next.prompt[12..16]);
+    // Aging everything out reports every full block removed, leaves first.
+    engine.evict_idle(std::time::Duration::ZERO).unwrap();
+    let removed: Vec<u64> = log
+        .take()
+        .into_iter()
+        .flat_map(|e| match e {
+            KvEvent::BlockRemoved { block_hashes, .. } => block_hashes,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(removed, [block_hashes[0], hashes[2], hashes[1], hashes[0]]);
 }

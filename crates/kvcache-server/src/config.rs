@@ -30,6 +30,10 @@ pub struct ServerConfig {
     /// window: SmolLM2); `None`, or a model with window layers: keep them as
     /// idle sequences, at most `max_sequences` of them.
     pub block_tokens: Option<usize>,
+    /// Publish the kept blocks as KV events in vLLM's schema on a ZMQ PUB
+    /// socket bound here (`tcp://127.0.0.1:5557`), for a cache-aware router
+    /// such as NVIDIA Dynamo's KV indexer (whole blocks of `block_tokens`).
+    pub kv_events: Option<String>,
     /// Requests admitted beyond `max_sequences` before new ones are refused
     /// with 503 and `Retry-After`.
     pub max_queue: usize,
@@ -114,6 +118,7 @@ impl Default for ServerConfig {
             attention: AttentionPath::Paged,
             window_memory: 1024,
             block_tokens: Some(16),
+            kv_events: None,
             max_queue: 64,
             idle_ttl: Duration::from_secs(300),
             default_max_tokens: 256,

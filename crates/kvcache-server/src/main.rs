@@ -67,6 +67,11 @@ struct Args {
     /// as idle sequences, at most --max-sequences of them.
     #[arg(long, value_name = "TOKENS", default_value_t = 16)]
     block_tokens: usize,
+    /// Publish kept blocks as KV events (vLLM's schema, msgpack over a ZMQ PUB
+    /// socket bound at ENDPOINT, e.g. tcp://127.0.0.1:5557) for a cache-aware
+    /// router such as NVIDIA Dynamo's KV indexer; needs --block-tokens > 0.
+    #[arg(long, value_name = "ENDPOINT")]
+    kv_events: Option<String>,
     /// Requests waiting beyond --max-sequences before new ones get 503 and Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -218,6 +223,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         prefill_chunk: args.prefill_chunk,
         window_memory: args.window_memory,
         block_tokens: (args.block_tokens > 0).then_some(args.block_tokens),
+        kv_events: args.kv_events.clone(),
         attention: match args.attention {
             AttentionArg::Paged => AttentionPath::Paged,
             AttentionArg::Dense => AttentionPath::Dense,

@@ -22,6 +22,7 @@ use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request,
 use kvcache_engine::gemma::GemmaFile;
 use kvcache_engine::sampling::{Sampler, TokenLogprobs};
 use kvcache_engine::{store, CellUse, EngineError, Model, ModelFile, Tokenizer, WeightMode};
+use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
 use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
@@ -294,6 +295,19 @@ fn build_engine<'m, M: Model>(
     )?;
     engine.set_tokenizer(tokenizer);
     engine.set_prefix_reuse(true)?;
+    if let Some(endpoint) = &config.kv_events {
+        if !engine.keeps_blocks() {
+            return Err(kvcache_engine::EngineError::InvalidArgument(
+                "--kv-events reports kept blocks: it needs --block-tokens above 0 and a model without \
+                 sliding-window layers"
+                    .into(),
+            ));
+        }
+        let publisher = ZmqPublisher::bind(ZmqPublisherConfig::new(endpoint.clone()))
+            .map_err(|e| kvcache_engine::EngineError::InvalidArgument(e.to_string()))?;
+        tracing::info!(endpoint = publisher.endpoint(), "publishing KV events");
+        engine.set_event_sink(Arc::new(publisher));
+    }
     Ok(engine)
 }
 
