@@ -710,8 +710,8 @@ where
         }
     }
 
-    /// Writes back the part of the evaluated `prompt` of `seq` that the store
-    /// lacks ([`StoreClient::write_back`]), exported as the store's model.
+    /// Writes back the part of the evaluated `prompt` of `seq` (or any run of
+    /// its tokens from position 0) that the store lacks ([`StoreClient::write_back`]), exported as the store's model.
     fn store_prompt(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32]) {
         let Some(client) = &self.store else { return };
         let cache = &self.cache;
@@ -1260,6 +1260,12 @@ where
     fn finish(&mut self, seq: SeqId, reason: FinishReason, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
         let mut s = self.slots[seq].take().expect("live");
         if self.keeps_blocks() && s.shifts == 0 {
+            if self.store.is_some() {
+                // What the cache keeps is in the store too (its memory tier
+                // first), so a block evicted later costs a fetch, not a
+                // recompute: the prompt went at its first token, now the rest.
+                self.store_prompt(seq, &s.req.namespace, &s.tokens[..s.cached]);
+            }
             self.retain(seq, &s.req.namespace, &s.tokens[..s.cached])?;
         } else if self.reuse_prefixes && s.shifts == 0 {
             s.tokens.truncate(s.cached);

@@ -17,13 +17,27 @@ fn model() -> Llama {
 }
 
 fn engine(model: &Llama, sequences: usize, cells_each: usize, chunk: usize) -> Engine<'_, CausalKvCache> {
-    let shift: Box<dyn KeyShift<Tensor>> = Box::new(model.rope().clone());
-    let cache = CausalKvCache::new(
-        CausalConfig::new(sequences, cells_each, 16),
-        Device::Cpu,
-        Some(shift),
+    engine_of(
+        model,
+        sequences,
+        cells_each,
+        chunk,
+        kvcache_api::Fingerprint::default(),
     )
-    .unwrap();
+}
+
+/// An engine keeping blocks, over a cache that carries the model `fingerprint`.
+fn engine_of(
+    model: &Llama,
+    sequences: usize,
+    cells_each: usize,
+    chunk: usize,
+    fingerprint: kvcache_api::Fingerprint,
+) -> Engine<'_, CausalKvCache> {
+    let shift: Box<dyn KeyShift<Tensor>> = Box::new(model.rope().clone());
+    let config = CausalConfig::new(sequences, cells_each, 16);
+    let mut cache = CausalKvCache::new(config, Device::Cpu, Some(shift)).unwrap();
+    cache.set_fingerprint(fingerprint);
     let mut engine = Engine::new(
         model,
         cache,
@@ -302,4 +316,52 @@ fn kept_blocks_are_reported_as_kv_events() {
         })
         .collect();
     assert_eq!(removed, [block_hashes[0], hashes[2], hashes[1], hashes[0]]);
+}
+
+#[test]
+fn an_evicted_block_costs_a_fetch_from_the_store_not_a_recompute() {
+    use kvcache_api::{DType, Fingerprint, KvLayout};
+    use kvcache_store::{MemoryTier, StoreConfig, TieredStore};
+
+    const MODEL: Fingerprint = Fingerprint([7; 32]);
+    let model = model();
+    let c = model.config();
+    let layout = KvLayout::new(c.n_layers, c.n_kv_heads, c.head_dim, DType::F32);
+    let config = StoreConfig::new(MODEL, layout).with_block_tokens(BLOCK);
+    let memory = MemoryTier::new(config.context(), 1 << 24);
+    let store = std::sync::Arc::new(TieredStore::new(config, vec![Box::new(memory)]).unwrap());
+    let mut engine = engine_of(&model, 2, 64, 8, MODEL);
+    engine.set_store(store.clone(), std::time::Duration::from_secs(5));
+
+    let first = Request::new(0, conversation(8, 14), 5);
+    engine.submit(first.clone()).unwrap();
+    let done = drain(&mut engine);
+    store.flush();
+    // The cache keeps 18 tokens (14 + 4 fed back); the store got them all, the
+    // prompt at its first token and the rest when the request ended.
+    assert_eq!(engine.indexed_blocks(), (5, 18));
+    let kept = [&first.prompt[..], &done[0].generated[..4]].concat();
+    // Every block ages out of the cache; the next turn fetches the whole
+    // first turn from the store instead of evaluating it.
+    engine.evict_idle(std::time::Duration::ZERO).unwrap();
+    assert_eq!(engine.cache().used_cells(), 0);
+    let next = Request::new(1, [&kept[..], &[5, 6]].concat(), 3);
+    engine.submit(next.clone()).unwrap();
+    let done = drain(&mut engine);
+    assert_eq!((done[0].reused, done[0].restored), (0, 18));
+    assert_eq!(done[0].generated, alone(&model, &next));
+
+    // Memory and the store together: a prompt whose first blocks the cache
+    // still keeps takes them from the cache and the rest from the store.
+    engine.evict_idle(std::time::Duration::ZERO).unwrap();
+    let short = Request::new(2, kept[..9].to_vec(), 1);
+    engine.submit(short.clone()).unwrap();
+    drain(&mut engine);
+    store.flush();
+    let again = Request::new(3, [&kept[..], &[5, 6], &[9]].concat(), 2);
+    engine.submit(again.clone()).unwrap();
+    let done = drain(&mut engine);
+    assert_eq!(done[0].reused, 9, "the cache's part: two blocks and a tail");
+    assert!(done[0].reused + done[0].restored >= 18, "{:?}", done[0]);
+    assert_eq!(done[0].generated, alone(&model, &again));
 }
