@@ -1,7 +1,7 @@
 //! The Redis tier, through the `redis` crate's synchronous API.
 //!
 //! Keys, under the scope's prefix `kvc2:{fp16}:{len}:{namespace}:` (see
-//! [`redis_prefix`](crate::namespace::redis_prefix): no tenant's prefix is a prefix of another's):
+//! [`redis_prefix`]: no tenant's prefix is a prefix of another's):
 //!
 //! - `…m:{key}`: the block's manifest, a few text lines (format, key, parent,
 //!   start, tokens, chunk count, total length, CRC32, layout, fingerprint,
