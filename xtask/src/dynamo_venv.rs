@@ -6,10 +6,8 @@
 //! Linux (x86-64, aarch64) only: elsewhere nothing is made and the test skips.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::error::Result;
-use crate::{files, shell};
 
 /// Environment variable through which the test gets the interpreter.
 pub const PYTHON_ENV: &str = "KVCACHE_DYNAMO_PYTHON";
@@ -28,25 +26,11 @@ pub fn supported() -> bool {
 
 /// The virtual environment's interpreter, made and filled on first use.
 pub fn ensure(cache: &Path) -> Result<PathBuf> {
-    const STEP: &str = "prepare: python dynamo runtime";
-    let venv = cache.join("python").join(format!("dynamo-{DYNAMO_VERSION}"));
-    let python = venv.join("bin").join("python");
-    let done = venv.join(".installed");
-    if done.is_file() && python.is_file() {
-        println!("{STEP}: already done ({})", venv.display());
-        return Ok(python);
-    }
-    println!("{STEP}: creating {}", venv.display());
-    files::remove_all(&venv)?;
-    shell::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-    shell::run(Command::new(&python).args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        &format!("ai-dynamo-runtime=={DYNAMO_VERSION}"),
-    ]))?;
-    files::write(&done, DYNAMO_VERSION)?;
-    Ok(python)
+    crate::python::venv_with(
+        cache,
+        "prepare: python dynamo runtime",
+        "dynamo",
+        "ai-dynamo-runtime",
+        DYNAMO_VERSION,
+    )
 }

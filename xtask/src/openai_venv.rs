@@ -4,10 +4,8 @@
 //! [`PYTHON_ENV`].
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::error::Result;
-use crate::{files, shell};
 
 /// Environment variable through which the smoke test gets the interpreter.
 pub const PYTHON_ENV: &str = "KVCACHE_OPENAI_PYTHON";
@@ -21,25 +19,11 @@ const OPENAI_VERSION: &str = "2.8.0";
 
 /// The virtual environment's interpreter, made and filled on first use.
 pub fn ensure(cache: &Path) -> Result<PathBuf> {
-    const STEP: &str = "prepare: python openai client";
-    let venv = cache.join("python").join(format!("openai-{OPENAI_VERSION}"));
-    let python = venv.join("bin").join("python");
-    let done = venv.join(".installed");
-    if done.is_file() && python.is_file() {
-        println!("{STEP}: already done ({})", venv.display());
-        return Ok(python);
-    }
-    println!("{STEP}: creating {}", venv.display());
-    files::remove_all(&venv)?;
-    shell::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-    shell::run(Command::new(&python).args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        &format!("openai=={OPENAI_VERSION}"),
-    ]))?;
-    files::write(&done, OPENAI_VERSION)?;
-    Ok(python)
+    crate::python::venv_with(
+        cache,
+        "prepare: python openai client",
+        "openai",
+        "openai",
+        OPENAI_VERSION,
+    )
 }

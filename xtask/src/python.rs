@@ -40,3 +40,29 @@ pub fn unzip(wheel: &Path, dest: &Path) -> Result<()> {
     cmd.args(["-m", "zipfile", "-e"]).arg(wheel).arg(dest);
     shell::run(&mut cmd)
 }
+
+/// The interpreter of a virtual environment under `cache/python/{name}-{version}`
+/// with `package==version` installed by pip, made on first use (`step` names the
+/// set-up step in what xtask prints).
+pub fn venv_with(cache: &Path, step: &str, name: &str, package: &str, version: &str) -> Result<PathBuf> {
+    let venv = cache.join("python").join(format!("{name}-{version}"));
+    let python = venv.join("bin").join("python");
+    let done = venv.join(".installed");
+    if done.is_file() && python.is_file() {
+        println!("{step}: already done ({})", venv.display());
+        return Ok(python);
+    }
+    println!("{step}: creating {}", venv.display());
+    files::remove_all(&venv)?;
+    shell::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    shell::run(Command::new(&python).args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        &format!("{package}=={version}"),
+    ]))?;
+    files::write(&done, version)?;
+    Ok(python)
+}

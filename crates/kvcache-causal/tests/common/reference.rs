@@ -362,26 +362,13 @@ impl Reference {
                 .filter(|e| e.pos >= end)
                 .map(|e| e.id)
                 .collect();
-            let mut gone: BTreeSet<BlockKey> = self
+            let over: Vec<BlockKey> = self
                 .blocks
                 .iter()
                 .filter(|(_, b)| b.entries.iter().any(|e| moved.contains(&e.id)))
                 .map(|(k, _)| *k)
                 .collect();
-            // And every block below them.
-            loop {
-                let below: Vec<BlockKey> = self
-                    .blocks
-                    .iter()
-                    .filter(|(k, b)| gone.contains(&b.parent) && !gone.contains(*k))
-                    .map(|(k, _)| *k)
-                    .collect();
-                if below.is_empty() {
-                    break;
-                }
-                gone.extend(below);
-            }
-            self.blocks.retain(|k, _| !gone.contains(k));
+            self.forget(&over);
         }
         let entries = &mut self.seqs[seq];
         entries.retain(|e| e.pos < start || end.is_some_and(|end| e.pos >= end));
