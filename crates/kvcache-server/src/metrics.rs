@@ -271,6 +271,11 @@ fn render_store(out: &mut String, store: &StoreStats) {
             store.submitted + store.states_submitted,
         ),
         (
+            "kvcache_store_writes_done_total",
+            "Store writes of prompts' keys and values the writer has finished (every tier tried).",
+            store.runs_written,
+        ),
+        (
             "kvcache_store_writes_dropped_total",
             "Store writes dropped, not stored, because the writer's queue was full (--store-queue).",
             store.dropped,

@@ -417,7 +417,7 @@ fn serve<M: Model>(
                 outgoing.push((
                     f.id,
                     JobEvent::Finished {
-                        cached_tokens: f.reused.max(f.restored),
+                        cached_tokens: f.reused + f.restored,
                         reason: f.reason.clone(),
                     },
                 ));

@@ -102,6 +102,7 @@ pub(crate) struct StoreCounters {
     pub(crate) dropped: AtomicU64,
     pub(crate) rejected: AtomicU64,
     pub(crate) blocks_written: AtomicU64,
+    pub(crate) runs_written: AtomicU64,
     pub(crate) fetches: AtomicU64,
     pub(crate) fetch_timeouts: AtomicU64,
     pub(crate) states_submitted: AtomicU64,
@@ -124,6 +125,9 @@ pub struct StoreStats {
     pub rejected: u64,
     /// Blocks the writer stored in at least one tier.
     pub blocks_written: u64,
+    /// Submitted runs the writer is done with (every block tried in every
+    /// tier): with `submitted`, whether writes are still pending.
+    pub runs_written: u64,
     /// Fetches answered.
     pub fetches: u64,
     /// Fetches (of rows or states) cut short by their deadline.
@@ -149,6 +153,7 @@ impl StoreCounters {
             dropped: load(&self.dropped),
             rejected: load(&self.rejected),
             blocks_written: load(&self.blocks_written),
+            runs_written: load(&self.runs_written),
             fetches: load(&self.fetches),
             fetch_timeouts: load(&self.fetch_timeouts),
             states_submitted: load(&self.states_submitted),

@@ -414,6 +414,7 @@ impl Core {
                     cut: None,
                 });
                 add(&self.counters.blocks_written, stored);
+                bump(&self.counters.runs_written);
             }
             Job::States(job) => {
                 let parts = self.state_parts(&job);
