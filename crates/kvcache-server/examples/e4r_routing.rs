@@ -39,6 +39,8 @@ use std::time::{Duration, Instant};
 
 #[path = "common/server.rs"]
 mod server;
+#[path = "common/stream.rs"]
+mod stream;
 
 use clap::{Parser, ValueEnum};
 use kvcache_bench::store_bench::replica_of;
@@ -46,8 +48,7 @@ use kvcache_bench::trace::{Request, Trace};
 use kvcache_testkit::redis_server::{self, RedisServer};
 use serde_json::{json, Value};
 use server::Server;
-
-type Error = Box<dyn std::error::Error + Send + Sync>;
+use stream::{complete, percentile, Error};
 
 /// Blocks of the replicas (`--block-tokens`) and of the indexer's workers.
 const BLOCK: usize = 16;
@@ -232,16 +233,6 @@ impl RunReport {
     }
 }
 
-/// The `q` quantile (nearest rank) of `v`; 0 for none.
-fn percentile(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
-}
-
 /// Dynamo's standalone KV indexer, killed by its process id when dropped.
 struct Indexer {
     child: Child,
@@ -345,74 +336,6 @@ impl Indexer {
     }
 }
 
-/// One streamed greedy completion, read to `[DONE]`: (prompt tokens, cached
-/// tokens, completion tokens, time to first token).
-async fn complete(
-    http: &reqwest::Client,
-    url: &str,
-    model: &str,
-    tokens: &[u32],
-    max_tokens: usize,
-) -> Result<(usize, usize, usize, Duration), Error> {
-    let body = json!({
-        "model": model,
-        "prompt": tokens,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    let start = Instant::now();
-    let mut response = http
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await?;
-    if !response.status().is_success() {
-        let status = response.status();
-        return Err(format!("{url}: {status}: {}", response.text().await?).into());
-    }
-    let mut buffer = String::new();
-    let mut ttft = None;
-    let mut usage = None;
-    let mut done = false;
-    while let Some(chunk) = response.chunk().await? {
-        buffer.push_str(std::str::from_utf8(&chunk)?);
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:") else {
-                    continue;
-                };
-                let data = data.trim();
-                if data == "[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data)?;
-                let has_choice = v["choices"].as_array().is_some_and(|c| !c.is_empty());
-                if has_choice && ttft.is_none() {
-                    ttft = Some(start.elapsed());
-                }
-                if !v["usage"].is_null() {
-                    usage = Some(v["usage"].clone());
-                }
-            }
-        }
-    }
-    let usage = usage.ok_or("no usage")?;
-    if !done {
-        return Err("stream ended without [DONE]".into());
-    }
-    let field = |v: &Value| v.as_u64().map(|n| n as usize).ok_or("usage field missing");
-    Ok((
-        field(&usage["prompt_tokens"])?,
-        field(&usage["prompt_tokens_details"]["cached_tokens"])?,
-        field(&usage["completion_tokens"])?,
-        ttft.ok_or("no token")?,
-    ))
-}
-
 /// Sends probes (token ids no trace prompt starts with, one token generated)
 /// to replica `replica` until the indexer shows one's blocks there: from then
 /// on its subscriber receives what the replica publishes.
@@ -507,7 +430,7 @@ async fn run_mode(
             }
             _ => (round_robin(r), Choice::RoundRobin),
         };
-        let (prompt_tokens, cached_tokens, completion_tokens, ttft) = complete(
+        let streamed = complete(
             &http,
             &servers[replica].url,
             &args.model,
@@ -521,10 +444,10 @@ async fn run_mode(
             conv: r.conv,
             turn: r.turn,
             min_prefill: r.min_prefill,
-            prompt_tokens,
-            cached_tokens,
-            completion_tokens,
-            ttft,
+            prompt_tokens: streamed.prompt_tokens,
+            cached_tokens: streamed.cached_tokens,
+            completion_tokens: streamed.completion_tokens,
+            ttft: streamed.ttft,
             replica,
             choice,
             matched,

@@ -23,11 +23,13 @@ use std::time::{Duration, Instant};
 
 #[path = "common/server.rs"]
 mod server;
+#[path = "common/stream.rs"]
+mod stream;
 
 use clap::{Parser, ValueEnum};
 use kvcache_bench::trace::{Request, Trace};
-use serde_json::{json, Value};
 use server::Server;
+use stream::{complete, percentile, Error};
 
 /// Replays the E1 trace against kvcache-server (E6 sequential, E7 concurrent).
 #[derive(Debug, Parser)]
@@ -156,83 +158,25 @@ impl RunReport {
     }
 }
 
-/// The `q` quantile (nearest rank) of `v`; 0 for none.
-fn percentile(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
-}
-
-/// Sends one streamed completion and reads it to `[DONE]`.
-async fn complete(
+/// Sends one streamed completion of `r`'s token ids and reads it to `[DONE]`.
+async fn complete_request(
     http: &reqwest::Client,
     url: &str,
     model: &str,
     r: &Request,
     max_tokens: usize,
-) -> Result<Outcome, Box<dyn std::error::Error + Send + Sync>> {
-    let body = json!({
-        "model": model,
-        "prompt": r.token_ids,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    let start = Instant::now();
-    let mut response = http
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await?;
-    if !response.status().is_success() {
-        let status = response.status();
-        return Err(format!("request {}: {status}: {}", r.idx, response.text().await?).into());
-    }
-    let mut buffer = String::new();
-    let mut ttft = None;
-    let mut usage = None;
-    let mut done = false;
-    while let Some(chunk) = response.chunk().await? {
-        buffer.push_str(std::str::from_utf8(&chunk)?);
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:") else {
-                    continue;
-                };
-                let data = data.trim();
-                if data == "[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data)?;
-                let has_choice = v["choices"].as_array().is_some_and(|c| !c.is_empty());
-                if has_choice && ttft.is_none() {
-                    ttft = Some(start.elapsed());
-                }
-                if !v["usage"].is_null() {
-                    usage = Some(v["usage"].clone());
-                }
-            }
-        }
-    }
-    let usage = usage.ok_or_else(|| format!("request {}: no usage", r.idx))?;
-    if !done {
-        return Err(format!("request {}: stream ended without [DONE]", r.idx).into());
-    }
-    let field = |v: &Value| v.as_u64().map(|n| n as usize).ok_or("usage field missing");
+) -> Result<Outcome, Error> {
+    let s = complete(http, url, model, &r.token_ids, max_tokens)
+        .await
+        .map_err(|e| format!("request {}: {e}", r.idx))?;
     Ok(Outcome {
         conv: r.conv,
         turn: r.turn,
         min_prefill: r.min_prefill,
-        prompt_tokens: field(&usage["prompt_tokens"])?,
-        cached_tokens: field(&usage["prompt_tokens_details"]["cached_tokens"])?,
-        completion_tokens: field(&usage["completion_tokens"])?,
-        ttft: ttft.ok_or_else(|| format!("request {}: no token", r.idx))?,
+        prompt_tokens: s.prompt_tokens,
+        cached_tokens: s.cached_tokens,
+        completion_tokens: s.completion_tokens,
+        ttft: s.ttft,
     })
 }
 
@@ -257,12 +201,12 @@ async fn sequential(
     args: &Args,
     requests: &[Request],
     max_tokens: usize,
-) -> Result<RunReport, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<RunReport, Error> {
     let http = reqwest::Client::new();
     let start = Instant::now();
     let mut outcomes = Vec::new();
     for r in requests {
-        let o = complete(&http, url, &args.model, r, max_tokens).await?;
+        let o = complete_request(&http, url, &args.model, r, max_tokens).await?;
         log(args.verbose, &o);
         outcomes.push(o);
     }
@@ -278,7 +222,7 @@ async fn concurrent(
     args: &Args,
     requests: &[Request],
     max_tokens: usize,
-) -> Result<RunReport, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<RunReport, Error> {
     let http = reqwest::Client::new();
     let mut convs: Vec<usize> = requests.iter().map(|r| r.conv).collect();
     convs.sort_unstable();
@@ -291,11 +235,11 @@ async fn concurrent(
         clients.push(tokio::spawn(async move {
             let mut outcomes = Vec::new();
             for r in &turns {
-                let o = complete(&http, &url, &model, r, max_tokens).await?;
+                let o = complete_request(&http, &url, &model, r, max_tokens).await?;
                 log(verbose, &o);
                 outcomes.push(o);
             }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(outcomes)
+            Ok::<_, Error>(outcomes)
         }));
     }
     let mut outcomes = Vec::new();
@@ -309,7 +253,7 @@ async fn concurrent(
     })
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn main() -> Result<(), Error> {
     let args = Args::parse();
     let trace_path = args
         .trace

@@ -1,0 +1,100 @@
+//! What the serving examples share on the client side: one streamed completion
+//! with its usage and time to first token, and the nearest-rank quantile.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// Errors of an example.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// What one streamed completion reported.
+#[derive(Debug, Clone, Copy)]
+pub struct Streamed {
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: usize,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: usize,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: usize,
+    /// From sending the request to the first chunk with a choice.
+    pub ttft: Duration,
+}
+
+/// One streamed greedy completion of token ids at `url`'s `/v1/completions`,
+/// read to `[DONE]`.
+pub async fn complete(
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    tokens: &[u32],
+    max_tokens: usize,
+) -> Result<Streamed, Error> {
+    let body = json!({
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let start = Instant::now();
+    let mut response = http
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await?;
+    if !response.status().is_success() {
+        let status = response.status();
+        return Err(format!("{url}: {status}: {}", response.text().await?).into());
+    }
+    let mut buffer = String::new();
+    let mut ttft = None;
+    let mut usage = None;
+    let mut done = false;
+    while let Some(chunk) = response.chunk().await? {
+        buffer.push_str(std::str::from_utf8(&chunk)?);
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            for line in event.lines() {
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data)?;
+                let has_choice = v["choices"].as_array().is_some_and(|c| !c.is_empty());
+                if has_choice && ttft.is_none() {
+                    ttft = Some(start.elapsed());
+                }
+                if !v["usage"].is_null() {
+                    usage = Some(v["usage"].clone());
+                }
+            }
+        }
+    }
+    let usage = usage.ok_or("no usage")?;
+    if !done {
+        return Err("stream ended without [DONE]".into());
+    }
+    let field = |v: &Value| v.as_u64().map(|n| n as usize).ok_or("usage field missing");
+    Ok(Streamed {
+        prompt_tokens: field(&usage["prompt_tokens"])?,
+        cached_tokens: field(&usage["prompt_tokens_details"]["cached_tokens"])?,
+        completion_tokens: field(&usage["completion_tokens"])?,
+        ttft: ttft.ok_or("no token")?,
+    })
+}
+
+/// The `q` quantile (nearest rank) of `v`; 0 for none.
+pub fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
