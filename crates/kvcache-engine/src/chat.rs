@@ -252,6 +252,15 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
         }
     }
 
+    /// The prefix trie, mutably, with [`Reuse::Trie`]: to report its blocks
+    /// to a router ([`PrefixCache::set_event_sink`]) or change its budget.
+    pub fn trie_mut(&mut self) -> Option<&mut PrefixCache<M::Layer>> {
+        match &mut self.state {
+            Sequence::Trie(t) => Some(t),
+            Sequence::Live { .. } => None,
+        }
+    }
+
     /// The trie's counters, with [`Reuse::Trie`].
     pub fn trie_stats(&self) -> Option<TrieStats> {
         match &self.state {

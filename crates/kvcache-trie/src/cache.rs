@@ -22,6 +22,7 @@ use kvcache_api::{
 };
 
 use super::arena::{common_prefix, Arena, Cost, EvictKey, Node, NodeId, NONE, ROOT};
+use super::events::BlockEvents;
 use super::session::{Restored, Session};
 use super::stats::Stats;
 
@@ -80,6 +81,8 @@ pub struct PrefixCache<C> {
     pub(super) root_names: HashMap<NodeId, Namespace>,
     /// The store behind the trie, if any.
     pub(super) store: Option<StoreClient>,
+    /// Where the blocks the paths hold are reported, if anywhere.
+    pub(super) events: Option<BlockEvents>,
 }
 
 /// What a restore from the store brought: the live caches' new offset, and
@@ -136,6 +139,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             roots: BTreeMap::from([(shared.clone(), ROOT)]),
             root_names: HashMap::from([(ROOT, shared)]),
             store: None,
+            events: None,
             arena: Arena::new(),
             caches,
             active: vec![ROOT],
@@ -341,8 +345,10 @@ impl<C: SnapshotCache> PrefixCache<C> {
     }
 
     /// Drops every node and snapshot of every namespace and frees the live
-    /// caches. Counters and the store stay.
+    /// caches (and reports `AllBlocksCleared` to the event sink, if one is
+    /// set). Counters, the store and the sink stay.
     pub fn clear(&mut self) {
+        self.report_cleared();
         for cache in &mut self.caches {
             cache.free();
         }
@@ -1174,6 +1180,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
 
     /// Removes leaf `id` with its snapshots; returns its parent.
     fn remove_leaf(&mut self, id: NodeId) -> NodeId {
+        self.report_leaf_removed(id);
         self.unindex(id);
         self.take_snaps(id);
         let node = self.arena.release(id);

@@ -98,7 +98,10 @@ impl<C: SnapshotCache> PrefixCache<C> {
     ///   are marked active;
     /// - the snapshots fit the budget, or every snapshot lies on the active
     ///   path (then `over_budget` is set, and only then);
-    /// - every live cache stands at the active path's end.
+    /// - every live cache stands at the active path's end;
+    /// - with an event sink ([`set_event_sink`](Self::set_event_sink)), every
+    ///   block reported stored and not removed since is a full block some
+    ///   path holds, and along each path the reported blocks come first.
     pub fn check(&self) {
         if let Err(violation) = self.try_check() {
             panic!("{}", violation.message());
@@ -395,6 +398,27 @@ impl<C: SnapshotCache> PrefixCache<C> {
             self.paged_out,
             self.budget
         );
+        self.try_check_reported()
+    }
+
+    /// With an event sink: every block reported stored and not removed is
+    /// held by some path, and along every path the reported blocks are a
+    /// prefix (so each one's parent was reported before it).
+    fn try_check_reported(&self) -> std::result::Result<(), TrieViolation> {
+        let Some(reported) = self.reported_blocks() else {
+            return Ok(());
+        };
+        let paths = self.held_block_paths();
+        for (leaf, names) in &paths {
+            let prefix = names.iter().take_while(|n| reported.contains(n)).count();
+            ensure!(
+                names[prefix..].iter().all(|n| !reported.contains(n)),
+                "the path to node {leaf} has reported blocks after its unreported block {prefix}"
+            );
+        }
+        let held: std::collections::HashSet<u64> = paths.into_iter().flat_map(|(_, names)| names).collect();
+        let stale = reported.iter().filter(|n| !held.contains(n)).count();
+        ensure_eq!(stale, 0, "blocks reported stored that no path holds");
         Ok(())
     }
 

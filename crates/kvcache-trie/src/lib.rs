@@ -175,6 +175,9 @@
 //!   store, growing the active path, splitting and merging nodes, eviction
 //!   through an ordered index.
 //! - `session`: [`Session`], the engine-facing side of one request.
+//! - `events`: [`PrefixCache::set_event_sink`]: the full blocks the paths
+//!   hold, reported as KV events (stored at a session's close, removed with
+//!   an evicted leaf, all cleared with the trie).
 //! - `check`: [`PrefixCache::check`], the invariant checker.
 //! - `stats`: [`Stats`].
 //! - `fake` (feature `test-util`, for tests and benchmarks): fake layer caches
@@ -187,6 +190,7 @@
 mod arena;
 mod cache;
 mod check;
+mod events;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fake;
 mod session;

@@ -362,6 +362,7 @@ impl<'a, C: SnapshotCache> Session<'a, C> {
             cache.write_through(&self.namespace, &self.tokens[..held]);
         }
         cache.touch_active();
+        cache.report_path(cache.frontier());
         cache.enforce_budget();
         let known = self.tokens.len();
         if problem.is_none() && known > self.prompt_len && offset + 1 < known {

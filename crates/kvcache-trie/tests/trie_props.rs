@@ -3,9 +3,16 @@
 //! kinds. After every step the live state must equal a from-scratch evaluation
 //! of the tokens the trie says it restored, and the trie's invariants must
 //! hold; at the end every snapshot is owned by the trie or dropped exactly once.
+//! The KV events the trie reports, replayed as a router would, must name
+//! exactly the full blocks its paths hold.
 
 mod trie_support;
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvcache_api::events::{EventLog, KvEvent};
+use kvcache_api::Fingerprint;
 use proptest::prelude::*;
 use trie_support::{cache, request_with, Options};
 
@@ -77,8 +84,114 @@ fn pick(list: &[Vec<u32>], i: usize) -> Vec<u32> {
     }
 }
 
+/// Tokens per reported block: small, so that the short random prompts fill
+/// several.
+const BLOCK: usize = 2;
+
+/// A router's view of one worker: every block reported stored and not
+/// removed, by name, with the tokens of its whole path from the root.
+#[derive(Default)]
+struct RouterView {
+    paths: HashMap<u64, Vec<u32>>,
+    parents: HashMap<u64, Option<u64>>,
+}
+
+impl RouterView {
+    /// Applies events in order, asserting what a router relies on: a stored
+    /// run's parent is held, names are not stored twice, removed blocks are
+    /// held and leave no child behind.
+    fn apply(&mut self, events: Vec<KvEvent>) {
+        for event in events {
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    ..
+                } => {
+                    assert_eq!(block_size, BLOCK);
+                    assert_eq!(token_ids.len(), block_hashes.len() * BLOCK);
+                    let mut path = match parent_block_hash {
+                        Some(parent) => self
+                            .paths
+                            .get(&parent)
+                            .expect("a stored run's parent is held")
+                            .clone(),
+                        None => Vec::new(),
+                    };
+                    let mut parent = parent_block_hash;
+                    for (name, block) in block_hashes.into_iter().zip(token_ids.chunks(BLOCK)) {
+                        path.extend_from_slice(block);
+                        assert!(
+                            self.paths.insert(name, path.clone()).is_none(),
+                            "block {name} stored twice"
+                        );
+                        self.parents.insert(name, parent);
+                        parent = Some(name);
+                    }
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    for name in &block_hashes {
+                        assert!(
+                            self.paths.remove(name).is_some(),
+                            "removed block {name} was not held"
+                        );
+                        self.parents.remove(name);
+                    }
+                    for (child, parent) in &self.parents {
+                        assert!(
+                            parent.is_none_or(|p| !block_hashes.contains(&p)),
+                            "block {child} outlives its removed parent"
+                        );
+                    }
+                }
+                KvEvent::AllBlocksCleared => {
+                    self.paths.clear();
+                    self.parents.clear();
+                }
+            }
+        }
+    }
+
+    fn holds(&self, path: &[u32]) -> bool {
+        self.paths.values().any(|p| p == path)
+    }
+}
+
+/// Checks the router's view against the trie: every block it holds is a
+/// path the trie holds, and every full block of what the trie still holds of
+/// each closed request's tokens is in it.
+fn check_view<C: kvcache_api::SnapshotCache>(
+    view: &RouterView,
+    c: &kvcache_trie::PrefixCache<C>,
+    stored: &[Vec<u32>],
+) {
+    for path in view.paths.values() {
+        assert_eq!(
+            c.lookup(path),
+            path.len(),
+            "the router holds {path:?}, the trie does not"
+        );
+    }
+    for s in stored {
+        let held = c.lookup(s) / BLOCK * BLOCK;
+        for end in (BLOCK..=held).step_by(BLOCK) {
+            assert!(
+                view.holds(&s[..end]),
+                "the trie holds {:?}, the router does not",
+                &s[..end]
+            );
+        }
+    }
+}
+
 fn run(kinds: &str, budget: usize, ops: Vec<Op>) {
     let (mut c, counters) = cache(kinds, budget);
+    let log = Arc::new(EventLog::new());
+    c.set_event_sink(log.clone(), BLOCK, Fingerprint([3; 32]))
+        .unwrap();
+    let mut view = RouterView::default();
     let all_kv = kinds.chars().all(|k| k == 'k');
     // What conversations look like so far (prompt and every generated token).
     let mut transcripts: Vec<Vec<u32>> = Vec::new();
@@ -92,6 +205,8 @@ fn run(kinds: &str, budget: usize, ops: Vec<Op>) {
             Op::Budget(b) => {
                 c.set_budget(b);
                 c.check();
+                view.apply(log.take());
+                check_view(&view, &c, &stored);
                 let s = c.stats();
                 assert!(s.paged_out_bytes <= b || s.over_budget, "{s:?}");
                 continue;
@@ -185,6 +300,8 @@ fn run(kinds: &str, budget: usize, ops: Vec<Op>) {
             transcripts.push([&prompt[..], &generated[..]].concat());
             prompts.push(prompt);
         }
+        view.apply(log.take());
+        check_view(&view, &c, &stored);
     }
     let s = c.stats();
     assert_eq!(s.hits + s.misses, begins);
