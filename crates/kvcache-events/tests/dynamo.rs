@@ -9,139 +9,44 @@
 //! subscribes to both, and its `/query` for a request's token ids must name
 //! the worker that holds the conversation with the right number of blocks,
 //! drop blocks that were removed, forget a restarted worker's blocks, and keep
-//! a tenant's blocks (cache salt) apart from everyone else's.
+//! a tenant's blocks (cache salt) apart from everyone else's. A prefix trie
+//! (`kvcache-trie`, over fake layers) publishing its own blocks is followed
+//! the same way, through turns, evictions and a clear.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use kvcache_api::events::{block_hash, KvEvent, KvEventSink, Medium};
-use kvcache_api::Namespace;
+use kvcache_api::{CacheError, Fingerprint, Namespace};
 use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
-use serde_json::{json, Value};
+use kvcache_testkit::dynamo_indexer::{python_or_skip, DynamoIndexer, IndexerConfig};
+use kvcache_trie::fake::{feed_all, Counters, FakeKv};
+use kvcache_trie::PrefixCache;
 use sha2::{Digest, Sha256};
 
 const BLOCK: usize = 4;
 const MODEL: &str = "kvcache-test-model";
 /// The indexer process ends by itself after this, whatever happens here.
-const LIFETIME_S: u32 = 120;
+const LIFETIME_S: u64 = 120;
 
-/// The indexer process, killed by its id when dropped.
-struct Indexer {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Indexer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One HTTP/1.1 request to the indexer; the status and the JSON body.
-fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Value)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let body = body.map(Value::to_string).unwrap_or_default();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let json = response
-        .split_once("\r\n\r\n")
-        .and_then(|(_, b)| serde_json::from_str(b).ok())
-        .unwrap_or(Value::Null);
-    Ok((status, json))
-}
-
-impl Indexer {
-    fn start(python: &std::ffi::OsStr, workers: &[(u32, &str)]) -> Indexer {
-        let port = free_port();
-        let workers: Vec<String> = workers.iter().map(|(id, e)| format!("{id}={e}")).collect();
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/dynamo_indexer.py");
-        let log =
-            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("dynamo-indexer-{port}.log"));
-        eprintln!("the Dynamo indexer's log: {}", log.display());
-        let child = Command::new(python)
-            .arg(script)
-            .arg(LIFETIME_S.to_string())
-            .args(["--port", &port.to_string(), "--block-size", &BLOCK.to_string()])
-            .args(["--threads", "1", "--model-name", MODEL])
-            .args(["--workers", &workers.join(",")])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start the Dynamo indexer");
-        let indexer = Indexer { child, port };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !matches!(http(port, "GET", "/health", None), Ok((200, _))) {
-            assert!(
-                Instant::now() < deadline,
-                "the Dynamo indexer did not come up in 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        indexer
-    }
-
-    /// `worker id -> matched blocks` for a request's tokens (Dynamo answers in
-    /// tokens: matched blocks times the block size).
-    fn matches(&self, tokens: &[u32], salt: Option<&str>) -> Vec<(u64, usize)> {
-        let mut body = json!({"token_ids": tokens, "model_name": MODEL});
-        if let Some(salt) = salt {
-            body["cache_salt"] = json!(salt);
-        }
-        let (status, answer) = http(self.port, "POST", "/query", Some(&body)).unwrap();
-        assert_eq!(status, 200, "{answer}");
-        let mut found: Vec<(u64, usize)> = answer["scores"]
-            .as_object()
-            .unwrap()
-            .iter()
-            .map(|(worker, ranks)| {
-                let tokens = ranks["0"].as_u64().unwrap() as usize;
-                (worker.parse().unwrap(), tokens / BLOCK)
-            })
-            .filter(|&(_, blocks)| blocks > 0)
-            .collect();
-        found.sort();
-        found
-    }
-
-    /// Polls until the matches are `expected` (events arrive asynchronously).
-    fn expect(&self, what: &str, tokens: &[u32], salt: Option<&str>, expected: &[(u64, usize)]) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let found = self.matches(tokens, salt);
-            if found == expected {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: expected {expected:?}, the indexer says {found:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+/// An indexer with `workers` as `(worker id, endpoint)`.
+fn indexer(python: std::ffi::OsString, workers: &[(u64, &str)]) -> DynamoIndexer {
+    let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "dynamo-indexer-{}-{}.log",
+        std::process::id(),
+        workers[0].1.rsplit(':').next().unwrap_or("")
+    ));
+    eprintln!("the Dynamo indexer's log: {}", log.display());
+    DynamoIndexer::start(&IndexerConfig {
+        python,
+        workers: workers.iter().map(|&(id, e)| (id, e.to_string())).collect(),
+        block_size: BLOCK,
+        model: MODEL.into(),
+        log,
+        lifetime: Duration::from_secs(LIFETIME_S),
+    })
+    .expect("start the Dynamo indexer")
 }
 
 /// A replica's block chain as the causal cache keys it: SHA-256 over the
@@ -226,21 +131,11 @@ const B: [u32; 12] = [1, 9690, 198, 2683, 359, 253, 1935, 314, 2, 198, 1, 4093];
 
 #[test]
 fn dynamos_kv_indexer_routes_by_our_events() {
-    let Some(python) = std::env::var_os("KVCACHE_DYNAMO_PYTHON").filter(|p| !p.is_empty()) else {
-        assert!(
-            std::env::var("KVCACHE_REQUIRE_DYNAMO_PYTHON").as_deref() != Ok("1"),
-            "KVCACHE_DYNAMO_PYTHON is unset and KVCACHE_REQUIRE_DYNAMO_PYTHON=1 (run through `cargo xtask test`)"
-        );
-        let _ = writeln!(
-            std::io::stderr(),
-            "skipped: dynamo: KVCACHE_DYNAMO_PYTHON unset (`cargo xtask test` prepares it)"
-        );
-        return;
-    };
+    let Some(python) = python_or_skip() else { return };
     let worker1 = publisher("tcp://127.0.0.1:0");
     let worker2 = publisher("tcp://127.0.0.1:0");
     let endpoint1 = worker1.endpoint().to_string();
-    let indexer = Indexer::start(&python, &[(1, &endpoint1), (2, worker2.endpoint())]);
+    let indexer = indexer(python, &[(1, &endpoint1), (2, worker2.endpoint())]);
     wait_subscribed(&worker1);
     wait_subscribed(&worker2);
 
@@ -288,5 +183,71 @@ fn dynamos_kv_indexer_routes_by_our_events() {
     indexer.expect("B served again by worker 1", &B, None, &[(1, 2), (2, 2)]);
 
     assert_eq!(worker1.dropped() + worker2.dropped(), 0);
+    drop(indexer);
+}
+
+/// One turn on a prefix trie over fake layers: `prompt` evaluated, then
+/// `reply` generated (all but its last token evaluated), the session closed.
+fn turn(trie: &mut PrefixCache<FakeKv>, prompt: &[u32], reply: &[u32]) {
+    let mut session = trie.begin(prompt).unwrap();
+    session
+        .prefill(|tokens, caches| {
+            feed_all(caches, tokens);
+            Ok::<(), CacheError>(())
+        })
+        .unwrap();
+    let (last, evaluated) = reply.split_last().unwrap();
+    for &token in evaluated {
+        session
+            .decode(token, |tokens, caches| {
+                feed_all(caches, tokens);
+                Ok::<(), CacheError>(())
+            })
+            .unwrap();
+    }
+    session.record(*last);
+    session.close().unwrap();
+    trie.check();
+}
+
+#[test]
+fn dynamos_kv_indexer_follows_a_prefix_trie() {
+    let Some(python) = python_or_skip() else { return };
+    let worker = Arc::new(publisher("tcp://127.0.0.1:0"));
+    let indexer = indexer(python, &[(1, worker.endpoint())]);
+    wait_subscribed(&worker);
+
+    let counters = Counters::new();
+    let mut trie =
+        PrefixCache::new(vec![FakeKv::new(&counters), FakeKv::new(&counters)], usize::MAX).unwrap();
+    trie.set_event_sink(worker.clone(), BLOCK, Fingerprint([5; 32]))
+        .unwrap();
+
+    // A's first turn: its 12 prompt tokens and two of three reply tokens are
+    // held, 14 tokens: 3 whole blocks.
+    turn(&mut trie, &A[..12], &[7, 8, 9]);
+    let a1 = [&A[..12], &[7, 8]].concat();
+    assert_eq!(trie.lookup(&a1), 14);
+    indexer.expect("A's first turn and reply", &a1, None, &[(1, 3)]);
+    // A edited after its prompt: all 20 tokens held, 5 blocks.
+    turn(&mut trie, &A, &[5]);
+    indexer.expect("A whole", &A, None, &[(1, 5)]);
+    indexer.expect("A's first reply still held", &a1, None, &[(1, 3)]);
+    // B shares A's first 6 tokens: its first block is A's.
+    turn(&mut trie, &B, &[6]);
+    indexer.expect("B", &B, None, &[(1, 3)]);
+
+    // A budget of nothing evicts every paged-out node; B's path stays live.
+    trie.set_budget(0);
+    trie.check();
+    let held = trie.lookup(&A);
+    assert!(held < 12, "A's branch was evicted: {}", trie.dump());
+    indexer.expect("A after eviction", &A, None, &[(1, held / BLOCK)]);
+    indexer.expect("B after eviction", &B, None, &[(1, 3)]);
+
+    // Clearing the trie clears the router's view of it.
+    trie.clear();
+    indexer.expect("B after clear", &B, None, &[]);
+    assert_eq!(worker.dropped(), 0);
     drop(indexer);
 }

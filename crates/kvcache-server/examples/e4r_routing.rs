@@ -34,7 +34,6 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[path = "common/server.rs"]
@@ -45,8 +44,8 @@ mod stream;
 use clap::{Parser, ValueEnum};
 use kvcache_bench::store_bench::replica_of;
 use kvcache_bench::trace::{Request, Trace};
+use kvcache_testkit::dynamo_indexer::{DynamoIndexer, IndexerConfig};
 use kvcache_testkit::redis_server::{self, RedisServer};
-use serde_json::{json, Value};
 use server::Server;
 use stream::{complete, percentile, Error};
 
@@ -55,7 +54,7 @@ const BLOCK: usize = 16;
 /// The model name the replicas are registered under in the indexer.
 const INDEXED_MODEL: &str = "smollm2-replicas";
 /// The indexer process ends by itself after this, whatever happens here.
-const INDEXER_LIFETIME_S: u32 = 3600;
+const INDEXER_LIFETIME_S: u64 = 3600;
 
 /// E4r: the E1 trace over two replicas sharing Redis, routed by NVIDIA
 /// Dynamo's KV indexer versus round-robin.
@@ -71,6 +70,10 @@ struct Args {
     /// Which run(s).
     #[arg(long, value_enum, default_value = "both")]
     mode: Mode,
+    /// What the replicas share: a Redis store, or nothing (each its own
+    /// memory only), or both, one after the other.
+    #[arg(long, value_enum, default_value = "redis")]
+    shared: Shared,
     /// The trace file [default: the project's fixtures/e1_trace.json].
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -114,6 +117,29 @@ impl Mode {
     }
 }
 
+/// What the two replicas share besides the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Shared {
+    /// One Redis prefix store (`--redis`), each replica with its own memory
+    /// tier: a turn on the other replica reads the previous one back.
+    Redis,
+    /// Nothing: a turn on the other replica evaluates what that replica
+    /// does not hold (the setting of the published routing gains).
+    Nothing,
+    /// Redis, then nothing.
+    Both,
+}
+
+impl Shared {
+    fn name(self) -> &'static str {
+        match self {
+            Shared::Redis => "shared Redis",
+            Shared::Nothing => "nothing shared",
+            Shared::Both => "both",
+        }
+    }
+}
+
 /// How a request's replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Choice {
@@ -150,6 +176,7 @@ impl Outcome {
 /// A whole run.
 struct RunReport {
     mode: Mode,
+    shared: Shared,
     outcomes: Vec<Outcome>,
     wall: Duration,
 }
@@ -174,7 +201,7 @@ impl RunReport {
     }
 
     fn print(&self) {
-        let name = self.mode.name();
+        let name = format!("{}, {}", self.mode.name(), self.shared.name());
         let evaluated = self.evaluated();
         let minimum = self.minimum();
         let prompt: usize = self.outcomes.iter().map(|o| o.prompt_tokens).sum();
@@ -233,114 +260,39 @@ impl RunReport {
     }
 }
 
-/// Dynamo's standalone KV indexer, killed by its process id when dropped.
-struct Indexer {
-    child: Child,
-    url: String,
-    http: reqwest::Client,
-}
-
-impl Drop for Indexer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn free_port() -> Result<u16, Error> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-impl Indexer {
-    /// Starts the indexer with `endpoints[i]` as worker `i + 1` and waits
-    /// until it answers `/health`.
-    async fn start(python: &Path, endpoints: &[String], log: &Path) -> Result<Indexer, Error> {
-        let port = free_port()?;
-        let workers: Vec<String> = endpoints
-            .iter()
-            .enumerate()
-            .map(|(i, e)| format!("{}={e}", i + 1))
-            .collect();
-        let script = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../kvcache-events/tests/dynamo_indexer.py"
-        );
-        let child = Command::new(python)
-            .arg(script)
-            .arg(INDEXER_LIFETIME_S.to_string())
-            .args(["--port", &port.to_string(), "--block-size", &BLOCK.to_string()])
-            .args(["--threads", "1", "--model-name", INDEXED_MODEL])
-            .args(["--workers", &workers.join(",")])
-            // Closed when this process dies: the script then exits.
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log)?)
-            .spawn()
-            .map_err(|e| format!("start the Dynamo indexer with {}: {e}", python.display()))?;
-        let mut indexer = Indexer {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let health = indexer.http.get(format!("{}/health", indexer.url)).send().await;
-            if health.is_ok_and(|r| r.status() == 200) {
-                return Ok(indexer);
-            }
-            if let Ok(Some(status)) = indexer.child.try_wait() {
-                return Err(
-                    format!("the Dynamo indexer exited ({status}); its log: {}", log.display()).into(),
-                );
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "the Dynamo indexer did not come up in 60 s; its log: {}",
-                    log.display()
-                )
-                .into());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+/// Dynamo's standalone KV indexer with `endpoints[i]` as worker `i + 1`.
+fn start_indexer(python: &Path, endpoints: &[String], log: &Path) -> Result<DynamoIndexer, Error> {
+    let config = IndexerConfig {
+        python: python.into(),
+        workers: (1..).zip(endpoints.iter().cloned()).collect(),
+        block_size: BLOCK,
+        model: INDEXED_MODEL.into(),
+        log: log.into(),
+        lifetime: Duration::from_secs(INDEXER_LIFETIME_S),
+    };
+    Ok(DynamoIndexer::start(&config)?)
+}
 
-    /// Matched blocks per replica for a prompt's token ids.
-    async fn matches(&self, tokens: &[u32]) -> Result<[usize; 2], Error> {
-        let body = json!({"token_ids": tokens, "model_name": INDEXED_MODEL});
-        let response = self
-            .http
-            .post(format!("{}/query", self.url))
-            .json(&body)
-            .send()
-            .await?;
-        let status = response.status();
-        let answer: Value = response.json().await?;
-        if !status.is_success() {
-            return Err(format!("the indexer's /query: {status}: {answer}").into());
+/// Matched blocks per replica for a prompt's token ids.
+fn matched_blocks(indexer: &DynamoIndexer, tokens: &[u32]) -> Result<[usize; 2], Error> {
+    let mut blocks = [0; 2];
+    for (worker, matched) in indexer.matches(tokens, None)? {
+        if let Some(slot) = (worker as usize).checked_sub(1).and_then(|i| blocks.get_mut(i)) {
+            *slot = matched;
         }
-        let mut blocks = [0; 2];
-        let scores = answer["scores"]
-            .as_object()
-            .ok_or_else(|| format!("no scores in {answer}"))?;
-        for (worker, ranks) in scores {
-            let worker: usize = worker.parse()?;
-            // Dynamo answers in tokens: matched blocks times the block size.
-            let tokens = ranks["0"]
-                .as_u64()
-                .ok_or_else(|| format!("no rank 0 in {answer}"))? as usize;
-            if (1..=2).contains(&worker) {
-                blocks[worker - 1] = tokens / BLOCK;
-            }
-        }
-        Ok(blocks)
     }
+    Ok(blocks)
 }
 
 /// Sends probes (token ids no trace prompt starts with, one token generated)
 /// to replica `replica` until the indexer shows one's blocks there: from then
 /// on its subscriber receives what the replica publishes.
 async fn wait_subscribed(
-    indexer: &Indexer,
+    indexer: &DynamoIndexer,
     http: &reqwest::Client,
     server: &Server,
     replica: usize,
@@ -356,7 +308,7 @@ async fn wait_subscribed(
         complete(http, &server.url, model, &probe, 1).await?;
         let seen_by = Instant::now() + Duration::from_secs(3);
         while Instant::now() < seen_by {
-            if indexer.matches(&probe).await?[replica] == 2 {
+            if matched_blocks(indexer, &probe)?[replica] == 2 {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -374,35 +326,42 @@ fn round_robin(r: &Request) -> usize {
     (r.conv + r.turn - 1) % 2
 }
 
-/// One mode on fresh servers, a fresh Redis and a fresh indexer.
+/// One mode on fresh servers, a fresh Redis (when shared) and a fresh indexer.
 async fn run_mode(
     mode: Mode,
+    shared: Shared,
     args: &Args,
     python: &Path,
     requests: &[Request],
     max_tokens: usize,
 ) -> Result<RunReport, Error> {
     let scratch = tempfile::Builder::new().prefix("kvcache-e4r-").tempdir()?;
-    let redis = RedisServer::start(scratch.path(), args.redis_mib << 20)?;
+    let redis = match shared {
+        Shared::Redis => Some(RedisServer::start(scratch.path(), args.redis_mib << 20)?),
+        _ => None,
+    };
     let endpoints: Vec<String> = (0..2)
         .map(|_| free_port().map(|p| format!("tcp://127.0.0.1:{p}")))
         .collect::<Result<_, _>>()?;
     let log = std::env::temp_dir().join(format!(
-        "kvcache-e4r-indexer-{}-{}.log",
+        "kvcache-e4r-indexer-{}-{:?}-{}.log",
         mode.name(),
+        shared,
         std::process::id()
     ));
-    let indexer = Indexer::start(python, &endpoints, &log).await?;
+    let indexer = start_indexer(python, &endpoints, &log)?;
     let mut servers = Vec::new();
     for endpoint in &endpoints {
-        let mut flags: Vec<String> = vec![
-            "--redis".into(),
-            redis.url(),
+        let mut flags: Vec<String> = redis
+            .iter()
+            .flat_map(|redis| ["--redis".to_string(), redis.url()])
+            .collect();
+        flags.extend([
             "--kv-events".into(),
             endpoint.clone(),
             "--block-tokens".into(),
             BLOCK.to_string(),
-        ];
+        ]);
         flags.extend(args.server_args.iter().cloned());
         // Warnings only, unless the caller's RUST_LOG says otherwise (the
         // access log would interleave with the report).
@@ -422,7 +381,7 @@ async fn run_mode(
     let mut outcomes = Vec::new();
     let start = Instant::now();
     for r in requests {
-        let matched = indexer.matches(&r.token_ids).await?;
+        let matched = matched_blocks(&indexer, &r.token_ids)?;
         let most = matched[0].max(matched[1]);
         let (replica, choice) = match mode {
             Mode::Routed if most > 0 && matched[0] != matched[1] => {
@@ -491,7 +450,12 @@ async fn run_mode(
     drop(servers);
     drop(indexer);
     drop(redis);
-    Ok(RunReport { mode, outcomes, wall })
+    Ok(RunReport {
+        mode,
+        shared,
+        outcomes,
+        wall,
+    })
 }
 
 fn main() -> Result<(), Error> {
@@ -533,9 +497,14 @@ fn main() -> Result<(), Error> {
         Mode::Routed => &[Mode::Routed],
         Mode::RoundRobin => &[Mode::RoundRobin],
     };
+    let shares: &[Shared] = match args.shared {
+        Shared::Both => &[Shared::Redis, Shared::Nothing],
+        Shared::Redis => &[Shared::Redis],
+        Shared::Nothing => &[Shared::Nothing],
+    };
     println!(
-        "trace {}: {} requests of {} conversations, {} tokens generated each; two replicas sharing \
-         a Redis, KV events to NVIDIA Dynamo's indexer ({})",
+        "trace {}: {} requests of {} conversations, {} tokens generated each; two replicas, KV \
+         events to NVIDIA Dynamo's indexer ({})",
         trace_path.display(),
         requests.len(),
         args.conversations.min(trace.conversations.len()),
@@ -543,20 +512,23 @@ fn main() -> Result<(), Error> {
         python.display(),
     );
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut reports = Vec::new();
-    for &mode in modes {
-        let report = runtime.block_on(run_mode(mode, &args, &python, &requests, max_tokens))?;
-        report.print();
-        reports.push(report);
-    }
-    if let [routed, rr] = &reports[..] {
-        println!(
-            "E4r: routed vs round-robin median TTFT turns>=2: {:.2}x better (target >= 1.3x); routed \
-             evaluated {:.4}x the minimum (target <= 1.01x), round-robin {:.4}x",
-            rr.median_ttft_later() / routed.median_ttft_later(),
-            routed.evaluated() as f64 / routed.minimum().max(1) as f64,
-            rr.evaluated() as f64 / rr.minimum().max(1) as f64,
-        );
+    for &shared in shares {
+        let mut reports = Vec::new();
+        for &mode in modes {
+            let report = runtime.block_on(run_mode(mode, shared, &args, &python, &requests, max_tokens))?;
+            report.print();
+            reports.push(report);
+        }
+        if let [routed, rr] = &reports[..] {
+            println!(
+                "E4r, {}: routed vs round-robin median TTFT turns>=2: {:.2}x better (target >= 1.3x); \
+                 routed evaluated {:.4}x the minimum (target <= 1.01x), round-robin {:.4}x",
+                shared.name(),
+                rr.median_ttft_later() / routed.median_ttft_later(),
+                routed.evaluated() as f64 / routed.minimum().max(1) as f64,
+                rr.evaluated() as f64 / rr.minimum().max(1) as f64,
+            );
+        }
     }
     Ok(())
 }

@@ -20,11 +20,11 @@
 mod common;
 
 use std::io::Write;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Server;
 use kvcache_engine::ChatTokenizer;
+use kvcache_testkit::dynamo_indexer::{python_or_skip, DynamoIndexer, IndexerConfig};
 use serde_json::{json, Value};
 
 /// The replicas' block size (`--block-tokens`, the server's default), and the
@@ -35,7 +35,7 @@ const INDEXED_MODEL: &str = "smollm2-replicas";
 /// The model name the servers answer to.
 const SERVED_MODEL: &str = "SmolLM2-135M-Instruct";
 /// The indexer process ends by itself after this, whatever happens here.
-const LIFETIME_S: u32 = 400;
+const LIFETIME_S: u64 = 400;
 /// Tokens generated per conversation turn.
 const GENERATED: usize = 4;
 /// The restarted replica's `--idle-ttl`, in seconds: its blocks age out.
@@ -45,19 +45,9 @@ const SHORT_TTL_S: u64 = 10;
 const A: u64 = 1;
 const B: u64 = 2;
 
-/// Dynamo's indexer, killed by its process id when dropped.
-struct Indexer {
-    child: Child,
-    url: String,
-    http: reqwest::Client,
-}
-
-impl Drop for Indexer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+/// Dynamo's indexer (`kvcache_testkit::dynamo_indexer`), polled from async
+/// code.
+struct Indexer(DynamoIndexer);
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -68,74 +58,25 @@ fn free_port() -> u16 {
 }
 
 impl Indexer {
-    async fn start(python: &std::ffi::OsStr, workers: &[(u64, &str)]) -> Indexer {
-        let port = free_port();
-        let workers: Vec<String> = workers.iter().map(|(id, e)| format!("{id}={e}")).collect();
-        let script = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../kvcache-events/tests/dynamo_indexer.py"
-        );
+    fn start(python: std::ffi::OsString, workers: &[(u64, &str)]) -> Indexer {
         let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("dynamo-indexer-kv-events-{port}.log"));
+            .join(format!("dynamo-indexer-kv-events-{}.log", std::process::id()));
         eprintln!("the Dynamo indexer's log: {}", log.display());
-        let child = Command::new(python)
-            .arg(script)
-            .arg(LIFETIME_S.to_string())
-            .args(["--port", &port.to_string(), "--block-size", &BLOCK.to_string()])
-            .args(["--threads", "1", "--model-name", INDEXED_MODEL])
-            .args(["--workers", &workers.join(",")])
-            // Closed when this process dies: the script then exits.
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start the Dynamo indexer");
-        let indexer = Indexer {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
+        let config = IndexerConfig {
+            python,
+            workers: workers.iter().map(|&(id, e)| (id, e.to_string())).collect(),
+            block_size: BLOCK,
+            model: INDEXED_MODEL.into(),
+            log,
+            lifetime: Duration::from_secs(LIFETIME_S),
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let health = indexer.http.get(format!("{}/health", indexer.url)).send().await;
-            if health.is_ok_and(|r| r.status() == 200) {
-                return indexer;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the Dynamo indexer did not come up in 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        Indexer(DynamoIndexer::start(&config).expect("start the Dynamo indexer"))
     }
 
     /// `(worker, matched blocks)` for a request's tokens, workers with none
-    /// left out (Dynamo answers in tokens: matched blocks times the block
-    /// size).
+    /// left out.
     async fn matches(&self, tokens: &[u32]) -> Vec<(u64, usize)> {
-        let body = json!({"token_ids": tokens, "model_name": INDEXED_MODEL});
-        let response = self
-            .http
-            .post(format!("{}/query", self.url))
-            .json(&body)
-            .send()
-            .await
-            .expect("POST /query");
-        let status = response.status();
-        let answer: Value = response.json().await.expect("the indexer's JSON answer");
-        assert_eq!(status, 200, "{answer}");
-        let mut found: Vec<(u64, usize)> = answer["scores"]
-            .as_object()
-            .unwrap_or_else(|| panic!("no scores in {answer}"))
-            .iter()
-            .map(|(worker, ranks)| {
-                let tokens = ranks["0"].as_u64().expect("rank 0's score") as usize;
-                (worker.parse().expect("a worker id"), tokens / BLOCK)
-            })
-            .filter(|&(_, blocks)| blocks > 0)
-            .collect();
-        found.sort();
-        found
+        self.0.matches(tokens, None).expect("the indexer's /query")
     }
 
     /// Polls until the matches for `tokens` are `expected` (events arrive
@@ -363,17 +304,7 @@ const SYSTEM: &str = "You are a patient guide at a museum of maps. You answer vi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamos_indexer_routes_between_two_real_replicas() {
-    let Some(python) = std::env::var_os("KVCACHE_DYNAMO_PYTHON").filter(|p| !p.is_empty()) else {
-        assert!(
-            std::env::var("KVCACHE_REQUIRE_DYNAMO_PYTHON").as_deref() != Ok("1"),
-            "KVCACHE_DYNAMO_PYTHON is unset and KVCACHE_REQUIRE_DYNAMO_PYTHON=1 (run through `cargo xtask test`)"
-        );
-        let _ = writeln!(
-            std::io::stderr(),
-            "skipped: kv_events: KVCACHE_DYNAMO_PYTHON unset (`cargo xtask test` prepares it)"
-        );
-        return;
-    };
+    let Some(python) = python_or_skip() else { return };
     if kvcache_engine::paths::model_path_for_tests().is_none() {
         let _ = writeln!(std::io::stderr(), "skipped: kv_events: no model");
         return;
@@ -382,7 +313,7 @@ async fn dynamos_indexer_routes_between_two_real_replicas() {
     let endpoint_b = format!("tcp://127.0.0.1:{}", free_port());
     // The indexer first: its subscribers connect (and reconnect) to the
     // replicas' endpoints as they come up.
-    let indexer = Indexer::start(&python, &[(A, &endpoint_a), (B, &endpoint_b)]).await;
+    let indexer = Indexer::start(python, &[(A, &endpoint_a), (B, &endpoint_b)]);
     // Long idle TTLs: nothing ages out until the restarted replica's short one.
     let Some(a) = start(&kv_events_args(&endpoint_a, 600)) else {
         return;

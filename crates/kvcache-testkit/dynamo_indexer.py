@@ -1,6 +1,6 @@
 """NVIDIA Dynamo's standalone KV indexer (ai-dynamo-runtime's `python -m
 dynamo.indexer`: ZMQ subscribers fed by vLLM-format KV events, a radix tree
-per model, and HTTP `/query`), for tests/dynamo.rs.
+per model, and HTTP `/query`), for `kvcache_testkit::dynamo_indexer`.
 
 Usage: python dynamo_indexer.py LIFETIME_SECONDS [indexer arguments...]
 
