@@ -384,6 +384,14 @@ pub struct ReuseStats {
     /// Requests that waited for a running request to evaluate the prefix
     /// they share instead of evaluating it too (counted once per request).
     pub waited_for_prefix: usize,
+    /// Requests that imported part of their prompt from the prefix store.
+    pub store_restores: usize,
+    /// Prompt tokens imported from the prefix store.
+    pub store_restored_tokens: usize,
+    /// Time spent restoring from the prefix store (asking it, reading the
+    /// answer and importing it into the cache), whether or not it answered:
+    /// part of each such request's time to first token.
+    pub store_restore_time: Duration,
 }
 
 /// A continuous-batching engine over one causal cache with one slot per
@@ -686,6 +694,27 @@ where
     /// exactly its first `from` tokens, leaving at least the last prompt token
     /// to evaluate. Returns the tokens imported; any failure imports nothing.
     fn restore(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32], from: usize) -> usize {
+        if self.store.is_none() {
+            return 0;
+        }
+        let started = Instant::now();
+        let restored = self.restore_from_store(seq, namespace, prompt, from);
+        self.reuse.store_restore_time += started.elapsed();
+        if restored > 0 {
+            self.reuse.store_restores += 1;
+            self.reuse.store_restored_tokens += restored;
+        }
+        restored
+    }
+
+    /// [`restore`](Self::restore)'s work, untimed.
+    fn restore_from_store(
+        &mut self,
+        seq: SeqId,
+        namespace: &Namespace,
+        prompt: &[u32],
+        from: usize,
+    ) -> usize {
         let Some(client) = &self.store else { return 0 };
         let fetched = match client.restore(namespace, prompt, from) {
             Ok(Some(fetched)) => fetched,

@@ -178,6 +178,15 @@ fn run_with_store(
     finished.sort_by_key(|f| f.id);
     store.flush();
     assert_eq!(engine.cache().used_cells(), 0);
+    // The engine's running counters agree with the run's and the requests'.
+    let reuse = engine.reuse_stats();
+    assert_eq!(reuse.store_restored_tokens, stats.restored_tokens);
+    assert_eq!(
+        reuse.store_restores,
+        finished.iter().filter(|f| f.restored > 0).count()
+    );
+    // Every admitted request asks the store, restored or not.
+    assert!(!reuse.store_restore_time.is_zero());
     (finished, stats)
 }
 

@@ -126,6 +126,24 @@ impl Metrics {
             g.reuse.waited_for_prefix as f64,
         );
         metric(
+            "kvcache_store_restores_total",
+            "counter",
+            "Requests that imported part of their prompt from the prefix store.",
+            g.reuse.store_restores as f64,
+        );
+        metric(
+            "kvcache_store_restored_tokens_total",
+            "counter",
+            "Prompt tokens imported from the prefix store instead of evaluated.",
+            g.reuse.store_restored_tokens as f64,
+        );
+        metric(
+            "kvcache_store_restore_seconds_total",
+            "counter",
+            "Time spent asking the prefix store, reading its answer and importing it (part of TTFT).",
+            g.reuse.store_restore_time.as_secs_f64(),
+        );
+        metric(
             "kvcache_requests_cancelled_total",
             "counter",
             "Requests cancelled because their client went away.",

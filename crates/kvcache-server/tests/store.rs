@@ -97,6 +97,13 @@ async fn a_restarted_server_continues_the_conversation_from_the_disk_store() {
         "greedy answers equal with and without the store"
     );
     assert!(second.metric("kvcache_store_hits_total{tier=\"disk\"}").await >= 1.0);
+    // A fresh server: everything cached came from the store, in one restore.
+    assert_eq!(second.metric("kvcache_store_restores_total").await, 1.0);
+    assert_eq!(
+        second.metric("kvcache_store_restored_tokens_total").await,
+        again_cached as f64
+    );
+    assert!(second.metric("kvcache_store_restore_seconds_total").await > 0.0);
     assert_eq!(
         second.metric("kvcache_prompt_tokens_evaluated_total").await,
         (prompt2 - again_cached) as f64
