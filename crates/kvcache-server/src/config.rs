@@ -48,6 +48,9 @@ pub struct ServerConfig {
     /// Evaluated prompts waiting to be written to the store before more are
     /// dropped (counted in `kvcache_store_writes_dropped_total`).
     pub store_queue: usize,
+    /// Tokens per block of the prefix store: what one key names, and the
+    /// least a restore reads (the blocks that hold the tokens it needs).
+    pub store_block_tokens: usize,
     /// The API keys `/v1` accepts (`Authorization: Bearer KEY`); empty: no
     /// key needed. Each key is its own tenant.
     pub api_keys: Vec<ApiKey>,
@@ -124,6 +127,7 @@ impl Default for ServerConfig {
             default_max_tokens: 256,
             store: StoreOptions::default(),
             store_queue: 64,
+            store_block_tokens: 64,
             api_keys: Vec::new(),
             body_timeout: Duration::from_secs(30),
             body_limit: 2 << 20,

@@ -93,6 +93,13 @@ struct Args {
     /// kvcache_store_writes_dropped_total) rather than slowing requests down.
     #[arg(long, value_name = "N", default_value_t = 64)]
     store_queue: usize,
+    /// Tokens per block of the prefix store: one key per block; a restore
+    /// reads whole blocks, so smaller ones read less past what a request
+    /// lacks, larger ones mean fewer keys and files (a restore of ~110
+    /// tokens from Redis: 61 ms with 256, 35 ms with 64, 29 ms with 16;
+    /// docs/BENCHMARKS.md, E4r).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    store_block_tokens: usize,
     /// How log lines look on stderr: `text` for people, `json` (one object a
     /// line) for collectors. What is logged: `RUST_LOG` (default `info`: one
     /// access line per request, warnings and errors; `RUST_LOG=kvcache_server::access=off`
@@ -236,6 +243,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             redis: args.redis,
         },
         store_queue: args.store_queue,
+        store_block_tokens: args.store_block_tokens,
         api_keys,
         body_timeout: Duration::from_secs_f64(args.body_timeout),
         ..ServerConfig::default()
@@ -245,6 +253,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     if config.store_queue == 0 {
         return Err("--store-queue must be at least 1".into());
+    }
+    if config.store_block_tokens == 0 {
+        return Err("--store-block-tokens must be at least 1".into());
     }
     eprintln!("kvcache-server: loading {}", model.display());
     let state = AppState::load(&model, config)?;

@@ -343,8 +343,9 @@ fn open_store<M: Model>(
             model.architecture()
         )));
     }
-    let settings =
-        StoreConfig::new(fingerprint, store::kv_layout(model)).with_queue_capacity(config.store_queue);
+    let settings = StoreConfig::new(fingerprint, store::kv_layout(model))
+        .with_queue_capacity(config.store_queue)
+        .with_block_tokens(config.store_block_tokens);
     let tiers = store::open_with(settings, &config.store)?;
     engine.set_store(tiers.clone(), STORE_DEADLINE);
     Ok(Some(tiers))
