@@ -5,6 +5,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use kvcache_engine::engine::ReuseStats;
 use kvcache_store::StoreStats;
 
 use crate::worker::Gauges;
@@ -126,24 +127,6 @@ impl Metrics {
             g.reuse.waited_for_prefix as f64,
         );
         metric(
-            "kvcache_store_restores_total",
-            "counter",
-            "Requests that imported part of their prompt from the prefix store.",
-            g.reuse.store_restores as f64,
-        );
-        metric(
-            "kvcache_store_restored_tokens_total",
-            "counter",
-            "Prompt tokens imported from the prefix store instead of evaluated.",
-            g.reuse.store_restored_tokens as f64,
-        );
-        metric(
-            "kvcache_store_restore_seconds_total",
-            "counter",
-            "Time spent asking the prefix store, reading its answer and importing it (part of TTFT).",
-            g.reuse.store_restore_time.as_secs_f64(),
-        );
-        metric(
             "kvcache_requests_cancelled_total",
             "counter",
             "Requests cancelled because their client went away.",
@@ -244,14 +227,15 @@ impl Metrics {
             "How long a request waited in the engine's queue for a sequence.",
         );
         if let Some(store) = store {
-            render_store(&mut out, store);
+            render_store(&mut out, store, &g.reuse);
         }
         out
     }
 }
 
-/// The prefix store's counters, one sample per tier (`tier="memory"`, ...).
-fn render_store(out: &mut String, store: &StoreStats) {
+/// The prefix store's counters, one sample per tier (`tier="memory"`, ...),
+/// and the engine's restores from it.
+fn render_store(out: &mut String, store: &StoreStats, reuse: &ReuseStats) {
     type Field = fn(&kvcache_store::TierStats) -> u64;
     let per_tier: [(&str, &str, Field); 5] = [
         ("kvcache_store_hits_total", "Blocks found in the tier.", |t| {
@@ -307,6 +291,26 @@ fn render_store(out: &mut String, store: &StoreStats) {
     for (name, help, value) in writes {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
     }
+    let restores = [
+        (
+            "kvcache_store_restores_total",
+            "Requests that imported part of their prompt from the prefix store.",
+            reuse.store_restores as f64,
+        ),
+        (
+            "kvcache_store_restored_tokens_total",
+            "Prompt tokens imported from the prefix store instead of evaluated.",
+            reuse.store_restored_tokens as f64,
+        ),
+        (
+            "kvcache_store_restore_seconds_total",
+            "Time spent asking the prefix store, reading its answer and importing it (part of TTFT).",
+            reuse.store_restore_time.as_secs_f64(),
+        ),
+    ];
+    for (name, help, value) in restores {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
+    }
 }
 
 #[cfg(test)]
@@ -357,6 +361,9 @@ mod tests {
         assert!(text.contains("kvcache_store_writes_dropped_total 1\n"));
         assert!(text.contains("kvcache_store_writes_submitted_total 9\n"));
         assert!(text.contains("kvcache_store_writes_rejected_total 3\n"));
+        // The engine's restores come with the store only.
+        assert!(text.contains("kvcache_store_restores_total 0\n"));
+        assert!(text.contains("kvcache_store_restore_seconds_total 0\n"));
         assert_eq!(text.matches("# TYPE kvcache_store_hits_total counter").count(), 1);
     }
 }
