@@ -4,10 +4,13 @@
 //! request is evaluating shared rather than evaluated twice; cancelled
 //! requests indexing nothing. Every answer equals the request decoded alone.
 
+mod common;
+
 use candle_core::{Device, Tensor};
+use common::engine_run::drain;
 use kvcache_api::{CausalConfig, KeyShift, Namespace};
 use kvcache_causal::CausalKvCache;
-use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, Finished, Request, Stats};
+use kvcache_engine::engine::{greedy, Engine, EngineConfig, Request, Stats};
 use kvcache_engine::{Llama, LlamaConfig};
 
 const BLOCK: usize = 4;
@@ -58,23 +61,6 @@ fn alone(model: &Llama, r: &Request) -> Vec<u32> {
     let shift: Box<dyn KeyShift<Tensor>> = Box::new(model.rope().clone());
     let mut fresh = CausalKvCache::new(CausalConfig::new(1, 128, 128), Device::Cpu, Some(shift)).unwrap();
     greedy(model, &mut fresh, 0, &r.prompt, r.max_new_tokens, None).unwrap()
-}
-
-/// Runs until idle; the finished requests by id.
-fn drain(engine: &mut Engine<'_, CausalKvCache>) -> Vec<Finished> {
-    let mut stats = Stats::default();
-    let mut finished = Vec::new();
-    while engine
-        .step(&mut stats, &mut |e| {
-            if let Event::Finished(f) = e {
-                finished.push(f.clone());
-            }
-        })
-        .unwrap()
-    {}
-    engine.cache().check();
-    finished.sort_by_key(|f| f.id);
-    finished
 }
 
 fn conversation(c: u32, len: usize) -> Vec<u32> {

@@ -4,6 +4,7 @@
 mod common;
 
 use candle_core::{Device, IndexOp, Tensor};
+use common::engine_run::drain;
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{argmax, greedy, Engine, EngineConfig, Event, Request};
@@ -304,21 +305,6 @@ fn a_prompt_is_written_back_once_its_first_token_is_chosen() {
     assert_eq!((stats.stored_tokens, stats.store_errors), (0, 1));
     assert_eq!(store.stats().submitted, 1);
     assert_eq!(store.known_prefix(&Namespace::shared(), &other), 0);
-}
-
-/// Steps `engine` until it is idle; returns the finished requests in order.
-fn drain(engine: &mut Engine<'_, CausalKvCache>) -> Vec<kvcache_engine::engine::Finished> {
-    let mut stats = kvcache_engine::engine::Stats::default();
-    let mut finished = Vec::new();
-    while engine
-        .step(&mut stats, &mut |e| {
-            if let Event::Finished(f) = e {
-                finished.push(f.clone());
-            }
-        })
-        .unwrap()
-    {}
-    finished
 }
 
 fn alone(model: &Llama, r: &Request) -> Vec<u32> {

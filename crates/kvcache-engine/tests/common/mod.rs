@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod check;
+pub mod engine_run;
 pub mod simple_cache;
 pub mod testing;
 
