@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::block_key::{BlockKey, KeyChain, Scope};
 use kvcache_api::events::{block_hash, KvEvent, KvEventSink, Medium};
 use kvcache_api::retention::{block_chain, BlockTokens};
 use kvcache_api::{
@@ -45,6 +45,7 @@ use kvcache_api::{
 };
 
 use crate::model::{BatchToken, Model};
+use crate::published::PublishedBlocks;
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::{EngineError, Llama, Result, Tokenizer};
 
@@ -430,6 +431,9 @@ pub struct Engine<'m, C, M = Llama> {
     block_tokens: BlockTokens,
     /// Where changes of the block index are reported, if anywhere.
     events: Option<Arc<dyn KvEventSink>>,
+    /// The blocks of kept whole sequences reported to `events` (caches
+    /// without a block index).
+    published: PublishedBlocks,
 }
 
 impl<'m, C, M> Engine<'m, C, M>
@@ -471,6 +475,7 @@ where
             fingerprint: Fingerprint::default(),
             waiting: Vec::new(),
             block_tokens: BlockTokens::default(),
+            published: PublishedBlocks::default(),
             events: None,
         })
     }
@@ -501,14 +506,19 @@ where
         self.reuse_prefixes && self.config.block_tokens.is_some() && self.cache.indexes_blocks()
     }
 
-    /// Reports the block index's changes to `sink` as KV events in vLLM's
+    /// Reports the blocks kept for reuse to `sink` as KV events in vLLM's
     /// schema ([`kvcache_api::events`]; `kvcache-events` publishes them over
-    /// ZMQ for a cache-aware router such as NVIDIA Dynamo's): every full
-    /// block of [`EngineConfig::block_tokens`] tokens kept is `BlockStored`
-    /// (with its tokens, its parent and its namespace), every one evicted,
-    /// aged out or forgotten `BlockRemoved`; tails, shorter than a block, are
-    /// kept but not reported (a router counts whole blocks). Set it before
-    /// the first request: blocks kept earlier are never reported.
+    /// ZMQ for a cache-aware router such as NVIDIA Dynamo's), in full blocks
+    /// of [`EngineConfig::block_tokens`] tokens: every block kept is
+    /// `BlockStored` (with its tokens, its parent and its namespace), every
+    /// one evicted, aged out or forgotten `BlockRemoved`; tails, shorter than
+    /// a block, are kept but not reported (a router counts whole blocks).
+    /// With a block index ([`keeps_blocks`](Self::keeps_blocks)) these are
+    /// the index's blocks; otherwise (a cache that keeps finished requests
+    /// as whole idle sequences, Gemma 3's) the full blocks of the idle
+    /// sequences, a prefix two of them share reported once and removed with
+    /// the last. Set it before the first request: blocks kept earlier are
+    /// never reported.
     pub fn set_event_sink(&mut self, sink: Arc<dyn KvEventSink>) {
         self.events = Some(sink);
     }
@@ -604,6 +614,7 @@ where
         };
         self.cache.remove(seq, PosRange::from(0..))?;
         self.slots[seq] = None;
+        self.release_blocks_of(seq, 0);
         self.reuse.cancelled += 1;
         Ok(true)
     }
@@ -776,6 +787,7 @@ where
     fn drop_idle(&mut self, seq: SeqId) -> Result<()> {
         self.cache.remove(seq, PosRange::from(0..))?;
         self.idle[seq] = None;
+        self.release_blocks_of(seq, 0);
         self.reuse.evictions += 1;
         Ok(())
     }
@@ -809,6 +821,38 @@ where
             }
         }
         self.block_tokens.forget(keys);
+    }
+
+    /// Reports the full blocks of `tokens`, which idle sequence `seq` keeps
+    /// whole, as held by it (a cache without a block index, with an event
+    /// sink): those no other sequence holds are stored, and those it held
+    /// before and no sequence holds now removed.
+    fn hold_blocks_of(&mut self, seq: SeqId, namespace: &Namespace, tokens: &[u32]) {
+        let (Some(sink), Some(block)) = (&self.events, self.config.block_tokens) else {
+            return;
+        };
+        if self.cache.indexes_blocks() {
+            return;
+        }
+        let scope = Scope::new(&self.fingerprint, namespace);
+        let names = KeyChain::new(scope, block, tokens)
+            .map(|(_, key)| block_hash(&key.0))
+            .collect();
+        let events = self.published.hold(seq, names, tokens, block, namespace);
+        if !events.is_empty() {
+            sink.publish(events);
+        }
+    }
+
+    /// Sequence `seq` keeps its first `tokens` tokens only, or none: the
+    /// blocks past them it held and no sequence holds now are reported
+    /// removed.
+    fn release_blocks_of(&mut self, seq: SeqId, tokens: usize) {
+        let keep = self.config.block_tokens.map_or(0, |block| tokens / block);
+        let events = self.published.release(seq, keep);
+        if let (Some(sink), false) = (&self.events, events.is_empty()) {
+            sink.publish(events);
+        }
     }
 
     /// Reports the full blocks among `new` (indices into `chain`, which
@@ -975,6 +1019,7 @@ where
                 // Take the idle sequence over, keeping its shared prefix.
                 self.cache.remove(seq, PosRange::from(len as Pos..))?;
                 self.idle[seq] = None;
+                self.release_blocks_of(seq, len);
                 len
             }
             Some((src, len)) => {
@@ -1070,6 +1115,7 @@ where
         };
         let mut n = 0;
         let mut dropped = Vec::new();
+        let mut shifted = Vec::new();
         for (seq, slot) in self.slots.iter_mut().enumerate() {
             let Some(s) = slot else { continue };
             // Only decoding sequences (one pending token) reach the limit.
@@ -1088,6 +1134,7 @@ where
             s.tokens.drain(keep..keep + discard);
             s.cached -= discard;
             s.shifts += 1;
+            shifted.push((seq, keep));
             n += 1;
             on_event(&Event::ContextShift {
                 id: s.req.id,
@@ -1096,6 +1143,9 @@ where
             });
         }
         self.blocks_gone(&dropped);
+        for (seq, keep) in shifted {
+            self.release_blocks_of(seq, keep);
+        }
         Ok(n)
     }
 
@@ -1298,6 +1348,7 @@ where
             self.retain(seq, &s.req.namespace, &s.tokens[..s.cached])?;
         } else if self.reuse_prefixes && s.shifts == 0 {
             s.tokens.truncate(s.cached);
+            self.hold_blocks_of(seq, &s.req.namespace, &s.tokens);
             self.idle[seq] = Some(Idle {
                 namespace: s.req.namespace.clone(),
                 prompt_len: s.req.prompt.len().min(s.tokens.len()),
@@ -1306,6 +1357,7 @@ where
             });
         } else {
             self.cache.remove(seq, PosRange::from(0..))?;
+            self.release_blocks_of(seq, 0);
         }
         on_event(&Event::Finished(Finished {
             id: s.req.id,

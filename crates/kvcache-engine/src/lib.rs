@@ -60,6 +60,7 @@ pub mod llama;
 pub mod mlx;
 pub mod model;
 pub mod paths;
+mod published;
 mod q8;
 mod rope;
 pub mod sampling;

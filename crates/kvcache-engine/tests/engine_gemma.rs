@@ -180,3 +180,111 @@ fn the_chat_server_runs_gemma_through_the_trie_as_from_scratch() {
         assert_eq!(out.matched, requests[i - 2].len(), "request {i}");
     }
 }
+
+/// What a finished request's sequence keeps: its prompt and every generated
+/// token but the last, which is never fed back.
+fn kept(prompt: &[u32], done: &Finished) -> Vec<u32> {
+    [prompt, &done.generated[..done.generated.len() - 1]].concat()
+}
+
+/// The names a router is told for the full blocks of `tokens` (4 tokens
+/// each, the shared namespace, the engine's model fingerprint).
+fn names(tokens: &[u32]) -> Vec<u64> {
+    use kvcache_api::block_key::{KeyChain, Scope};
+    use kvcache_api::events::block_hash;
+    let (fingerprint, namespace) = (
+        kvcache_api::Fingerprint::default(),
+        kvcache_api::Namespace::shared(),
+    );
+    KeyChain::new(Scope::new(&fingerprint, &namespace), 4, tokens)
+        .map(|(_, key)| block_hash(&key.0))
+        .collect()
+}
+
+fn stored(names: &[u64], parent: Option<u64>, tokens: &[u32]) -> kvcache_api::KvEvent {
+    kvcache_api::KvEvent::BlockStored {
+        block_hashes: names.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens.to_vec(),
+        block_size: 4,
+        medium: kvcache_api::Medium::Device,
+        namespace: kvcache_api::Namespace::shared(),
+    }
+}
+
+fn removed(names: &[u64]) -> kvcache_api::KvEvent {
+    kvcache_api::KvEvent::BlockRemoved {
+        block_hashes: names.to_vec(),
+        medium: kvcache_api::Medium::Device,
+    }
+}
+
+#[test]
+fn kept_sequences_are_reported_to_a_router_by_block_a_shared_prefix_once() {
+    let model = model();
+    let mut engine = Engine::new(
+        &model,
+        cache(&model, 4, 16, 12),
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 5,
+            block_tokens: Some(4),
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_prefix_reuse(true).unwrap();
+    // No block index: finished requests are kept as whole sequences.
+    assert!(!engine.keeps_blocks());
+    let log = std::sync::Arc::new(kvcache_api::EventLog::new());
+    engine.set_event_sink(log.clone());
+
+    // Two conversations sharing their first 8 tokens (2 blocks).
+    let shared = prompt(1, 8);
+    let a = [&shared[..], &prompt(2, 5)].concat();
+    engine.submit(Request::new(0, a.clone(), 3)).unwrap();
+    let a_kept = kept(&a, &run(&mut engine)[0]);
+    let a_names = names(&a_kept);
+    assert_eq!(a_names.len(), 3, "15 tokens kept: 3 blocks and a tail");
+    assert_eq!(log.take(), [stored(&a_names, None, &a_kept[..12])]);
+
+    let b = [&shared[..], &prompt(3, 6)].concat();
+    engine.submit(Request::new(1, b.clone(), 3)).unwrap();
+    let b_kept = kept(&b, &run(&mut engine)[0]);
+    let b_names = names(&b_kept);
+    assert_eq!(b_names[..2], a_names[..2]);
+    // Only B's own blocks are new, chained on the shared ones.
+    assert_eq!(
+        log.take(),
+        [stored(&b_names[2..], Some(b_names[1]), &b_kept[8..16])]
+    );
+
+    // A's next turn continues A's sequence: its blocks stay reported, the
+    // blocks the new turn completes follow them.
+    let a2 = [&a_kept[..], &prompt(4, 6)].concat();
+    engine.submit(Request::new(2, a2.clone(), 2)).unwrap();
+    let done = run(&mut engine).remove(0);
+    assert_eq!(done.reused, a_kept.len());
+    let a2_kept = kept(&a2, &done);
+    let a2_names = names(&a2_kept);
+    assert_eq!(a2_names[..3], a_names[..]);
+    assert_eq!(
+        log.take(),
+        [stored(
+            &a2_names[3..],
+            Some(a2_names[2]),
+            &a2_kept[12..a2_names.len() * 4]
+        )]
+    );
+
+    // Evicting both (A's sequence first, it was made first): each block is
+    // removed once, the shared ones with the last sequence holding them,
+    // children before parents.
+    assert_eq!(engine.evict_idle(std::time::Duration::ZERO).unwrap(), 2);
+    let rev = |names: &[u64]| names.iter().rev().copied().collect::<Vec<_>>();
+    assert_eq!(
+        log.take(),
+        [removed(&rev(&a2_names[2..])), removed(&rev(&b_names))]
+    );
+    engine.cache().check();
+}

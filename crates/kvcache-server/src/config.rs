@@ -32,7 +32,9 @@ pub struct ServerConfig {
     pub block_tokens: Option<usize>,
     /// Publish the kept blocks as KV events in vLLM's schema on a ZMQ PUB
     /// socket bound here (`tcp://127.0.0.1:5557`), for a cache-aware router
-    /// such as NVIDIA Dynamo's KV indexer (whole blocks of `block_tokens`).
+    /// such as NVIDIA Dynamo's KV indexer (whole blocks of `block_tokens`:
+    /// the block index's, or those of the idle sequences a model with
+    /// window layers keeps).
     pub kv_events: Option<String>,
     /// Requests admitted beyond `max_sequences` before new ones are refused
     /// with 503 and `Retry-After`.

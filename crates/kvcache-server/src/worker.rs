@@ -296,11 +296,9 @@ fn build_engine<'m, M: Model>(
     engine.set_tokenizer(tokenizer);
     engine.set_prefix_reuse(true)?;
     if let Some(endpoint) = &config.kv_events {
-        if !engine.keeps_blocks() {
+        if config.block_tokens.is_none() {
             return Err(kvcache_engine::EngineError::InvalidArgument(
-                "--kv-events reports kept blocks: it needs --block-tokens above 0 and a model without \
-                 sliding-window layers"
-                    .into(),
+                "--kv-events reports kept blocks: it needs --block-tokens above 0".into(),
             ));
         }
         let publisher = ZmqPublisher::bind(ZmqPublisherConfig::new(endpoint.clone()))
