@@ -138,6 +138,44 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+impl KvEvent {
+    /// `BlockStored` for the blocks `names[first..]` of one chain: `names`
+    /// name the chain's full blocks of `block_size` tokens from position 0,
+    /// in order, and `tokens` are the chain's tokens (at least
+    /// `names.len() * block_size`); the parent is `names[first - 1]`, none
+    /// for `first == 0`.
+    ///
+    /// ```
+    /// use kvcache_api::events::{KvEvent, Medium};
+    /// use kvcache_api::Namespace;
+    ///
+    /// let event = KvEvent::stored_run(&[7, 8, 9], 1, &[1, 2, 3, 4, 5, 6, 7], 2, Medium::Device, &Namespace::shared());
+    /// let KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } = event else { panic!() };
+    /// assert_eq!((block_hashes, parent_block_hash, token_ids), (vec![8, 9], Some(7), vec![3, 4, 5, 6]));
+    /// ```
+    ///
+    /// # Panics
+    /// When `first > names.len()` or `tokens` are fewer than the named
+    /// blocks hold.
+    pub fn stored_run(
+        names: &[u64],
+        first: usize,
+        tokens: &[u32],
+        block_size: usize,
+        medium: Medium,
+        namespace: &Namespace,
+    ) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: names[first..].to_vec(),
+            parent_block_hash: first.checked_sub(1).map(|p| names[p]),
+            token_ids: tokens[first * block_size..names.len() * block_size].to_vec(),
+            block_size,
+            medium,
+            namespace: namespace.clone(),
+        }
+    }
+}
+
 /// Where a cache's events go.
 ///
 /// `publish` never blocks: it hands the events over and returns, and a sink

@@ -872,15 +872,16 @@ where
             return;
         }
         // New full blocks follow each other (a chain's kept part comes first).
-        let first = full[0];
-        sink.publish(vec![KvEvent::BlockStored {
-            block_hashes: full.iter().map(|&i| block_hash(&chain[i].0 .0)).collect(),
-            parent_block_hash: first.checked_sub(1).map(|p| block_hash(&chain[p].0 .0)),
-            token_ids: tokens[first * block..(full[full.len() - 1] + 1) * block].to_vec(),
-            block_size: block,
-            medium: Medium::Device,
-            namespace: namespace.clone(),
-        }]);
+        let (first, last) = (full[0], full[full.len() - 1]);
+        let names: Vec<u64> = chain[..=last].iter().map(|(key, _)| block_hash(&key.0)).collect();
+        sink.publish(vec![KvEvent::stored_run(
+            &names,
+            first,
+            tokens,
+            block,
+            Medium::Device,
+            namespace,
+        )]);
     }
 
     /// Drops the least recently used idle sequence; `false` when there is none.

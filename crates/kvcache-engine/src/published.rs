@@ -50,14 +50,14 @@ impl PublishedBlocks {
             *self.refs.entry(*name).or_insert(0) += 1;
         }
         if first_new < names.len() {
-            events.push(KvEvent::BlockStored {
-                block_hashes: names[first_new..].to_vec(),
-                parent_block_hash: first_new.checked_sub(1).map(|p| names[p]),
-                token_ids: tokens[first_new * block..names.len() * block].to_vec(),
-                block_size: block,
-                medium: Medium::Device,
-                namespace: namespace.clone(),
-            });
+            events.push(KvEvent::stored_run(
+                &names,
+                first_new,
+                tokens,
+                block,
+                Medium::Device,
+                namespace,
+            ));
         }
         let old = std::mem::replace(&mut self.held[seq], names);
         events.extend(self.let_go(old));

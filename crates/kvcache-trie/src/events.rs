@@ -152,14 +152,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             return;
         }
         let block = events.block_tokens;
-        let stored = KvEvent::BlockStored {
-            block_hashes: names[first..].to_vec(),
-            parent_block_hash: first.checked_sub(1).map(|p| names[p]),
-            token_ids: tokens[first * block..names.len() * block].to_vec(),
-            block_size: block,
-            medium: Medium::Device,
-            namespace: namespace.clone(),
-        };
+        let stored = KvEvent::stored_run(&names, first, &tokens, block, Medium::Device, namespace);
         let events = self.events.as_mut().expect("checked above");
         events.reported.extend(&names[first..]);
         events.sink.publish(vec![stored]);
