@@ -15,7 +15,10 @@
 //! blocks of the system turn both share; a replica killed by its process id
 //! and started again on the same endpoint has its blocks cleared
 //! (`AllBlocksCleared`) and indexed again after new requests; and blocks its
-//! idle TTL ages out are removed (`BlockRemoved`).
+//! idle TTL ages out are removed (`BlockRemoved`). A Gemma 3 replica, which
+//! keeps finished requests as whole idle sequences rather than by block,
+//! reports their whole blocks the same way: the next turn matches them, and
+//! they go when the sequence ages out.
 
 mod common;
 
@@ -448,5 +451,97 @@ async fn dynamos_indexer_routes_between_two_real_replicas() {
 
     drop(a);
     drop(b);
+    drop(indexer);
+}
+
+/// The model name the Gemma server answers to.
+const GEMMA_MODEL: &str = "gemma-3-270m";
+
+/// A greedy completion of `prompt` (token ids) on the Gemma server, at most
+/// `max_tokens` tokens (it may end its turn sooner): the replica then keeps
+/// the prompt and all its answer but the last token.
+async fn complete_gemma(server: &Server, prompt: &[u32], max_tokens: usize) {
+    let body = json!({
+        "model": GEMMA_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    });
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", server.base))
+        .json(&body)
+        .send()
+        .await
+        .expect("POST /v1/completions");
+    let status = response.status();
+    let answer: Value = response.json().await.expect("the completion's JSON");
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["prompt_tokens"], prompt.len(), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_models_kept_sequences_are_routed_by_block() {
+    let Some(python) = python_or_skip() else { return };
+    if kvcache_engine::gemma::gemma_path_for_tests().is_none() {
+        let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
+        return;
+    }
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let indexer = Indexer::start(python, &[(A, &endpoint)]);
+    // Gemma 3 keeps finished requests as whole idle sequences (its window
+    // layers trim what a block index would need): their full blocks are
+    // what it reports.
+    let Some(server) = Server::start_gemma(&[
+        "--kv-events",
+        &endpoint,
+        "--idle-ttl",
+        &SHORT_TTL_S.to_string(),
+        "--block-tokens",
+        &BLOCK.to_string(),
+    ]) else {
+        return;
+    };
+
+    // Until the indexer's subscriber is in: probes of two blocks and one
+    // token (one token generated, so the replica keeps the prompt), each
+    // starting with a token no other prompt here starts with.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    'subscribed: for attempt in 0u32.. {
+        let probe: Vec<u32> = (0..2 * BLOCK as u32 + 1)
+            .map(|i| 30_000 + 100 * attempt + i)
+            .collect();
+        complete_gemma(&server, &probe, 1).await;
+        let seen_by = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < seen_by {
+            if indexer.matches(&probe).await == [(A, 2)] {
+                break 'subscribed;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the indexer never showed the Gemma replica's blocks"
+        );
+    }
+
+    // A turn of 5 blocks and 3 tokens, answered in at most 4 tokens: the
+    // replica keeps at most 86 tokens, at least the 83 of the prompt, so 5
+    // whole blocks, and the next turn (the prompt and more) matches them.
+    let prompt: Vec<u32> = (0..5 * BLOCK as u32 + 3).map(|i| 2_000 + 7 * i).collect();
+    complete_gemma(&server, &prompt, 4).await;
+    let next: Vec<u32> = prompt.iter().copied().chain(40_000..40_020).collect();
+    indexer
+        .expect("the kept turn's next turn", &next, &[(A, 5)])
+        .await;
+    // Aged out (the idle TTL): its blocks are removed.
+    indexer
+        .expect_within(
+            "the kept turn after its idle TTL",
+            &next,
+            &[],
+            Duration::from_secs(SHORT_TTL_S + 30),
+        )
+        .await;
+    drop(server);
     drop(indexer);
 }
