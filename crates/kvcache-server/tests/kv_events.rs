@@ -189,6 +189,20 @@ impl Vocabulary {
     }
 }
 
+/// `POST /v1/completions` with `body`; the answer, which must be a 200.
+async fn post_completion(server: &Server, body: &Value) -> Value {
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", server.base))
+        .json(body)
+        .send()
+        .await
+        .expect("POST /v1/completions");
+    let status = response.status();
+    let answer: Value = response.json().await.expect("the completion's JSON");
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
 /// A greedy completion of `prompt` (token ids) of `max_tokens` tokens, ended
 /// by its length.
 async fn complete(server: &Server, vocabulary: &Vocabulary, prompt: &[u32], max_tokens: usize) -> Turn {
@@ -199,15 +213,7 @@ async fn complete(server: &Server, vocabulary: &Vocabulary, prompt: &[u32], max_
         "temperature": 0.0,
         "logprobs": 0,
     });
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/completions", server.base))
-        .json(&body)
-        .send()
-        .await
-        .expect("POST /v1/completions");
-    let status = response.status();
-    let answer: Value = response.json().await.expect("the completion's JSON");
-    assert_eq!(status, 200, "{answer}");
+    let answer = post_completion(server, &body).await;
     let choice = &answer["choices"][0];
     assert_eq!(
         choice["finish_reason"], "length",
@@ -467,15 +473,7 @@ async fn complete_gemma(server: &Server, prompt: &[u32], max_tokens: usize) {
         "max_tokens": max_tokens,
         "temperature": 0.0,
     });
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/completions", server.base))
-        .json(&body)
-        .send()
-        .await
-        .expect("POST /v1/completions");
-    let status = response.status();
-    let answer: Value = response.json().await.expect("the completion's JSON");
-    assert_eq!(status, 200, "{answer}");
+    let answer = post_completion(server, &body).await;
     assert_eq!(answer["usage"]["prompt_tokens"], prompt.len(), "{answer}");
 }
 
