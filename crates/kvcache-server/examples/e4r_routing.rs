@@ -36,14 +36,17 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+#[path = "common/e1.rs"]
+mod e1;
 #[path = "common/server.rs"]
 mod server;
 #[path = "common/stream.rs"]
 mod stream;
 
 use clap::{Parser, ValueEnum};
+use e1::E1Args;
 use kvcache_bench::store_bench::replica_of;
-use kvcache_bench::trace::{Request, Trace};
+use kvcache_bench::trace::Request;
 use kvcache_testkit::dynamo_indexer::{DynamoIndexer, IndexerConfig};
 use kvcache_testkit::redis_server::{self, RedisServer};
 use server::Server;
@@ -74,27 +77,11 @@ struct Args {
     /// memory only), or both, one after the other.
     #[arg(long, value_enum, default_value = "redis")]
     shared: Shared,
-    /// The trace file [default: the project's fixtures/e1_trace.json].
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// The first N conversations of the trace (all turns of each).
-    #[arg(long, default_value_t = 10)]
-    conversations: usize,
-    /// Tokens to generate per request [default: the trace's n_predict].
-    #[arg(long)]
-    max_tokens: Option<usize>,
-    /// The model name sent in each request.
-    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
-    model: String,
+    #[command(flatten)]
+    e1: E1Args,
     /// The Redis `maxmemory` in MiB.
     #[arg(long, default_value_t = 2048)]
     redis_mib: u64,
-    /// Print one line per request.
-    #[arg(long)]
-    verbose: bool,
-    /// Extra flags for both started servers (e.g. `--server-arg=--attention=dense`).
-    #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
-    server_args: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -362,7 +349,7 @@ async fn run_mode(
             "--block-tokens".into(),
             BLOCK.to_string(),
         ]);
-        flags.extend(args.server_args.iter().cloned());
+        flags.extend(args.e1.server_args.iter().cloned());
         // Warnings only, unless the caller's RUST_LOG says otherwise (the
         // access log would interleave with the report).
         let env: &[(&str, &str)] = if std::env::var_os("RUST_LOG").is_some() {
@@ -374,7 +361,7 @@ async fn run_mode(
     }
     let http = reqwest::Client::new();
     for (replica, server) in servers.iter().enumerate() {
-        wait_subscribed(&indexer, &http, server, replica, &args.model).await?;
+        wait_subscribed(&indexer, &http, server, replica, &args.e1.model).await?;
     }
     // Each conversation's replica for its last turn.
     let mut last_replica: std::collections::HashMap<usize, usize> = Default::default();
@@ -392,7 +379,7 @@ async fn run_mode(
         let streamed = complete(
             &http,
             &servers[replica].url,
-            &args.model,
+            &args.e1.model,
             &r.token_ids,
             max_tokens,
         )
@@ -412,7 +399,7 @@ async fn run_mode(
             matched,
             same_as_previous,
         };
-        if args.verbose {
+        if args.e1.verbose {
             println!(
                 "  {} conv {} turn {}: replica {} ({:?}; indexer {:?} blocks) prompt {} cached {} \
                  evaluated {} (min {}) ttft {:.1} ms, {} generated",
@@ -473,25 +460,14 @@ fn main() -> Result<(), Error> {
     if !redis_server::on_path() {
         return Err("redis-server is not on PATH (`cargo xtask prepare` installs it)".into());
     }
-    let trace_path = args
-        .trace
-        .clone()
-        .unwrap_or_else(kvcache_engine::paths::e1_trace_path);
-    let trace = Trace::load(&trace_path).map_err(|e| e.to_string())?;
-    let requests: Vec<Request> = trace
-        .requests
-        .iter()
-        .filter(|r| r.conv < args.conversations)
-        .cloned()
-        .collect();
+    let run = args.e1.load()?;
+    let (requests, max_tokens) = (&run.requests, run.max_tokens);
     // On the whole trace, the round-robin here is E4's.
-    if requests.len() == trace.requests.len() && requests.iter().any(|r| round_robin(r) != replica_of(r.idx))
+    if requests.len() == run.trace.requests.len()
+        && requests.iter().any(|r| round_robin(r) != replica_of(r.idx))
     {
         return Err("this trace's order is not E4's: round-robin by conversation and turn differs".into());
     }
-    let max_tokens = args
-        .max_tokens
-        .unwrap_or_else(|| requests.first().map_or(1, |r| r.n_predict));
     let modes: &[Mode] = match args.mode {
         Mode::Both => &[Mode::Routed, Mode::RoundRobin],
         Mode::Routed => &[Mode::Routed],
@@ -503,19 +479,15 @@ fn main() -> Result<(), Error> {
         Shared::Nothing => &[Shared::Nothing],
     };
     println!(
-        "trace {}: {} requests of {} conversations, {} tokens generated each; two replicas, KV \
-         events to NVIDIA Dynamo's indexer ({})",
-        trace_path.display(),
-        requests.len(),
-        args.conversations.min(trace.conversations.len()),
-        max_tokens,
+        "{}; two replicas, KV events to NVIDIA Dynamo's indexer ({})",
+        run.describe(args.e1.conversations),
         python.display(),
     );
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     for &shared in shares {
         let mut reports = Vec::new();
         for &mode in modes {
-            let report = runtime.block_on(run_mode(mode, shared, &args, &python, &requests, max_tokens))?;
+            let report = runtime.block_on(run_mode(mode, shared, &args, &python, requests, max_tokens))?;
             report.print();
             reports.push(report);
         }

@@ -23,11 +23,14 @@ use std::time::{Duration, Instant};
 
 #[path = "common/server.rs"]
 mod server;
+#[path = "common/stream.rs"]
+mod stream;
 
 use clap::Parser;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use server::Server;
+use stream::stream;
 
 /// Replays the E5 trace against kvcache-server serving Gemma 3 (E5s).
 #[derive(Debug, Parser)]
@@ -118,57 +121,21 @@ async fn chat(
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let start = Instant::now();
-    let mut response = http
-        .post(format!("{url}/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await?;
-    if !response.status().is_success() {
-        let status = response.status();
-        return Err(format!("{status}: {}", response.text().await?).into());
-    }
-    let mut buffer = String::new();
-    let (mut ttft, mut usage, mut done) = (None, None, false);
-    while let Some(chunk) = response.chunk().await? {
-        buffer.push_str(std::str::from_utf8(&chunk)?);
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
-                    continue;
-                };
-                if data == "[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data)?;
-                // The first chunk opens the assistant's message; the first
-                // token's text comes in a chunk with content.
-                if ttft.is_none()
-                    && v["choices"][0]["delta"]["content"]
-                        .as_str()
-                        .is_some_and(|t| !t.is_empty())
-                {
-                    ttft = Some(start.elapsed());
-                }
-                if !v["usage"].is_null() {
-                    usage = Some(v["usage"].clone());
-                }
-            }
-        }
-    }
-    let usage = usage.ok_or("no usage")?;
-    if !done {
-        return Err("stream ended without [DONE]".into());
-    }
-    let field = |v: &Value| v.as_u64().map(|n| n as usize).ok_or("usage field missing");
+    // The first chunk opens the assistant's message; the first token's text
+    // comes in a chunk with content.
+    let streamed = stream(http, &format!("{url}/v1/chat/completions"), &body, |chunk| {
+        chunk["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+    })
+    .await
+    .map_err(|e| e as Box<dyn std::error::Error>)?;
     Ok(Outcome {
         turn,
-        prompt_tokens: field(&usage["prompt_tokens"])?,
-        cached_tokens: field(&usage["prompt_tokens_details"]["cached_tokens"])?,
-        completion_tokens: field(&usage["completion_tokens"])?,
-        ttft: ttft.ok_or("no token")?,
+        prompt_tokens: streamed.prompt_tokens,
+        cached_tokens: streamed.cached_tokens,
+        completion_tokens: streamed.completion_tokens,
+        ttft: streamed.ttft,
     })
 }
 

@@ -21,13 +21,16 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+#[path = "common/e1.rs"]
+mod e1;
 #[path = "common/server.rs"]
 mod server;
 #[path = "common/stream.rs"]
 mod stream;
 
 use clap::{Parser, ValueEnum};
-use kvcache_bench::trace::{Request, Trace};
+use e1::E1Args;
+use kvcache_bench::trace::Request;
 use server::Server;
 use stream::{complete, percentile, Error};
 
@@ -43,24 +46,8 @@ struct Args {
     /// Which run(s).
     #[arg(long, value_enum, default_value = "both")]
     mode: Mode,
-    /// The trace file [default: the project's fixtures/e1_trace.json].
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// The first N conversations of the trace (all turns of each).
-    #[arg(long, default_value_t = 10)]
-    conversations: usize,
-    /// Tokens to generate per request [default: the trace's n_predict].
-    #[arg(long)]
-    max_tokens: Option<usize>,
-    /// The model name sent in each request.
-    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
-    model: String,
-    /// Print one line per request.
-    #[arg(long)]
-    verbose: bool,
-    /// Extra flags for the started server (e.g. `--server-arg=--attention=dense`).
-    #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
-    server_args: Vec<String>,
+    #[command(flatten)]
+    e1: E1Args,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -206,8 +193,8 @@ async fn sequential(
     let start = Instant::now();
     let mut outcomes = Vec::new();
     for r in requests {
-        let o = complete_request(&http, url, &args.model, r, max_tokens).await?;
-        log(args.verbose, &o);
+        let o = complete_request(&http, url, &args.e1.model, r, max_tokens).await?;
+        log(args.e1.verbose, &o);
         outcomes.push(o);
     }
     Ok(RunReport {
@@ -231,7 +218,12 @@ async fn concurrent(
     let mut clients = Vec::new();
     for conv in convs {
         let turns: Vec<Request> = requests.iter().filter(|r| r.conv == conv).cloned().collect();
-        let (http, url, model, verbose) = (http.clone(), url.to_string(), args.model.clone(), args.verbose);
+        let (http, url, model, verbose) = (
+            http.clone(),
+            url.to_string(),
+            args.e1.model.clone(),
+            args.e1.verbose,
+        );
         clients.push(tokio::spawn(async move {
             let mut outcomes = Vec::new();
             for r in &turns {
@@ -255,20 +247,8 @@ async fn concurrent(
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let trace_path = args
-        .trace
-        .clone()
-        .unwrap_or_else(kvcache_engine::paths::e1_trace_path);
-    let trace = Trace::load(&trace_path).map_err(|e| e.to_string())?;
-    let requests: Vec<Request> = trace
-        .requests
-        .iter()
-        .filter(|r| r.conv < args.conversations)
-        .cloned()
-        .collect();
-    let max_tokens = args
-        .max_tokens
-        .unwrap_or_else(|| requests.first().map_or(1, |r| r.n_predict));
+    let run = args.e1.load()?;
+    let (requests, max_tokens) = (&run.requests, run.max_tokens);
     let modes: &[Mode] = match args.mode {
         Mode::Both => &[Mode::Sequential, Mode::Concurrent],
         Mode::Sequential => &[Mode::Sequential],
@@ -277,18 +257,12 @@ fn main() -> Result<(), Error> {
     if modes.len() > 1 && args.server_bin.is_none() {
         return Err("--mode both needs --server-bin (a fresh server per run)".into());
     }
-    println!(
-        "trace {}: {} requests of {} conversations, {} tokens generated each",
-        trace_path.display(),
-        requests.len(),
-        args.conversations.min(trace.conversations.len()),
-        max_tokens
-    );
+    println!("{}", run.describe(args.e1.conversations));
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut reports = Vec::new();
     for &mode in modes {
         let server = match &args.server_bin {
-            Some(bin) => Some(Server::start(bin, &args.server_args, &[]).map_err(|e| e.to_string())?),
+            Some(bin) => Some(Server::start(bin, &args.e1.server_args, &[]).map_err(|e| e.to_string())?),
             None => None,
         };
         let url = match (&server, &args.url) {
@@ -298,8 +272,8 @@ fn main() -> Result<(), Error> {
         };
         let report = runtime.block_on(async {
             match mode {
-                Mode::Sequential => sequential(&url, &args, &requests, max_tokens).await,
-                _ => concurrent(&url, &args, &requests, max_tokens).await,
+                Mode::Sequential => sequential(&url, &args, requests, max_tokens).await,
+                _ => concurrent(&url, &args, requests, max_tokens).await,
             }
         })?;
         report.print();

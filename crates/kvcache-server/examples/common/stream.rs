@@ -1,5 +1,7 @@
-//! What the serving examples share on the client side: one streamed completion
-//! with its usage and time to first token, and the nearest-rank quantile.
+//! What the serving examples share on the client side: one streamed request
+//! (a completion of token ids, or any body) with its usage and time to first
+//! token, and the nearest-rank quantile. Each example uses a part of it.
+#![allow(dead_code)]
 
 use std::time::{Duration, Instant};
 
@@ -22,7 +24,7 @@ pub struct Streamed {
 }
 
 /// One streamed greedy completion of token ids at `url`'s `/v1/completions`,
-/// read to `[DONE]`.
+/// read to `[DONE]`; the first token is the first chunk with a choice.
 pub async fn complete(
     http: &reqwest::Client,
     url: &str,
@@ -38,36 +40,43 @@ pub async fn complete(
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    stream(http, &format!("{url}/v1/completions"), &body, |chunk| {
+        chunk["choices"].as_array().is_some_and(|c| !c.is_empty())
+    })
+    .await
+}
+
+/// Posts `body` (a streamed request asking for usage) to `endpoint` and
+/// reads the server-sent events to `[DONE]`: the usage, and the time to the
+/// first chunk `is_first_token` accepts.
+pub async fn stream(
+    http: &reqwest::Client,
+    endpoint: &str,
+    body: &Value,
+    is_first_token: impl Fn(&Value) -> bool,
+) -> Result<Streamed, Error> {
     let start = Instant::now();
-    let mut response = http
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await?;
+    let mut response = http.post(endpoint).json(body).send().await?;
     if !response.status().is_success() {
         let status = response.status();
-        return Err(format!("{url}: {status}: {}", response.text().await?).into());
+        return Err(format!("{endpoint}: {status}: {}", response.text().await?).into());
     }
     let mut buffer = String::new();
-    let mut ttft = None;
-    let mut usage = None;
-    let mut done = false;
+    let (mut ttft, mut usage, mut done) = (None, None, false);
     while let Some(chunk) = response.chunk().await? {
         buffer.push_str(std::str::from_utf8(&chunk)?);
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
             for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:") else {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
                     continue;
                 };
-                let data = data.trim();
                 if data == "[DONE]" {
                     done = true;
                     continue;
                 }
                 let v: Value = serde_json::from_str(data)?;
-                let has_choice = v["choices"].as_array().is_some_and(|c| !c.is_empty());
-                if has_choice && ttft.is_none() {
+                if ttft.is_none() && is_first_token(&v) {
                     ttft = Some(start.elapsed());
                 }
                 if !v["usage"].is_null() {
