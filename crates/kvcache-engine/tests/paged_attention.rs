@@ -15,8 +15,11 @@ use kvcache_api::{
     PosRange, RowRuns, SeqId, SlidingWindow, StoredKv, VLayout,
 };
 use kvcache_causal::{key_shift, CausalKvCache};
+use kvcache_engine::attention::device::PagedLaunch;
 use kvcache_engine::attention::paged_attention;
 use kvcache_engine::EngineError;
+
+mod cuda_on_cpu;
 
 const LAYERS: usize = 2;
 const TOL: f64 = 1e-4;
@@ -133,11 +136,30 @@ struct Seen {
     /// Prefix copies and shifting removals done.
     copies: usize,
     shifts: usize,
+    /// Launches of the CUDA kernel run on the CPU and checked.
+    emulated: usize,
+}
+
+/// Launches of the CUDA kernel recorded during a schedule, with what each must
+/// give: the dense reference and the CPU kernel's output.
+#[derive(Default)]
+struct Emulated {
+    launches: cuda_on_cpu::Launches,
+    want: Vec<Vec<f64>>,
+    cpu: Vec<Vec<f32>>,
 }
 
 /// Puts random keys and values for every layer of the pass in progress and
 /// compares `paged_attention` with the reference on each layer.
-fn check_pass(cache: &mut CausalKvCache, case: &Case, n: usize, rng: &mut Rng, seen: &mut Seen) {
+/// With `emulated`, also records the CUDA kernel's launch for each layer.
+fn check_pass(
+    cache: &mut CausalKvCache,
+    case: &Case,
+    n: usize,
+    rng: &mut Rng,
+    seen: &mut Seen,
+    mut emulated: Option<&mut Emulated>,
+) {
     let (kvh, heads, hd) = (case.kv_heads, case.heads, case.head_dim);
     let permuted = case.config.v_layout == VLayout::Permuted;
     let scale = 1.0 / (hd as f64).sqrt();
@@ -189,6 +211,14 @@ fn check_pass(cache: &mut CausalKvCache, case: &Case, n: usize, rng: &mut Rng, s
         );
         seen.max_diff = seen.max_diff.max(diff);
         seen.rows += n;
+        if let Some(e) = emulated.as_deref_mut() {
+            let launch = PagedLaunch::new(&q, &paged, scale as f32)
+                .unwrap()
+                .expect("the kernel takes every case");
+            e.launches.push(&launch, &q, &paged);
+            e.want.push(want);
+            e.cpu.push(f32s(&got));
+        }
     }
     seen.passes += 1;
 }
@@ -204,13 +234,15 @@ fn shift() -> Box<dyn kvcache_api::KeyShift<Tensor>> {
     })
 }
 
-/// Runs `ops` random operations on a cache of `case`, checking every pass.
-fn run(case: &Case, seed: u64, ops: usize) -> Seen {
+/// Runs `ops` random operations on a cache of `case`, checking every pass;
+/// with `harness`, the CUDA kernel's launches too, run on the CPU at the end.
+fn run(case: &Case, seed: u64, ops: usize, harness: Option<&std::path::Path>) -> Seen {
     let mut rng = Rng(seed);
     let mut cache = CausalKvCache::new(case.config.clone(), Device::Cpu, Some(shift())).unwrap();
     let seqs = case.config.max_sequences;
     let capacity = case.config.capacity as Pos;
     let mut seen = Seen::default();
+    let mut emulated = harness.map(|_| Emulated::default());
     let next = |cache: &CausalKvCache, s: SeqId| cache.positions(s).last().map_or(0, |p| p.0 + 1);
     for _ in 0..ops {
         match rng.below(10) {
@@ -251,7 +283,14 @@ fn run(case: &Case, seed: u64, ops: usize) -> Seen {
                 };
                 let batch = Batch::from_tokens(tokens.iter().copied()).unwrap();
                 match cache.start_forward(&batch, ForwardMode::Compute) {
-                    Ok(()) => check_pass(&mut cache, case, tokens.len(), &mut rng, &mut seen),
+                    Ok(()) => check_pass(
+                        &mut cache,
+                        case,
+                        tokens.len(),
+                        &mut rng,
+                        &mut seen,
+                        emulated.as_mut(),
+                    ),
                     Err(CacheError::Full { .. }) => {
                         let s = rng.below(seqs);
                         cache.remove(s, PosRange::from(..)).unwrap();
@@ -290,6 +329,25 @@ fn run(case: &Case, seed: u64, ops: usize) -> Seen {
         }
     }
     cache.check();
+    if let (Some(harness), Some(e)) = (harness, emulated) {
+        let outputs = e.launches.run(harness);
+        for (i, out) in outputs.iter().enumerate() {
+            let diff = |other: &mut dyn Iterator<Item = f64>| {
+                out.iter()
+                    .zip(other)
+                    .map(|(&a, b)| (f64::from(a) - b).abs())
+                    .fold(0f64, f64::max)
+            };
+            let vs_reference = diff(&mut e.want[i].iter().copied());
+            let vs_cpu = diff(&mut e.cpu[i].iter().map(|&x| f64::from(x)));
+            assert!(
+                vs_reference <= TOL && vs_cpu <= TOL,
+                "{case:?}: launch {i}: the CUDA kernel vs the reference {vs_reference}, vs the CPU kernel {vs_cpu}"
+            );
+            seen.max_diff = seen.max_diff.max(vs_reference);
+        }
+        seen.emulated += outputs.len();
+    }
     seen
 }
 
@@ -341,7 +399,7 @@ fn paged_attention_equals_the_dense_reference_on_random_schedules() {
     let mut total = Seen::default();
     for (i, case) in cases().iter().enumerate() {
         for seed in 0..3u64 {
-            let seen = run(case, 1000 * i as u64 + seed, 60);
+            let seen = run(case, 1000 * i as u64 + seed, 60, None);
             assert!(seen.passes >= 5, "{case:?}: only {} passes", seen.passes);
             total.passes += seen.passes;
             total.rows += seen.rows;
@@ -357,6 +415,36 @@ fn paged_attention_equals_the_dense_reference_on_random_schedules() {
     assert!(total.split_rows > 100, "{total:?}");
     assert!(total.long_rows > 50, "{total:?}");
     assert!(total.copies > 100 && total.shifts > 100, "{total:?}");
+    assert!(total.max_diff <= TOL, "{total:?}");
+}
+
+/// The CUDA kernel's source, run on the CPU through the shim: every case's
+/// schedule in every storage type, checked launch by launch against the dense
+/// reference and the CPU kernel. Blocks of 32 threads (tiles of 32 cells, so
+/// the online softmax rescales often) for all cases, and of 128 (what the GPU
+/// runs) for the long prefills.
+#[test]
+fn the_cuda_kernel_run_on_the_cpu_equals_the_dense_reference() {
+    let (Some(small), Some(full)) = (cuda_on_cpu::harness(32), cuda_on_cpu::harness(128)) else {
+        return;
+    };
+    let mut total = Seen::default();
+    for (i, case) in cases().iter().enumerate() {
+        let long = case.chunk > 16;
+        let seen = run(case, 7_000 + i as u64, 16, Some(small));
+        total.emulated += seen.emulated;
+        total.long_rows += seen.long_rows;
+        total.split_rows += seen.split_rows;
+        total.max_diff = total.max_diff.max(seen.max_diff);
+        if long {
+            let seen = run(case, 9_000 + i as u64, 16, Some(full));
+            total.emulated += seen.emulated;
+            total.long_rows += seen.long_rows;
+        }
+    }
+    eprintln!("{total:?}");
+    assert!(total.emulated > 300, "{total:?}");
+    assert!(total.long_rows > 20 && total.split_rows > 30, "{total:?}");
     assert!(total.max_diff <= TOL, "{total:?}");
 }
 

@@ -1,22 +1,4 @@
-//! Attention over a causal cache: the dense reference and a paged CPU kernel
-//! whose cost is what each row sees.
-//!
-//! [`CausalCache::get`] hands a model every cell of the pass's range and a
-//! dense `[rows, cells]` mask: `q kᵀ` then costs rows x range whatever a row
-//! may see (16 sequences decoding side by side each score all 16 sequences'
-//! cells and mask away 15 of them), and `q8_0` storage is decoded to f32 over
-//! the whole range first. [`CausalCache::get_paged`] hands it instead each
-//! row's visible cells as sorted runs ([`RowRuns`]) and the layer's keys and
-//! values as stored ([`StoredKv`]); [`paged_attention`] walks those runs and
-//! reads only the cells seen, in their stored type.
-//!
-//! Shapes: queries `[n, n_heads, head_dim]` (f32), query head `j * g + i`
-//! using key/value head `j` (`g = n_heads / kv_heads`); keys `[cells, kv_heads,
-//! head_dim]`, values `[cells, kv_heads, head_dim_v]` or, with
-//! [`VLayout::Permuted`], `[kv_heads, head_dim_v, cells]`, read through their
-//! layout (start offset and strides), as f32, f16, bf16 or `q8_0` (integers
-//! `q + 128` and one f16 scale per 32 values of a head); the output is
-//! `[n, n_heads * head_dim_v]`.
+//! The CPU paged-attention kernel, [`paged_attention`].
 //!
 //! The kernel, FlashAttention-2 style:
 //! - Rows are grouped into *blocks* of up to 16 consecutive rows whose first
@@ -44,35 +26,18 @@
 //! other sequences' cells are never read. The inner loops are plain arithmetic
 //! compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
 //! `crate::kernels` does.
-//!
-//! `cached_attention` is the glue both models run in their cached forward
-//! pass: `put`, then the paged view where the [`AttentionPath`] asks for it and
-//! the cache and device allow, else `get` and `dense_attention`.
 
 use std::ops::Range;
 use std::sync::Mutex;
 
-use candle_core::{DType, Layout, Storage, StorageRef, Tensor};
+use candle_core::{Storage, StorageRef, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use kvcache_api::{CacheError, CausalCache, CellRun, PagedKv, RowRuns, StoredKv, VLayout};
+use kvcache_api::{CellRun, PagedKv, RowRuns, StoredKv};
 
+use super::stored::{Geometry, StoredShape, StoredType, Strides};
 use crate::kernels;
-use crate::{EngineError, Result};
-
-/// How a model's cached forward pass computes attention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AttentionPath {
-    /// [`CausalCache::get_paged`]'s runs walked by [`paged_attention`]: cost
-    /// follows the cells each row sees. Falls back to [`Dense`](Self::Dense)
-    /// where the cache answers [`CacheError::NotSupported`] or the device is
-    /// not the CPU.
-    #[default]
-    Paged,
-    /// [`CausalCache::get`]'s keys and values over the pass's whole cell range
-    /// under the dense mask: the reference.
-    Dense,
-}
+use crate::Result;
 
 /// Cells per tile of [`paged_attention`]: one `u64` mask per row.
 const TILE: usize = 64;
@@ -86,101 +51,6 @@ const BLOCK_ROWS: usize = 16;
 /// so that every query's scores are plain multiply-adds across the tile (the
 /// transposition, a scalar store per element, pays only when shared).
 const DOT_QUERIES: usize = 8;
-
-/// What one layer attends over: keys and values `[cells, kv_heads, head_dim]`
-/// (values `[kv_heads, head_dim, cells]` when `permuted`) under `mask: [n, cells]`
-/// (0 visible, `-inf` hidden).
-#[derive(Debug, Clone)]
-pub struct Attend {
-    /// Keys, `[cells, kv_heads, head_dim]`.
-    pub keys: Tensor,
-    /// Values, `[cells, kv_heads, head_dim]`, or `[kv_heads, head_dim, cells]` when `permuted`.
-    pub values: Tensor,
-    /// `[n, cells]`.
-    pub mask: Tensor,
-    /// The values' layout.
-    pub permuted: bool,
-}
-
-/// Dense attention: `q: [n, n_heads, head_dim]` over every cell of `ctx` under
-/// its mask, query head `j * g + i` using key/value head `j`; returns
-/// `[n, n_heads * head_dim_v]`.
-pub(crate) fn dense_attention(q: &Tensor, ctx: &Attend, scale: f32) -> Result<Tensor> {
-    let (n, h, hd) = q.dims3()?;
-    let kvh = ctx.keys.dim(1)?;
-    if kvh == 0 || h % kvh != 0 {
-        return Err(EngineError::InvalidArgument(format!(
-            "{h} query heads over {kvh} key/value heads"
-        )));
-    }
-    let g = h / kvh;
-    // Query head j * g + i uses key/value head j.
-    let q = q
-        .reshape((n, kvh, g, hd))?
-        .permute((1, 2, 0, 3))?
-        .reshape((kvh, g * n, hd))?;
-    // Strided views go to the matmul as they are: `gemm` reads any strides, and
-    // a copy of every cached key and value per layer cost more than the products.
-    let kt = ctx.keys.permute((1, 2, 0))?; // [kvh, hd, cells]
-    let scores = q.matmul(&kt)?; // [kvh, g * n, cells]
-    let probs = kernels::masked_softmax(&scores, &ctx.mask, scale)?;
-    let v = if ctx.permuted {
-        ctx.values.transpose(1, 2)? // [kvh, hdv, cells] -> [kvh, cells, hdv]
-    } else {
-        ctx.values.transpose(0, 1)? // [cells, kvh, hdv] -> [kvh, cells, hdv]
-    };
-    let out = probs.matmul(&v)?; // [kvh, g * n, hdv]
-    let hdv = out.dim(2)?;
-    Ok(out
-        .reshape((kvh, g, n, hdv))?
-        .permute((2, 0, 1, 3))?
-        .reshape((n, h * hdv))?)
-}
-
-/// One layer's attention in a cached forward pass (after `start_forward`):
-/// `set_layer(layer)`, `put(k, v)`, then with [`AttentionPath::Paged`] on the
-/// CPU [`get_paged`](CausalCache::get_paged) and [`paged_attention`]; where the
-/// cache answers [`CacheError::NotSupported`] (or the path is
-/// [`Dense`](AttentionPath::Dense), or the device is not the CPU) `get` and
-/// [`dense_attention`]. `q: [n, n_heads, head_dim]`, `k` and `v: [n, kv_heads,
-/// head_dim]`; returns `[n, n_heads * head_dim_v]`.
-pub(crate) fn cached_attention<C>(
-    cache: &mut C,
-    path: AttentionPath,
-    layer: usize,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-) -> Result<Tensor>
-where
-    C: CausalCache<Tensor = Tensor> + ?Sized,
-{
-    cache.set_layer(layer);
-    cache.put(k, v)?;
-    if path == AttentionPath::Paged && q.device().is_cpu() {
-        match cache.get_paged() {
-            Ok(view) => {
-                let q = q.to_dtype(DType::F32)?;
-                if let Some(out) = paged_attention(&q, &view, scale)? {
-                    return Ok(out);
-                }
-            }
-            Err(CacheError::NotSupported(_)) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let n = q.dim(0)?;
-    let permuted = cache.config().v_layout == VLayout::Permuted;
-    let view = cache.get()?;
-    let ctx = Attend {
-        keys: view.keys.to_dtype(DType::F32)?,
-        values: view.values.to_dtype(DType::F32)?,
-        mask: view.mask.narrow(0, 0, n)?.to_dtype(DType::F32)?,
-        permuted,
-    };
-    dense_attention(q, &ctx, scale)
-}
 
 /// Attention of `q: [n, n_heads, head_dim]` (f32) over the cells each row of
 /// `view` sees, scores scaled by `scale`; query head `j * g + i` uses key/value
@@ -204,53 +74,25 @@ pub fn paged_attention(q: &Tensor, view: &PagedKv<'_, Tensor>, scale: f32) -> Re
     if !on_cpu(q) || !stored_on_cpu(&view.keys) || !stored_on_cpu(&view.values) {
         return Ok(None);
     }
-    let bad = |msg: String| Err(EngineError::InvalidArgument(format!("paged attention: {msg}")));
-    let &[n, n_heads, hd] = q.dims() else {
-        return bad(format!(
-            "queries of shape {:?}, not [n, heads, head_dim]",
-            q.dims()
-        ));
-    };
-    if q.dtype() != DType::F32 {
-        return bad(format!("queries in {:?}, not f32", q.dtype()));
-    }
+    let geometry = Geometry::of(q, view)?;
+    let Geometry {
+        n,
+        n_heads,
+        kv_heads: kvh,
+        group: g,
+        head_dim: hd,
+        head_dim_v: hdv,
+        ..
+    } = geometry;
     let runs = view.runs;
-    if runs.rows() != n {
-        return bad(format!("{n} query rows for {} rows of runs", runs.rows()));
-    }
-    let key_axes = Axes::CELL_HEAD_DIM;
-    let value_axes = match view.v_layout {
-        VLayout::Normal => Axes::CELL_HEAD_DIM,
-        VLayout::Permuted => Axes::HEAD_DIM_CELL,
-    };
     let k_held = Held::new(&view.keys);
     let v_held = Held::new(&view.values);
-    let Some(keys) = k_held.plane(key_axes)? else {
+    let Some(keys) = k_held.plane(&geometry.keys)? else {
         return Ok(None);
     };
-    let Some(values) = v_held.plane(value_axes)? else {
+    let Some(values) = v_held.plane(&geometry.values)? else {
         return Ok(None);
     };
-    let (cells, kvh, hdv) = (keys.cells, keys.heads, values.dim);
-    if keys.dim != hd || hd == 0 || hdv == 0 {
-        return bad(format!(
-            "queries of head dim {hd}, keys of {}, values of {hdv}",
-            keys.dim
-        ));
-    }
-    if values.cells != cells || values.heads != kvh {
-        return bad(format!(
-            "keys of {cells} cells x {kvh} heads, values of {} x {}",
-            values.cells, values.heads
-        ));
-    }
-    if kvh == 0 || n_heads % kvh != 0 {
-        return bad(format!("{n_heads} query heads over {kvh} key/value heads"));
-    }
-    if let Some(run) = runs.runs().iter().find(|r| r.end as usize > cells) {
-        return bad(format!("run {run:?} past the {cells} stored cells"));
-    }
-    let g = n_heads / kvh;
     let q = q.contiguous()?;
     let q_held = q.storage_and_layout();
     let Storage::Cpu(q_cpu) = &*q_held.0 else {
@@ -326,82 +168,15 @@ fn blocks(runs: &RowRuns) -> Vec<Block> {
     blocks
 }
 
-/// Which axes of a stored tensor hold cells, heads and the head dimension.
-#[derive(Debug, Clone, Copy)]
-struct Axes {
-    cell: usize,
-    head: usize,
-    dim: usize,
-}
-
-impl Axes {
-    /// `[cells, heads, dim]`: keys, and values in the normal layout.
-    const CELL_HEAD_DIM: Axes = Axes {
-        cell: 0,
-        head: 1,
-        dim: 2,
-    };
-    /// `[heads, dim, cells]`: values in the permuted layout.
-    const HEAD_DIM_CELL: Axes = Axes {
-        cell: 2,
-        head: 0,
-        dim: 1,
-    };
-}
-
-/// Where element `(cell, head, d)` of a stored tensor lies in its storage.
-#[derive(Debug, Clone, Copy)]
-struct Strides {
-    start: usize,
-    cell: usize,
-    head: usize,
-    dim: usize,
-}
-
-impl Strides {
-    /// The strides of `layout` along `axes`, after checking that every element
-    /// of the `[cells, heads, dim]` tensor lies inside `len` elements.
-    fn new(layout: &Layout, axes: Axes, len: usize) -> Result<Strides> {
-        let (dims, stride) = (layout.dims(), layout.stride());
-        if dims.len() != 3 {
-            return Err(EngineError::InvalidArgument(format!(
-                "paged attention: stored keys or values of shape {dims:?}, not 3 axes"
-            )));
-        }
-        let s = Strides {
-            start: layout.start_offset(),
-            cell: stride[axes.cell],
-            head: stride[axes.head],
-            dim: stride[axes.dim],
-        };
-        let last = (dims[axes.cell].saturating_sub(1)) * s.cell
-            + (dims[axes.head].saturating_sub(1)) * s.head
-            + (dims[axes.dim].saturating_sub(1)) * s.dim;
-        if dims.iter().all(|&d| d > 0) && s.start + last >= len {
-            return Err(EngineError::InvalidArgument(format!(
-                "paged attention: a stored tensor's layout {layout:?} runs past its {len} elements"
-            )));
-        }
-        Ok(s)
-    }
-
-    fn at(&self, cell: usize, head: usize, d: usize) -> usize {
-        self.start + cell * self.cell + head * self.head + d * self.dim
-    }
-}
-
 /// A stored tensor's storage, borrowed while the kernel reads it.
 struct Held<'t> {
-    data: (StorageRef<'t>, &'t Layout, DType),
-    scales: Option<(StorageRef<'t>, &'t Layout, DType)>,
+    data: StorageRef<'t>,
+    scales: Option<StorageRef<'t>>,
 }
 
 impl<'t> Held<'t> {
     fn new(stored: &'t StoredKv<Tensor>) -> Self {
-        let hold = |t: &'t Tensor| {
-            let (s, l) = t.storage_and_layout();
-            (s, l, t.dtype())
-        };
+        let hold = |t: &'t Tensor| t.storage_and_layout().0;
         match stored {
             StoredKv::Float(t) => Held {
                 data: hold(t),
@@ -414,67 +189,49 @@ impl<'t> Held<'t> {
         }
     }
 
-    /// The stored elements as a [`Plane`]; `None` off the CPU.
-    fn plane(&self, axes: Axes) -> Result<Option<Plane<'_>>> {
-        let bad = |msg: String| Err(EngineError::InvalidArgument(format!("paged attention: {msg}")));
-        let (storage, layout, dtype) = &self.data;
-        let Storage::Cpu(cpu) = &**storage else {
+    /// The stored elements of `shape` as a [`Plane`]; `None` off the CPU.
+    fn plane(&self, shape: &StoredShape) -> Result<Option<Plane<'_>>> {
+        let Storage::Cpu(cpu) = &*self.data else {
             return Ok(None);
         };
-        let dims = layout.dims();
-        if dims.len() != 3 {
-            return bad(format!("stored keys or values of shape {dims:?}, not 3 axes"));
-        }
-        let (cells, heads, dim) = (dims[axes.cell], dims[axes.head], dims[axes.dim]);
-        let (data, at) = match (&self.scales, dtype) {
-            (None, DType::F32) => {
+        let scales = match &self.scales {
+            Some(held) => match &**held {
+                Storage::Cpu(s) => Some(s.as_slice::<f16>()?),
+                _ => return Ok(None),
+            },
+            None => None,
+        };
+        let (data, len) = match (shape.ty, shape.scales_at, scales) {
+            (StoredType::F32, ..) => {
                 let s = cpu.as_slice::<f32>()?;
-                (Data::F32(s), Strides::new(layout, axes, s.len())?)
+                (Data::F32(s), s.len())
             }
-            (None, DType::F16) => {
+            (StoredType::F16, ..) => {
                 let s = cpu.as_slice::<f16>()?;
-                (Data::F16(s), Strides::new(layout, axes, s.len())?)
+                (Data::F16(s), s.len())
             }
-            (None, DType::BF16) => {
+            (StoredType::BF16, ..) => {
                 let s = cpu.as_slice::<bf16>()?;
-                (Data::BF16(s), Strides::new(layout, axes, s.len())?)
+                (Data::BF16(s), s.len())
             }
-            (Some((s_storage, s_layout, s_dtype)), DType::U8) => {
-                let Storage::Cpu(s_cpu) = &**s_storage else {
-                    return Ok(None);
-                };
-                let sd = s_layout.dims();
-                let want = {
-                    let mut w = dims.to_vec();
-                    w[axes.dim] = dim / 32;
-                    w
-                };
-                if *s_dtype != DType::F16 || dim % 32 != 0 || sd != want.as_slice() {
-                    return bad(format!(
-                        "q8_0 quants {dims:?} with {s_dtype:?} scales {sd:?} (want f16 {want:?})"
-                    ));
-                }
+            (StoredType::Q8_0, Some(scales_at), Some(scales)) => {
                 let quants = cpu.as_slice::<u8>()?;
-                let scales = s_cpu.as_slice::<f16>()?;
-                let at = Strides::new(layout, axes, quants.len())?;
-                let scales_at = Strides::new(s_layout, axes, scales.len())?;
                 (
                     Data::Q8 {
                         quants,
                         scales,
                         scales_at,
                     },
-                    at,
+                    quants.len(),
                 )
             }
-            (_, other) => return bad(format!("stored keys or values in {other:?}")),
+            (StoredType::Q8_0, ..) => unreachable!("StoredShape::of gives q8_0 scales"),
         };
+        shape.check_within(len, scales.map_or(0, <[f16]>::len))?;
         Ok(Some(Plane {
             data,
-            at,
-            cells,
-            heads,
-            dim,
+            at: shape.at,
+            dim: shape.dim,
         }))
     }
 }
@@ -498,8 +255,6 @@ enum Data<'a> {
 struct Plane<'a> {
     data: Data<'a>,
     at: Strides,
-    cells: usize,
-    heads: usize,
     dim: usize,
 }
 
