@@ -1,6 +1,6 @@
 //! With the `cuda` feature, builds the paged-attention kernel
 //! (`cuda/paged_attention.cu`) to PTX with `nvcc`, for the compute capability
-//! in `CUDA_COMPUTE_CAP` (as candle's kernels read it; 70 if unset: the
+//! in `CUDA_COMPUTE_CAP` (as candle's kernels read it; 75, the oldest CUDA 13 builds, if unset: the
 //! driver compiles PTX for newer GPUs when it loads it). Without the feature
 //! it does nothing.
 
@@ -16,7 +16,7 @@ fn main() {
         return;
     }
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR")).join("paged_attention.ptx");
-    let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "70".to_string());
+    let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "75".to_string());
     let cap: String = cap.chars().filter(char::is_ascii_digit).collect();
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
     let status = Command::new(&nvcc)

@@ -39,7 +39,7 @@ Commands:
                        (crates/kvcache-server) in release mode on the model,
                        on 127.0.0.1:8080 unless told `--host H --port P`
   test-metal [ARGS]    kvcache-causal's tests on the Metal device (macOS)
-  test-cuda [ARGS]     kvcache-causal's tests on CUDA (needs nvcc)
+  test-cuda [ARGS]     kvcache-causal's tests and the engine's CUDA kernel on a GPU (needs nvcc)
   help                 this text
 
 Downloads are cached in $KVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/kvcache-rs, else

@@ -127,7 +127,13 @@ pub fn test_cuda(layout: &Layout, args: &[String]) -> Result<()> {
     if !shell::on_path("nvcc") {
         bail!("test-cuda needs the CUDA toolkit: nvcc is not on PATH");
     }
-    device_tests(layout, "cuda", &["--features", "cuda"], args)
+    device_tests(layout, "cuda", &["--features", "cuda"], args)?;
+    // The engine's CUDA paged-attention kernel against the dense reference.
+    let mut cargo = prepare_model_only(layout)?;
+    cargo.set_env("KVCACHE_DEVICE", "cuda");
+    let mut run = strings(&["test", "-p", "kvcache-engine", "--features", "cuda", "--test", "paged_attention"]);
+    run.extend_from_slice(args);
+    cargo.run(&run)
 }
 
 /// kvcache-causal's tests with `KVCACHE_DEVICE` set, which they read to pick the device.

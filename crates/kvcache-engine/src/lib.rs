@@ -20,8 +20,9 @@
 //!   random test weights), `decoder` (embedding, blocks, the attention and
 //!   feed-forward code), `rope` ([`Rope`], either layout).
 //! - [`attention`]: attention over a causal cache, dense (the reference) or
-//!   paged ([`attention::paged_attention`]: a CPU kernel walking each row's
-//!   visible cells in their stored type, the models' default).
+//!   paged, the models' default: kernels walking each row's visible cells in
+//!   their stored type, [`attention::paged_attention`] on the CPU and
+//!   [`attention::device`]'s on CUDA (the `cuda` feature).
 //! - [`tokenizer`]: the [`Tokenizer`] trait (text, chat template, control
 //!   tokens kept out of what users see) and SmolLM2's byte-level BPE with
 //!   ChatML.

@@ -1,31 +1,5 @@
-//! The CPU paged-attention kernel, [`paged_attention`].
-//!
-//! The kernel, FlashAttention-2 style:
-//! - Rows are grouped into *blocks* of up to 16 consecutive rows whose first
-//!   runs start at the same cell (a prefill chunk of one sequence, or decode
-//!   rows of sequences sharing a prefix through `copy_prefix`); every other
-//!   decode row is a block of its own. The grouping only decides what is read
-//!   once for several rows: each row still attends to its own cells.
-//! - A work item is a block and one key/value head; items are spread over
-//!   candle's thread pool. An item walks the union of its rows' runs in tiles
-//!   of up to 64 cells: it gathers that head's keys (transposed, `[head_dim][64]`)
-//!   and values (`[64][head_dim_v]`) of the tile's cells into small f32 buffers,
-//!   decoding as it reads, and gives each row a 64-bit mask of the tile entries
-//!   it sees (its runs merged against the tile's cells).
-//! - Per row and query head, scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no
-//!   horizontal sum) when many queries share the tile (a prefill block); when
-//!   few do (a decode row's query heads) the keys stay row-major and each score
-//!   is a dot product, sparing the transposition. Then scaled, hidden entries
-//!   `-inf`; a running maximum, sum and
-//!   accumulator are rescaled as the maximum grows, the accumulator takes
-//!   `p * v[c]` for each visible cell `c`, and the end divides by the sum.
-//!
-//! Cost: per key/value head, the cells of each block's union are read once
-//! and decoded once, and each row pays `g * (head_dim + head_dim_v)` multiply-adds
-//! per cell of the tiles it touches, about what it sees: the pass's range and
-//! other sequences' cells are never read. The inner loops are plain arithmetic
-//! compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
-//! `crate::kernels` does.
+//! The CPU paged-attention kernel, [`paged_attention`], which
+//! walks each row's runs in tiles of 64 cells (see its documentation).
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -58,11 +32,37 @@ const DOT_QUERIES: usize = 8;
 /// (f32), or `Ok(None)` when a tensor is not on the CPU (compute it densely
 /// instead). A row that sees no cell gets zeros.
 ///
-/// Only the cells the rows see are read, in their stored type: see the
-/// [module documentation](self) for the algorithm and its cost.
+/// Only the cells the rows see are read, in their stored type.
+///
+/// The kernel, FlashAttention-2 style:
+/// - Rows are grouped into *blocks* of up to 16 consecutive rows whose first
+///   runs start at the same cell (a prefill chunk of one sequence, or decode
+///   rows of sequences sharing a prefix through `copy_prefix`); every other
+///   decode row is a block of its own. The grouping only decides what is read
+///   once for several rows: each row still attends to its own cells.
+/// - A work item is a block and one key/value head; items are spread over
+///   candle's thread pool. An item walks the union of its rows' runs in tiles
+///   of up to 64 cells: it gathers that head's keys (transposed, `[head_dim][64]`)
+///   and values (`[64][head_dim_v]`) of the tile's cells into small f32 buffers,
+///   decoding as it reads, and gives each row a 64-bit mask of the tile entries
+///   it sees (its runs merged against the tile's cells).
+/// - Per row and query head, scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no
+///   horizontal sum) when many queries share the tile (a prefill block); when
+///   few do (a decode row's query heads) the keys stay row-major and each score
+///   is a dot product, sparing the transposition. Then scaled, hidden entries
+///   `-inf`; a running maximum, sum and
+///   accumulator are rescaled as the maximum grows, the accumulator takes
+///   `p * v[c]` for each visible cell `c`, and the end divides by the sum.
+///
+/// Cost: per key/value head, the cells of each block's union are read once
+/// and decoded once, and each row pays `g * (head_dim + head_dim_v)` multiply-adds
+/// per cell of the tiles it touches, about what it sees: the pass's range and
+/// other sequences' cells are never read. The inner loops are plain arithmetic
+/// compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
+/// `crate::kernels` does.
 ///
 /// # Errors
-/// [`EngineError::InvalidArgument`] when the shapes or types do not fit
+/// [`EngineError::InvalidArgument`](crate::EngineError::InvalidArgument) when the shapes or types do not fit
 /// (`n != view.runs.rows()`, head counts or dimensions that disagree, a run
 /// past the stored cells, queries not f32).
 pub fn paged_attention(q: &Tensor, view: &PagedKv<'_, Tensor>, scale: f32) -> Result<Option<Tensor>> {

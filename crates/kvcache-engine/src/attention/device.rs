@@ -232,11 +232,11 @@ impl PagedLaunch {
         &self.args
     }
 
-    /// The run lists as the kernel reads them, one `u32` buffer: `offsets[rows
-    /// + 1]` (row `r`'s runs are `offsets[r]..offsets[r + 1]`), `visible[rows]`
-    /// (cells each row sees), `starts[runs]` (each run's first cell) and
-    /// `before[runs]` (the cells of its row before it). All that crosses the
-    /// bus besides [`args`](Self::args).
+    /// The run lists as the kernel reads them, one `u32` buffer:
+    /// `offsets[rows + 1]` (row `r`'s runs are `offsets[r]..offsets[r + 1]`),
+    /// `visible[rows]` (cells each row sees), `starts[runs]` (each run's first
+    /// cell) and `before[runs]` (the cells of its row before it). All that
+    /// crosses the bus besides [`args`](Self::args).
     pub fn runs(&self) -> &[u32] {
         &self.runs
     }
@@ -276,14 +276,14 @@ fn stored_args(shape: &StoredShape) -> Option<StoredArgs> {
 const _: () = assert!(std::mem::size_of::<KernelArgs>() == 32 + 2 * 64);
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::paged_attention_cuda;
+pub use cuda::paged_attention_cuda;
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaStorage, WrapErr};
-    use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor};
+    use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, StorageRef, Tensor};
     use half::{bf16, f16};
     use kvcache_api::{PagedKv, StoredKv};
 
@@ -296,10 +296,14 @@ mod cuda {
     // SAFETY: `KernelArgs` is `repr(C)` plain data matching the source's `PaArgs`.
     unsafe impl DeviceRepr for KernelArgs {}
 
-    /// [`paged_attention`](crate::attention::paged_attention) on a CUDA device:
-    /// `Ok(None)` where a tensor is not on CUDA or the kernel does not take the
-    /// shapes.
-    pub(crate) fn paged_attention_cuda(
+    /// [`paged_attention`](crate::attention::paged_attention) on a CUDA device,
+    /// through the kernel: `Ok(None)` where a tensor is not on CUDA or the
+    /// kernel does not take the shapes ([`PagedLaunch::new`]).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidArgument`](crate::EngineError::InvalidArgument)
+    /// as `paged_attention`'s; a launch that fails, as a candle error.
+    pub fn paged_attention_cuda(
         q: &Tensor,
         view: &PagedKv<'_, Tensor>,
         scale: f32,
@@ -356,20 +360,11 @@ mod cuda {
             let runs = dev.clone_htod(self.launch.runs.as_slice())?;
             let (n, width) = self.launch.out_dims();
             let out = dev.alloc_zeros::<f32>(n * width)?;
-            let held = |t: &Tensor| t.storage_and_layout().0;
             let (k_data, v_data) = (held(self.keys.data()), held(self.values.data()));
-            let scales = |s: &StoredKv<Tensor>| match s {
-                StoredKv::Q8_0 { scales, .. } => Some(held(scales)),
-                StoredKv::Float(_) => None,
-            };
-            let (k_scales, v_scales) = (scales(&self.keys), scales(&self.values));
-            let cuda = |s: &Storage| match s {
-                Storage::Cuda(c) => Ok(c),
-                _ => candle_core::bail!("paged attention: keys or values left the GPU"),
-            };
-            let (k, v) = (cuda(&k_data)?, cuda(&v_data)?);
-            let ks = k_scales.as_deref().map(cuda).transpose()?;
-            let vs = v_scales.as_deref().map(cuda).transpose()?;
+            let (k_scales, v_scales) = (held_scales(&self.keys), held_scales(&self.values));
+            let (k, v) = (on_cuda(&k_data)?, on_cuda(&v_data)?);
+            let ks = k_scales.as_deref().map(on_cuda).transpose()?;
+            let vs = v_scales.as_deref().map(on_cuda).transpose()?;
             let null = 0u64;
             let mut b = func.builder();
             b.arg(&q);
@@ -408,6 +403,26 @@ mod cuda {
             // within their storage.
             unsafe { b.launch(cfg) }.w()?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, width))))
+        }
+    }
+
+    /// The storage of `t`, held while the kernel is launched.
+    fn held(t: &Tensor) -> StorageRef<'_> {
+        t.storage_and_layout().0
+    }
+
+    /// The storage of `q8_0` scales, held; `None` for float storage.
+    fn held_scales(stored: &StoredKv<Tensor>) -> Option<StorageRef<'_>> {
+        match stored {
+            StoredKv::Q8_0 { scales, .. } => Some(held(scales)),
+            StoredKv::Float(_) => None,
+        }
+    }
+
+    fn on_cuda(storage: &Storage) -> candle_core::Result<&CudaStorage> {
+        match storage {
+            Storage::Cuda(c) => Ok(c),
+            _ => candle_core::bail!("paged attention: keys or values left the GPU"),
         }
     }
 }
