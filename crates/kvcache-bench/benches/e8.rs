@@ -20,10 +20,15 @@
 //! ```
 //!
 //! Needs the SmolLM2 file (`cargo xtask` fetches it; skipped with a printed
-//! reason without it). Knobs: `KVCACHE_E8_SEQS` (16), `KVCACHE_E8_PROMPT`
+//! reason without it) unless `KVCACHE_E8_WEIGHTS=random`: SmolLM2-135M's shape
+//! with random weights, the same work per token, for a machine the file cannot
+//! reach (a lent GPU). Knobs: `KVCACHE_E8_SEQS` (16), `KVCACHE_E8_PROMPT`
 //! (2048), `KVCACHE_E8_DECODE` (64), `KVCACHE_E8_CHUNK` (128), `KVCACHE_E8_KV`
 //! (`f32,f16,q8_0`), `KVCACHE_E8_PATHS` (`paged,dense`), `KVCACHE_E8_RUNS` (1:
-//! decodes per path and storage type, alternating paths; the median counts).
+//! decodes per path and storage type, alternating paths; the median counts),
+//! `KVCACHE_E8_WEIGHTS` (`file` or `random`), `KVCACHE_DEVICE` (`cpu`, or
+//! `cuda` when built with `--features cuda`: the model and the caches on the
+//! GPU, attention through the CUDA kernel on the paged path).
 
 use std::time::{Duration, Instant};
 
@@ -33,7 +38,7 @@ use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::causal_cache;
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::attention::AttentionPath;
-use kvcache_engine::{paths, BatchToken, Llama, ModelFile, WeightMode};
+use kvcache_engine::{paths, BatchToken, Llama, LlamaConfig, ModelFile, WeightMode};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -201,8 +206,23 @@ fn main() -> Result<(), Error> {
     {
         return Ok(());
     }
-    let Some(path) = paths::model_path_for_tests() else {
-        return Ok(());
+    let device = match std::env::var("KVCACHE_DEVICE").as_deref() {
+        Err(_) | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).map_err(|e| format!("KVCACHE_DEVICE=cuda: {e}"))?,
+        Ok(other) => return Err(format!("KVCACHE_DEVICE must be cpu or cuda, not {other:?}").into()),
+    };
+    let random = match std::env::var("KVCACHE_E8_WEIGHTS").as_deref() {
+        Err(_) | Ok("file") => false,
+        Ok("random") => true,
+        Ok(other) => return Err(format!("KVCACHE_E8_WEIGHTS must be file or random, not {other:?}").into()),
+    };
+    let mut model = if random {
+        Llama::random(LlamaConfig::smollm2_135m(), 8, &device)?
+    } else {
+        let Some(path) = paths::model_path_for_tests() else {
+            return Ok(());
+        };
+        ModelFile::open(&path)?.load(&device, WeightMode::F32, &mut |_| {})?
     };
     let shape = Shape {
         seqs: knob("KVCACHE_E8_SEQS", 16),
@@ -224,11 +244,14 @@ fn main() -> Result<(), Error> {
         .collect::<Result<_, _>>()?;
     let runs = knob("KVCACHE_E8_RUNS", 1).max(1);
     println!(
-        "E8: SmolLM2-135M (f32 weights, CPU), {} sequences x {}-token prompts in {}-token chunks \
-         interleaved, {} tokens decoded together, {runs} run(s) per path",
-        shape.seqs, shape.prompt, shape.chunk, shape.decode
+        "E8: SmolLM2-135M ({} f32 weights, {device:?}), {} sequences x {}-token prompts in {}-token \
+         chunks interleaved, {} tokens decoded together, {runs} run(s) per path",
+        if random { "random" } else { "the file's" },
+        shape.seqs,
+        shape.prompt,
+        shape.chunk,
+        shape.decode
     );
-    let mut model = ModelFile::open(&path)?.load(&Device::Cpu, WeightMode::F32, &mut |_| {})?;
     let prompts = prompts(&shape)?;
     let (states, first) = prefill(&model, &shape, &prompts)?;
 
