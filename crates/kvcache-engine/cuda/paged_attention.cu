@@ -10,9 +10,11 @@
 //   2. the block reduces the tile's maximum per head, turns scores into
 //      probabilities under the running maximum and reduces their sum; the
 //      running sums are rescaled as the maximum grows (online softmax);
-//   3. thread t owns output dimensions t, t + PA_THREADS, ... of every head of
-//      the group and adds each tile cell's value times its probability, so
-//      consecutive threads read consecutive values of a cell.
+//   3. each thread owns an output dimension of every head of the group and
+//      adds tile cells' values times their probabilities, so consecutive
+//      threads read consecutive values of a cell; a head shorter than the
+//      block has several threads per dimension, each taking every few cells,
+//      their sums added at the end.
 // A row that sees no cell gets zeros.
 //
 // Inputs (see `kvcache_engine::attention::device`, which builds them):
@@ -171,6 +173,14 @@ __device__ void pa_block(const float* __restrict__ q, const void* __restrict__ k
         max_s[t] = -INFINITY;
         sum_s[t] = 0.0f;
     }
+    // The values' dimensions among the threads: a head of at most PA_THREADS
+    // values is taken by `splits` threads per dimension, each summing every
+    // `splits`-th cell of a tile (`part`), their sums added at the end; a
+    // longer head gives each thread dimensions t, t + PA_THREADS, ...
+    const unsigned splits = hdv <= PA_THREADS ? PA_THREADS / hdv : 1;
+    const unsigned part = hdv <= PA_THREADS ? t / hdv : 0;
+    const unsigned dim0 = hdv <= PA_THREADS ? t % hdv : t;
+    const bool adds = part < splits;
     float acc[PA_MAX_GROUP][PA_DIM_PER_THREAD];
 #pragma unroll
     for (unsigned h = 0; h < PA_MAX_GROUP; h++)
@@ -238,12 +248,12 @@ __device__ void pa_block(const float* __restrict__ q, const void* __restrict__ k
         const unsigned tile = seen - base < PA_THREADS ? seen - base : PA_THREADS;
 #pragma unroll
         for (unsigned j = 0; j < PA_DIM_PER_THREAD; j++) {
-            const unsigned d = t + j * PA_THREADS;
-            if (d < hdv) {
+            const unsigned d = dim0 + j * PA_THREADS;
+            if (adds && d < hdv) {
 #pragma unroll
                 for (unsigned h = 0; h < PA_MAX_GROUP; h++)
                     if (h < g) acc[h][j] *= alpha_s[h];
-                for (unsigned c = 0; c < tile; c++) {
+                for (unsigned c = part; c < tile; c += splits) {
                     const float x = pa_load<KIND>(v, vs, a.v, cell_s[c], head, d);
 #pragma unroll
                     for (unsigned h = 0; h < PA_MAX_GROUP; h++)
@@ -254,10 +264,28 @@ __device__ void pa_block(const float* __restrict__ q, const void* __restrict__ k
         __syncthreads();  // the next tile overwrites the cells and probabilities
     }
 
+    if (splits > 1) {
+        // Add up the parts' sums (the same for every thread of the block: hdv
+        // is the block's). The loop's last barrier freed `red_s`, which holds
+        // PA_THREADS * PA_MAX_GROUP >= splits * hdv * group floats.
+#pragma unroll
+        for (unsigned h = 0; h < PA_MAX_GROUP; h++)
+            if (adds && h < g) red_s[(part * g + h) * hdv + dim0] = acc[h][0];
+        __syncthreads();
+        if (part == 0) {
+#pragma unroll
+            for (unsigned h = 0; h < PA_MAX_GROUP; h++)
+                if (h < g) {
+                    float total = 0.0f;
+                    for (unsigned p = 0; p < splits; p++) total += red_s[(p * g + h) * hdv + dim0];
+                    acc[h][0] = total;
+                }
+        }
+    }
 #pragma unroll
     for (unsigned j = 0; j < PA_DIM_PER_THREAD; j++) {
-        const unsigned d = t + j * PA_THREADS;
-        if (d < hdv) {
+        const unsigned d = dim0 + j * PA_THREADS;
+        if (part == 0 && d < hdv) {
 #pragma unroll
             for (unsigned h = 0; h < PA_MAX_GROUP; h++)
                 if (h < g) {
