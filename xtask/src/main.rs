@@ -1,6 +1,7 @@
 //! `cargo xtask`: set-up and task runner for kvcache-rs. `cargo xtask help` says what it does.
 
 mod cargo;
+mod cuda;
 mod dynamo_venv;
 mod error;
 mod files;
@@ -40,6 +41,11 @@ Commands:
                        on 127.0.0.1:8080 unless told `--host H --port P`
   test-metal [ARGS]    kvcache-causal's tests on the Metal device (macOS)
   test-cuda [ARGS]     kvcache-causal's tests and the engine's CUDA kernel on a GPU (needs nvcc)
+  cuda-bundle          without a GPU: nvcc 13.0 from PyPI (cached), then the CUDA tests
+                       and benches built and packed into target/cuda-bundle/ with the
+                       run.sh that runs them on a GPU machine without Rust
+                       (`bash target/cuda-bundle/run.sh`); `--target-dir DIR` to build
+                       elsewhere
   help                 this text
 
 Downloads are cached in $KVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/kvcache-rs, else
@@ -82,6 +88,7 @@ fn run(command: &str, args: &[String]) -> Result<()> {
         "serve" => tasks::serve,
         "test-metal" => tasks::test_metal,
         "test-cuda" => tasks::test_cuda,
+        "cuda-bundle" => cuda::bundle,
         other => bail!("unknown command `{other}`; run `cargo xtask help`"),
     };
     let layout = Layout::detect()?;
