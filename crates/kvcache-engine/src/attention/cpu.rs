@@ -4,12 +4,12 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use candle_core::{Storage, StorageRef, Tensor};
+use candle_core::{Device, Storage, StorageRef, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use kvcache_api::{CellRun, PagedKv, RowRuns, StoredKv};
 
-use super::stored::{Geometry, StoredShape, StoredType, Strides};
+use super::stored::{all_on, Geometry, StoredShape, StoredType, Strides};
 use crate::kernels;
 use crate::Result;
 
@@ -66,12 +66,7 @@ const DOT_QUERIES: usize = 8;
 /// (`n != view.runs.rows()`, head counts or dimensions that disagree, a run
 /// past the stored cells, queries not f32).
 pub fn paged_attention(q: &Tensor, view: &PagedKv<'_, Tensor>, scale: f32) -> Result<Option<Tensor>> {
-    let on_cpu = |t: &Tensor| t.device().is_cpu();
-    let stored_on_cpu = |s: &StoredKv<Tensor>| match s {
-        StoredKv::Float(t) => on_cpu(t),
-        StoredKv::Q8_0 { quants, scales } => on_cpu(quants) && on_cpu(scales),
-    };
-    if !on_cpu(q) || !stored_on_cpu(&view.keys) || !stored_on_cpu(&view.values) {
+    if !all_on(q, view, Device::is_cpu) {
         return Ok(None);
     }
     let geometry = Geometry::of(q, view)?;

@@ -283,10 +283,11 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaStorage, WrapErr};
-    use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, StorageRef, Tensor};
+    use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Storage, StorageRef, Tensor};
     use half::{bf16, f16};
     use kvcache_api::{PagedKv, StoredKv};
 
+    use super::super::stored::all_on;
     use super::{KernelArgs, KernelType, PagedLaunch, THREADS};
     use crate::Result;
 
@@ -308,12 +309,7 @@ mod cuda {
         view: &PagedKv<'_, Tensor>,
         scale: f32,
     ) -> Result<Option<Tensor>> {
-        let on_cuda = |t: &Tensor| t.device().is_cuda();
-        let stored_on_cuda = |s: &StoredKv<Tensor>| match s {
-            StoredKv::Float(t) => on_cuda(t),
-            StoredKv::Q8_0 { quants, scales } => on_cuda(quants) && on_cuda(scales),
-        };
-        if !on_cuda(q) || !stored_on_cuda(&view.keys) || !stored_on_cuda(&view.values) {
+        if !all_on(q, view, Device::is_cuda) {
             return Ok(None);
         }
         let Some(launch) = PagedLaunch::new(q, view, scale)? else {

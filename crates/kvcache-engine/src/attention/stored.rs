@@ -3,7 +3,7 @@
 //! the head dimension, where each element lies in its tensor's storage, and
 //! the shapes that must agree ([`Geometry`]).
 
-use candle_core::{DType, Layout, Tensor};
+use candle_core::{DType, Device, Layout, Tensor};
 use kvcache_api::{PagedKv, StoredKv, VLayout};
 
 use crate::{EngineError, Result};
@@ -215,6 +215,16 @@ impl Geometry {
             values,
         })
     }
+}
+
+/// Whether the queries and every stored tensor of `view` live where `on` says
+/// yes (the device a kernel runs on).
+pub(super) fn all_on(q: &Tensor, view: &PagedKv<'_, Tensor>, on: impl Fn(&Device) -> bool) -> bool {
+    let stored_on = |s: &StoredKv<Tensor>| match s {
+        StoredKv::Float(t) => on(t.device()),
+        StoredKv::Q8_0 { quants, scales } => on(quants.device()) && on(scales.device()),
+    };
+    on(q.device()) && stored_on(&view.keys) && stored_on(&view.values)
 }
 
 fn bad<T>(msg: String) -> Result<T> {
