@@ -37,7 +37,12 @@ pub fn harness(threads: u32) -> Option<&'static Path> {
 
 fn build(threads: u32) -> Option<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = std::env::temp_dir().join(format!("kvcache-cuda-on-cpu-{}-{threads}", std::process::id()));
+    // Under target/ (cargo's scratch folder for integration tests), one name per
+    // block size: built aside and renamed, so concurrent test processes never
+    // run a half-written harness, and runs do not pile up copies in /tmp.
+    let scratch = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let out = scratch.join(format!("cuda-on-cpu-{threads}"));
+    let aside = scratch.join(format!("cuda-on-cpu-{threads}.{}", std::process::id()));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     let status = Command::new(&cxx)
         .args([
@@ -51,11 +56,12 @@ fn build(threads: u32) -> Option<PathBuf> {
         .arg(format!("-DPA_THREADS={threads}"))
         .arg(dir.join("tests/cuda_on_cpu/harness.cpp"))
         .arg("-o")
-        .arg(&out)
+        .arg(&aside)
         .status();
     match status {
         Ok(s) => {
             assert!(s.success(), "{cxx} failed on the kernel's harness: {s}");
+            std::fs::rename(&aside, &out).unwrap();
             Some(out)
         }
         Err(e) => {
@@ -102,10 +108,10 @@ impl Launches {
 
     /// Runs every launch through `harness`: each one's output, in order.
     pub fn run(&self, harness: &Path) -> Vec<Vec<f32>> {
-        let dir = std::env::temp_dir();
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
         let tag = format!("{}-{:?}", std::process::id(), std::thread::current().id());
-        let input = dir.join(format!("kvcache-launches-{tag}"));
-        let output = dir.join(format!("kvcache-outputs-{tag}"));
+        let input = dir.join(format!("launches-{tag}"));
+        let output = dir.join(format!("outputs-{tag}"));
         std::fs::write(&input, &self.bytes).unwrap();
         let status = Command::new(harness).arg(&input).arg(&output).status().unwrap();
         assert!(status.success(), "the harness failed: {status}");
