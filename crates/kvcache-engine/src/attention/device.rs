@@ -281,7 +281,7 @@ pub use cuda::paged_attention_cuda;
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaStorage, WrapErr};
     use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Storage, StorageRef, Tensor};
     use half::{bf16, f16};
@@ -364,26 +364,8 @@ mod cuda {
             let null = 0u64;
             let mut b = func.builder();
             b.arg(&q);
-            match ty {
-                KernelType::F32 => b.arg(k.as_cuda_slice::<f32>()?),
-                KernelType::F16 => b.arg(k.as_cuda_slice::<f16>()?),
-                KernelType::BF16 => b.arg(k.as_cuda_slice::<bf16>()?),
-                KernelType::Q8_0 => b.arg(k.as_cuda_slice::<u8>()?),
-            };
-            match ks {
-                Some(s) => b.arg(s.as_cuda_slice::<f16>()?),
-                None => b.arg(&null),
-            };
-            match ty {
-                KernelType::F32 => b.arg(v.as_cuda_slice::<f32>()?),
-                KernelType::F16 => b.arg(v.as_cuda_slice::<f16>()?),
-                KernelType::BF16 => b.arg(v.as_cuda_slice::<bf16>()?),
-                KernelType::Q8_0 => b.arg(v.as_cuda_slice::<u8>()?),
-            };
-            match vs {
-                Some(s) => b.arg(s.as_cuda_slice::<f16>()?),
-                None => b.arg(&null),
-            };
+            arg_stored(&mut b, ty, k, ks, &null)?;
+            arg_stored(&mut b, ty, v, vs, &null)?;
             b.arg(&runs);
             b.arg(&out);
             b.arg(&self.launch.args);
@@ -400,6 +382,28 @@ mod cuda {
             unsafe { b.launch(cfg) }.w()?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, width))))
         }
+    }
+
+    /// Pushes stored keys or values, `data` in the kernel's type `ty`, then
+    /// their `q8_0` scales (`null` for float storage), as the kernel takes them.
+    fn arg_stored<'a>(
+        b: &mut LaunchArgs<'a>,
+        ty: KernelType,
+        data: &'a CudaStorage,
+        scales: Option<&'a CudaStorage>,
+        null: &'a u64,
+    ) -> candle_core::Result<()> {
+        match ty {
+            KernelType::F32 => b.arg(data.as_cuda_slice::<f32>()?),
+            KernelType::F16 => b.arg(data.as_cuda_slice::<f16>()?),
+            KernelType::BF16 => b.arg(data.as_cuda_slice::<bf16>()?),
+            KernelType::Q8_0 => b.arg(data.as_cuda_slice::<u8>()?),
+        };
+        match scales {
+            Some(s) => b.arg(s.as_cuda_slice::<f16>()?),
+            None => b.arg(null),
+        };
+        Ok(())
     }
 
     /// The storage of `t`, held while the kernel is launched.
