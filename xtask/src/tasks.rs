@@ -128,10 +128,10 @@ pub fn test_cuda(layout: &Layout, args: &[String]) -> Result<()> {
         bail!("test-cuda needs the CUDA toolkit: nvcc is not on PATH");
     }
     device_tests(layout, "cuda", &["--features", "cuda"], args)?;
-    // The engine's CUDA paged-attention kernel against the dense reference.
+    // The models' CUDA paged-attention kernel against the dense reference.
     let mut cargo = prepare_model_only(layout)?;
     cargo.set_env("KVCACHE_DEVICE", "cuda");
-    let mut run = strings(&["test", "-p", "kvcache-engine", "--features", "cuda", "--test", "paged_attention"]);
+    let mut run = strings(&["test", "-p", "kvcache-models", "--features", "cuda", "--test", "paged_attention"]);
     run.extend_from_slice(args);
     cargo.run(&run)
 }

@@ -18,8 +18,8 @@
 
 use candle_core::Device;
 use kvcache_bench::e5::{self, E5Policy, E5Trace, E5Verdict};
-use kvcache_engine::gemma::{gemma_path_for_tests, GemmaFile};
-use kvcache_engine::WeightMode;
+use kvcache_models::gemma::{gemma_path_for_tests, GemmaFile};
+use kvcache_models::WeightMode;
 
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -39,7 +39,7 @@ fn policy(name: &str) -> Option<E5Policy> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvcache_engine::threads::tune_cpu_threads() };
+    unsafe { kvcache_models::threads::tune_cpu_threads() };
     // `cargo bench` passes `--bench`; a filter argument that is not ours skips.
     if std::env::args()
         .skip(1)

@@ -37,8 +37,8 @@ use kvcache_api::{CausalConfig, KvStorage, Pos, SeqState};
 use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::causal_cache;
 use kvcache_causal::CausalKvCache;
-use kvcache_engine::attention::AttentionPath;
-use kvcache_engine::{paths, BatchToken, Llama, LlamaConfig, ModelFile, WeightMode};
+use kvcache_models::attention::AttentionPath;
+use kvcache_models::{paths, BatchToken, Llama, LlamaConfig, ModelFile, WeightMode};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -198,7 +198,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn main() -> Result<(), Error> {
     // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvcache_engine::threads::tune_cpu_threads() };
+    unsafe { kvcache_models::threads::tune_cpu_threads() };
     // `cargo bench` passes `--bench`; a filter argument that is not ours skips.
     if std::env::args()
         .skip(1)

@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 
 use kvcache_bench::e5::{e5_trace_path, E5Meta, E5Trace, E5Turn};
-use kvcache_engine::gemma::{GemmaFile, GEMMA_ENV};
+use kvcache_models::gemma::{GemmaFile, GEMMA_ENV};
 
 const WORDS: &[&str] = &[
     "about",
@@ -180,7 +180,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         generator: format!(
             "cargo run --release -p kvcache-bench --example make_e5_trace (SplitMix64 seed {SEED}, fixed word list)"
         ),
-        tokenizer: "Gemma 3 270M GGUF tokenizer (kvcache_engine::gemma), <bos> added, special tokens parsed".into(),
+        tokenizer: "Gemma 3 270M GGUF tokenizer (kvcache_models::gemma), <bos> added, special tokens parsed".into(),
         n_conversations: 0,
         n_turns: 0,
         n_predict: N_PREDICT,

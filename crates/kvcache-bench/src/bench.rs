@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use kvcache_api::{CausalConfig, Pos};
 use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
-use kvcache_engine::engine::argmax;
-use kvcache_engine::{BatchToken, EngineError, Llama, Result};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::argmax;
+use kvcache_models::{BatchToken, Llama};
 
 use crate::trace::Trace;
 use crate::workloads::causal_cache;

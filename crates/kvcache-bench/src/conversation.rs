@@ -11,8 +11,9 @@
 //! on candle, or the mlx chat server.
 
 use kvcache_engine::chat::TurnOutcome;
-use kvcache_engine::tokenizer::{Message, Role};
-use kvcache_engine::{ChatTokenizer, EngineError, Result};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::tokenizer::{Message, Role};
+use kvcache_models::ChatTokenizer;
 
 /// The system message every conversation starts with.
 pub const SYSTEM_PROMPT: &str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. \

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{MixedLayer, SnapshotCache};
-use kvcache_engine::engine::argmax;
-use kvcache_engine::gemma::tokenizer::{chat_turn, end_of_reply};
-use kvcache_engine::gemma::{Gemma, GemmaLayer};
 use kvcache_engine::{EngineError, Result};
+use kvcache_models::argmax;
+use kvcache_models::gemma::tokenizer::{chat_turn, end_of_reply};
+use kvcache_models::gemma::{Gemma, GemmaLayer};
 use kvcache_trie::PrefixCache;
 use serde::{Deserialize, Serialize};
 

@@ -16,7 +16,8 @@ use candle_core::{Device, Tensor, D};
 use kvcache_api::{CausalConfig, KvStorage, Pos};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::greedy;
-use kvcache_engine::{BatchToken, ChatTokenizer, EngineError, Llama, Result};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::{BatchToken, ChatTokenizer, Llama};
 
 use crate::trace::Trace;
 

@@ -28,7 +28,8 @@ use std::time::Duration;
 use candle_core::Device;
 use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
 use kvcache_engine::store::{self, StoreOptions};
-use kvcache_engine::{EngineError, Llama, ModelFile, Result, WeightMode};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::{Llama, ModelFile, WeightMode};
 use serde::{Deserialize, Serialize};
 
 use crate::trace::{Request, Trace};
@@ -411,7 +412,7 @@ mod tests {
 
     #[test]
     fn a_hand_off_needs_two_turns_of_a_conversation_before_starting_anything() {
-        let trace = Trace::load(kvcache_engine::paths::e1_trace_path()).unwrap();
+        let trace = Trace::load(kvcache_models::paths::e1_trace_path()).unwrap();
         // A binary that does not exist: spawning would fail with an io error.
         let setup = ReplicaSetup::new(|_: &StoreOptions| Command::new("/nonexistent/engine"));
         let dir = std::env::temp_dir();
@@ -429,7 +430,7 @@ mod tests {
 
     #[test]
     fn a_replica_without_a_store_answers_commands_and_rejects_bad_ones() {
-        let model = Llama::random(kvcache_engine::LlamaConfig::tiny(), 2, &Device::Cpu).unwrap();
+        let model = Llama::random(kvcache_models::LlamaConfig::tiny(), 2, &Device::Cpu).unwrap();
         let trace: Trace = serde_json::from_str(
             r#"{"system":"s","conversations":[],"requests":[
                 {"idx":0,"conv":0,"turn":1,"prompt":"p","n_predict":1,"prompt_tokens":4,

@@ -12,7 +12,8 @@
 use kvcache_api::{CausalConfig, KvStorage, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_engine::engine::{Engine, EngineConfig, Event, Request};
-use kvcache_engine::{ChatTokenizer, EngineError, Llama, Result};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::{ChatTokenizer, Llama};
 
 /// An engine over the causal cache, requests submitted.
 pub type CausalEngine<'m> = Engine<'m, CausalKvCache>;
@@ -193,7 +194,7 @@ mod tests {
     use kvcache_api::CausalCache;
 
     use super::*;
-    use kvcache_engine::LlamaConfig;
+    use kvcache_models::LlamaConfig;
 
     #[test]
     fn pass_mix_counts_decode_only_and_mixed_passes() {

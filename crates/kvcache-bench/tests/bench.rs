@@ -10,7 +10,7 @@ use candle_core::Device;
 use kvcache_bench::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
 use kvcache_bench::trace::Trace;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::{paths, Llama, LlamaConfig, ModelFile, WeightMode};
+use kvcache_models::{paths, Llama, LlamaConfig, ModelFile, WeightMode};
 
 fn prompt(id: usize) -> Vec<u32> {
     (0..3 + (id * 5) % 9)

@@ -18,8 +18,8 @@ use std::iter::once;
 
 use candle_core::{Device, Tensor};
 use kvcache_bench::e5::{self, E5Meta, E5Policy, E5Report, E5Trace, E5Turn};
-use kvcache_engine::gemma::{gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaLayer};
-use kvcache_engine::WeightMode;
+use kvcache_models::gemma::{gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaLayer};
+use kvcache_models::WeightMode;
 use kvcache_trie::PrefixCache;
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -48,7 +48,7 @@ fn greedy(logits: &Tensor) -> u32 {
 }
 
 /// Logits `[1, vocab]` of the last of `tokens` appended to `layers`.
-fn last_logits(model: &Gemma, tokens: &[u32], layers: &mut [GemmaLayer]) -> kvcache_engine::Result<Tensor> {
+fn last_logits(model: &Gemma, tokens: &[u32], layers: &mut [GemmaLayer]) -> kvcache_models::Result<Tensor> {
     let hidden = model.hidden_layers(tokens, layers)?;
     model.logits(&hidden.narrow(0, hidden.dim(0)? - 1, 1)?)
 }

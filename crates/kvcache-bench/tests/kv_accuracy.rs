@@ -12,7 +12,7 @@ use candle_core::Device;
 use kvcache_api::KvStorage;
 use kvcache_bench::kv_accuracy::{measure, AccuracyPlan};
 use kvcache_bench::trace::Trace;
-use kvcache_engine::{paths, ModelFile, WeightMode};
+use kvcache_models::{paths, ModelFile, WeightMode};
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)

@@ -22,7 +22,7 @@ use kvcache_bench::bench::{
 use kvcache_bench::store_bench::{e3_restart, e4_replicas};
 use kvcache_bench::trace::Trace;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::{paths, ModelFile, WeightMode};
+use kvcache_models::{paths, ModelFile, WeightMode};
 use replicas::Replicas;
 
 fn knob(name: &str, default: usize) -> usize {
@@ -34,7 +34,7 @@ fn knob(name: &str, default: usize) -> usize {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvcache_engine::threads::tune_cpu_threads() };
+    unsafe { kvcache_models::threads::tune_cpu_threads() };
     let Some(path) = paths::model_path() else {
         println!(
             "end_to_end: skipped (no model: set {} or run `cargo xtask prepare`)",

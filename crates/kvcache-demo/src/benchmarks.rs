@@ -6,7 +6,8 @@ use kvcache_bench::replica::ReplicaSetup;
 use kvcache_bench::store_bench::{e3_restart, e4_replicas};
 use kvcache_bench::trace::Trace;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::{paths, ChatTokenizer, Llama, Result};
+use kvcache_engine::Result;
+use kvcache_models::{paths, ChatTokenizer, Llama};
 
 use crate::cli::Cli;
 use crate::progress;
@@ -88,7 +89,7 @@ pub fn e2(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
     let questions = cli.questions();
     let prompts: Vec<Vec<u32>> = (0..8)
         .map(|i| tokenizer.encode_user(&questions[i % questions.len()]))
-        .collect::<Result<_>>()?;
+        .collect::<kvcache_models::Result<_>>()?;
     let cfg = E2Config {
         tokens: cli.bench.e2_tokens,
         runs: cli.bench.e2_runs,

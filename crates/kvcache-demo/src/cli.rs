@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, ValueEnum};
 use kvcache_api::KvStorage;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::WeightMode;
+use kvcache_models::WeightMode;
 
 const EXAMPLES: &str = "\
 Examples:
@@ -342,7 +342,7 @@ impl Cli {
         self.bench
             .trace
             .clone()
-            .unwrap_or_else(kvcache_engine::paths::e1_trace_path)
+            .unwrap_or_else(kvcache_models::paths::e1_trace_path)
     }
 }
 

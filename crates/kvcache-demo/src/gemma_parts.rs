@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use kvcache_api::{CausalCache, CausalConfig, Pos, PosRange, SeqId};
 use kvcache_causal::LayerGroupCache;
-use kvcache_engine::gemma::{Gemma, GemmaFile, GemmaTokenizer};
-use kvcache_engine::{BatchToken, Result, WeightMode};
+use kvcache_engine::Result;
+use kvcache_models::gemma::{Gemma, GemmaFile, GemmaTokenizer};
+use kvcache_models::{BatchToken, WeightMode};
 
 use crate::cli::{Cli, Part};
 use crate::{progress, report};

@@ -22,14 +22,15 @@ use candle_core::Device;
 use clap::Parser;
 use kvcache_bench::replica::{self, ReplicaOptions};
 use kvcache_engine::store::StoreOptions;
-use kvcache_engine::{gemma, paths, ChatTokenizer, EngineError, Llama, ModelFile, Result, WeightMode};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::{gemma, paths, ChatTokenizer, Llama, ModelFile, WeightMode};
 
 use crate::cli::{Backend, Cli, DeviceName, Mode, ModelChoice, Part};
 use crate::replicas::Replicas;
 
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvcache_engine::threads::tune_cpu_threads() };
+    unsafe { kvcache_models::threads::tune_cpu_threads() };
     let cli = Cli::parse();
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,

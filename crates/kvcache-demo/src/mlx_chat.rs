@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use kvcache_engine::{ChatTokenizer, Result};
+use kvcache_engine::Result;
+use kvcache_models::ChatTokenizer;
 
 use crate::cli::Cli;
 
@@ -17,7 +18,7 @@ pub fn run(path: &Path, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
 
     use kvcache_engine::chat::Reuse;
     use kvcache_engine::mlx::{MlxChatServer, MlxLlama};
-    use kvcache_engine::ModelFile;
+    use kvcache_models::ModelFile;
 
     use crate::{parts, progress, report};
 

@@ -8,7 +8,8 @@ use kvcache_bench::replica::{self, ReplicaSetup};
 use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::{self, PassMix};
 use kvcache_engine::chat::{ChatServer, Reuse};
-use kvcache_engine::{paths, ChatTokenizer, EngineError, Llama, Result};
+use kvcache_engine::{EngineError, Result};
+use kvcache_models::{paths, ChatTokenizer, Llama};
 
 use crate::cli::Cli;
 use crate::report;

@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use kvcache_engine::LoadProgress;
+use kvcache_models::LoadProgress;
 
 /// A bar of `len` steps named `label`, or a hidden one off a terminal.
 pub fn bar(len: u64, label: &str) -> ProgressBar {

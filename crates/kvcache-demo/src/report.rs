@@ -5,7 +5,7 @@ use std::io::Write;
 use kvcache_bench::conversation::ConversationTurn;
 use kvcache_bench::replica::TurnLine;
 use kvcache_engine::engine::{Event, Stats};
-use kvcache_engine::ChatTokenizer;
+use kvcache_models::ChatTokenizer;
 use kvcache_trie::Stats as TrieStats;
 
 /// Flushes stdout, so a line shows while the next one is computed.

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use kvcache_api::{Namespace, PrefixStore, SnapshotCache};
 use kvcache_trie::{PrefixCache, Stats as TrieStats};
 
-use crate::model::LayerModel;
-use crate::{EngineError, Llama, Result};
+use crate::{EngineError, Result};
+use kvcache_models::{LayerModel, Llama};
 
 /// One chat turn through a prefix trie, for any model: `forward` runs tokens
 /// through the session's layer caches and returns its hidden rows (at least the
@@ -282,8 +282,9 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
         let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
         match &mut self.state {
             Sequence::Trie(trie) => {
-                let forward = |tokens: &[u32], caches: &mut [M::Layer]| model.hidden_layers(tokens, caches);
-                let pick = |hidden: &M::Array| model.next_token(hidden);
+                let forward =
+                    |tokens: &[u32], caches: &mut [M::Layer]| Ok(model.hidden_layers(tokens, caches)?);
+                let pick = |hidden: &M::Array| Ok(model.next_token(hidden)?);
                 let turn = if M::RESUMABLE {
                     trie_turn_resumable
                 } else {

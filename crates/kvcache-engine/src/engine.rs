@@ -44,21 +44,11 @@ use kvcache_api::{
     Submitted, WriteBack,
 };
 
-use crate::model::{BatchToken, Model};
+use kvcache_models::{argmax, BatchToken, Llama, Model, ModelError, Tokenizer};
+
 use crate::published::PublishedBlocks;
 use crate::sampling::{Sampler, TokenLogprobs};
-use crate::{EngineError, Llama, Result, Tokenizer};
-
-/// Index of the largest value (the first one on ties); 0 for an empty slice.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+use crate::{EngineError, Result};
 
 /// Prefills `prompt` into sequence `seq` (from position 0) and decodes up to
 /// `max_new` tokens greedily, stopping after `eos` if given. Returns the new tokens.
@@ -1154,11 +1144,9 @@ where
     fn hidden_making_room(&mut self, batch: &[BatchToken]) -> Result<Tensor> {
         loop {
             match self.model.hidden(batch, &mut self.cache) {
-                Err(EngineError::Cache(CacheError::Full { .. })) if self.evict_blocks(batch.len()) => {
-                    continue
-                }
-                Err(EngineError::Cache(CacheError::Full { .. })) if self.evict_lru()? => continue,
-                result => return result,
+                Err(ModelError::Cache(CacheError::Full { .. })) if self.evict_blocks(batch.len()) => continue,
+                Err(ModelError::Cache(CacheError::Full { .. })) if self.evict_lru()? => continue,
+                result => return Ok(result?),
             }
         }
     }

@@ -1,11 +1,13 @@
 //! The crate's error type.
 
 use kvcache_api::CacheError;
+use kvcache_models::ModelError;
 
 /// Result alias used throughout the engine crate.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
-/// Everything loading, tokenizing or running the model can fail with.
+/// Everything the engine can fail with: a model's errors (one variant each,
+/// as [`ModelError`] has them) and the prefix store's.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// A tensor operation failed.
@@ -49,7 +51,16 @@ impl EngineError {
     }
 }
 
-/// Converts a candle error into a cache error, for [`kvcache_api::KeyShift`] closures.
-pub(crate) fn to_cache_err(e: candle_core::Error) -> CacheError {
-    CacheError::backend(e)
+impl From<ModelError> for EngineError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Candle(e) => EngineError::Candle(e),
+            ModelError::Mlx(e) => EngineError::Mlx(e),
+            ModelError::Cache(e) => EngineError::Cache(e),
+            ModelError::Io { path, source } => EngineError::Io { path, source },
+            ModelError::Format(e) => EngineError::Format(e),
+            ModelError::Tokenizer(e) => EngineError::Tokenizer(e),
+            ModelError::InvalidArgument(e) => EngineError::InvalidArgument(e),
+        }
+    }
 }

@@ -19,8 +19,8 @@
 //! boundaries: it holds back any tail that could still become a stop sequence
 //! and cuts the text right before the first one found.
 
-use crate::engine::argmax;
 use crate::{EngineError, Result};
+use kvcache_models::argmax;
 
 /// How a request picks its tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -10,8 +10,8 @@ use kvcache_api::{Fingerprint, KvLayout};
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
 use sha2::{Digest, Sha256};
 
-use crate::model::Model;
-use crate::{EngineError, Result, WeightMode};
+use crate::{EngineError, Result};
+use kvcache_models::{Model, WeightMode};
 
 /// The fingerprint of the model in `path` loaded with `weights`: SHA-256 of the
 /// GGUF file's bytes and of the weight mode (dequantized and quantized weights

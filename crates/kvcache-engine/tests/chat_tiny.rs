@@ -8,7 +8,7 @@ use common::max_abs_diff;
 use kvcache_api::{LayerCache, SnapshotCache};
 use kvcache_causal::layer_cache::CandleKv;
 use kvcache_engine::chat::{ChatServer, Reuse};
-use kvcache_engine::{Llama, LlamaConfig};
+use kvcache_models::{Llama, LlamaConfig};
 
 fn model() -> Llama {
     Llama::random(LlamaConfig::tiny(), 3, &Device::Cpu).unwrap()

@@ -11,7 +11,7 @@ use common::engine_run::drain;
 use kvcache_api::{CausalConfig, KeyShift, Namespace};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{greedy, Engine, EngineConfig, Request, Stats};
-use kvcache_engine::{Llama, LlamaConfig};
+use kvcache_models::{Llama, LlamaConfig};
 
 const BLOCK: usize = 4;
 

@@ -9,24 +9,25 @@ use candle_core::{Device, Tensor};
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, FinishReason, Finished, Request};
-use kvcache_engine::tokenizer::Message;
-use kvcache_engine::{EngineError, Llama, LlamaConfig, Tokenizer};
+use kvcache_engine::EngineError;
+use kvcache_models::tokenizer::Message;
+use kvcache_models::{Llama, LlamaConfig, Tokenizer};
 
 /// Token `i` is the letter `a + i % 26`; no control tokens.
 #[derive(Debug)]
 struct Letters;
 
 impl Tokenizer for Letters {
-    fn encode(&self, text: &str) -> kvcache_engine::Result<Vec<u32>> {
+    fn encode(&self, text: &str) -> kvcache_models::Result<Vec<u32>> {
         Ok(text.bytes().map(|b| u32::from(b - b'a')).collect())
     }
-    fn chat_ids(&self, _: &[Message], _: bool) -> kvcache_engine::Result<Vec<u32>> {
-        Err(EngineError::InvalidArgument("no template".into()))
+    fn chat_ids(&self, _: &[Message], _: bool) -> kvcache_models::Result<Vec<u32>> {
+        Err(kvcache_models::ModelError::InvalidArgument("no template".into()))
     }
-    fn decode(&self, ids: &[u32]) -> kvcache_engine::Result<String> {
+    fn decode(&self, ids: &[u32]) -> kvcache_models::Result<String> {
         Ok(ids.iter().map(|&i| char::from(b'a' + (i % 26) as u8)).collect())
     }
-    fn decode_text(&self, ids: &[u32]) -> kvcache_engine::Result<String> {
+    fn decode_text(&self, ids: &[u32]) -> kvcache_models::Result<String> {
         self.decode(ids)
     }
     fn token_bytes(&self, id: u32) -> Vec<u8> {

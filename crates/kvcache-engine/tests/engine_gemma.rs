@@ -9,7 +9,7 @@ use candle_core::Device;
 use kvcache_api::CausalConfig;
 use kvcache_causal::LayerGroupCache;
 use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, Finished, Request};
-use kvcache_engine::gemma::{Gemma, GemmaConfig};
+use kvcache_models::gemma::{Gemma, GemmaConfig};
 
 fn model() -> Gemma {
     Gemma::random(GemmaConfig::tiny(), 9, &Device::Cpu).unwrap()

@@ -5,7 +5,7 @@ use candle_core::{Device, Tensor};
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, Stats};
-use kvcache_engine::{Llama, LlamaConfig};
+use kvcache_models::{Llama, LlamaConfig};
 
 #[test]
 fn prompt_chunks_go_to_the_longest_waiting_request_first() {

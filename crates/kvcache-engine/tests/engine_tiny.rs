@@ -7,8 +7,9 @@ use candle_core::{Device, IndexOp, Tensor};
 use common::engine_run::drain;
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
-use kvcache_engine::engine::{argmax, greedy, Engine, EngineConfig, Event, Request};
-use kvcache_engine::{Llama, LlamaConfig};
+use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, Request};
+use kvcache_models::argmax;
+use kvcache_models::{Llama, LlamaConfig};
 
 fn model() -> Llama {
     Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()
@@ -509,13 +510,13 @@ fn paged_and_dense_schedule() -> Vec<Edit> {
 fn run_paged_and_dense<C>(
     mut paged: C,
     mut dense: C,
-    forward: &dyn Fn(bool, &[kvcache_engine::BatchToken], &mut C) -> Tensor,
+    forward: &dyn Fn(bool, &[kvcache_models::BatchToken], &mut C) -> Tensor,
     full: &dyn Fn(&[u32]) -> Tensor,
 ) -> (usize, f32, f32)
 where
     C: kvcache_api::CausalCache<Tensor = Tensor>,
 {
-    use kvcache_engine::BatchToken;
+    use kvcache_models::BatchToken;
     let mut seqs: Vec<Vec<u32>> = vec![Vec::new(); 3];
     let (mut rows, mut between, mut recompute) = (0, 0f32, 0f32);
     let mut next_token = 0u32;
@@ -573,7 +574,7 @@ fn common_max_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 #[test]
 fn paged_and_dense_attention_give_the_same_llama_logits() {
-    use kvcache_engine::attention::AttentionPath;
+    use kvcache_models::attention::AttentionPath;
     let paged = model();
     assert_eq!(paged.attention_path(), AttentionPath::Paged, "the default");
     let mut dense = paged.clone();
@@ -602,8 +603,8 @@ fn paged_and_dense_attention_give_the_same_llama_logits() {
 
 #[test]
 fn paged_and_dense_attention_give_the_same_gemma_logits() {
-    use kvcache_engine::attention::AttentionPath;
-    use kvcache_engine::gemma::{Gemma, GemmaConfig};
+    use kvcache_models::attention::AttentionPath;
+    use kvcache_models::gemma::{Gemma, GemmaConfig};
     let paged = Gemma::random(GemmaConfig::tiny(), 11, &Device::Cpu).unwrap();
     assert_eq!(paged.attention_path(), AttentionPath::Paged, "the default");
     let mut dense = paged.clone();

@@ -12,11 +12,12 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvcache_api::{LayerCache, SnapshotCache};
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::engine::argmax;
-use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
-use kvcache_engine::{EngineError, LlamaConfig, ModelFile, WeightMode};
+use kvcache_engine::EngineError;
 use kvcache_mlx::layers::KvCache;
+use kvcache_models::argmax;
+use kvcache_models::mlx::model::to_host;
+use kvcache_models::{LlamaConfig, ModelFile, WeightMode};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 use proptest::prelude::*;
 

@@ -36,15 +36,16 @@ mod common;
 use candle_core::Device;
 use common::testing::Trace;
 use kvcache_api::{LayerCache, MixedLayer, SnapshotCache};
-use kvcache_engine::engine::argmax;
+use kvcache_models::argmax;
 use std::time::Instant;
 
-use kvcache_engine::gemma::tokenizer::end_of_reply;
-use kvcache_engine::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
-use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
-use kvcache_engine::{paths, EngineError, WeightMode};
+use kvcache_engine::EngineError;
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
+use kvcache_models::gemma::tokenizer::end_of_reply;
+use kvcache_models::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
+use kvcache_models::mlx::model::to_host;
+use kvcache_models::{paths, WeightMode};
 use kvcache_trie::PrefixCache;
 use mlx_rs::Array;
 

@@ -15,8 +15,8 @@ use common::testing::Trace;
 use kvcache_api::{CausalCache, CausalConfig, SlidingWindow};
 use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_engine::engine::greedy;
-use kvcache_engine::tokenizer::{chatml, Message, Role};
-use kvcache_engine::{paths, BatchToken, ChatTokenizer, Llama, LlamaConfig, WeightMode};
+use kvcache_models::tokenizer::{chatml, Message, Role};
+use kvcache_models::{paths, BatchToken, ChatTokenizer, Llama, LlamaConfig, WeightMode};
 
 const TOL: f32 = 1e-3;
 
@@ -30,7 +30,7 @@ fn loaded() -> Option<&'static Loaded> {
     LOADED
         .get_or_init(|| {
             let path = paths::model_path_for_tests()?;
-            let file = kvcache_engine::ModelFile::open(&path).unwrap();
+            let file = kvcache_models::ModelFile::open(&path).unwrap();
             let model = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}).unwrap();
             let tokenizer = file.tokenizer().unwrap();
             Some(Loaded { model, tokenizer })
@@ -107,7 +107,7 @@ fn answers_a_simple_question() {
     for &t in &out[..4] {
         let logits = l.model.forward_full(&all, None).unwrap();
         let row = logits.i(all.len() - 1).unwrap().to_vec1::<f32>().unwrap();
-        assert_eq!(kvcache_engine::engine::argmax(&row), t);
+        assert_eq!(kvcache_models::argmax(&row), t);
         all.push(t);
     }
 }
@@ -186,7 +186,7 @@ fn shifted_removals_equal_recompute_on_one_real_layer() {
 fn quantized_weights_pick_the_same_next_token() {
     let Some(_) = loaded() else { return };
     let path = paths::model_path().unwrap();
-    let file = kvcache_engine::ModelFile::open(&path).unwrap();
+    let file = kvcache_models::ModelFile::open(&path).unwrap();
     let q = file
         .load(&Device::Cpu, WeightMode::Quantized, &mut |_| {})
         .unwrap();
@@ -207,9 +207,6 @@ fn quantized_weights_pick_the_same_next_token() {
     let last = ids.len() - 1;
     let rq = lq.i(last).unwrap().to_vec1::<f32>().unwrap();
     let rf = lf.i(last).unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(
-        kvcache_engine::engine::argmax(&rq),
-        kvcache_engine::engine::argmax(&rf)
-    );
+    assert_eq!(kvcache_models::argmax(&rq), kvcache_models::argmax(&rf));
     assert_eq!(cache.config().max_sequences, 1);
 }

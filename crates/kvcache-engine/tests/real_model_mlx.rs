@@ -14,10 +14,10 @@ use std::sync::OnceLock;
 
 use candle_core::Device;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::mlx::model::to_host;
 use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
-use kvcache_engine::tokenizer::{chatml, Message, Role};
-use kvcache_engine::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
+use kvcache_models::mlx::model::to_host;
+use kvcache_models::tokenizer::{chatml, Message, Role};
+use kvcache_models::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 
 const TOL: f32 = 1e-3;

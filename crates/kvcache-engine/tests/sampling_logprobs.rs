@@ -8,7 +8,7 @@ use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{Engine, EngineConfig, Event, Request};
 use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams, TokenLogprobs};
-use kvcache_engine::{Llama, LlamaConfig};
+use kvcache_models::{Llama, LlamaConfig};
 
 fn model() -> Llama {
     Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()

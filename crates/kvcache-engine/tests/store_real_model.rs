@@ -17,7 +17,7 @@ use kvcache_api::{Fingerprint, Namespace};
 use kvcache_causal::layer_cache::CandleKv;
 use kvcache_engine::chat::{trie_turn, TurnOutcome};
 use kvcache_engine::store::{self, StoreOptions};
-use kvcache_engine::{paths, Llama, ModelFile, WeightMode};
+use kvcache_models::{paths, Llama, ModelFile, WeightMode};
 use kvcache_trie::PrefixCache;
 
 const TOL: f32 = 1e-3;
@@ -57,7 +57,7 @@ fn turn(
             },
             |h| {
                 logits = model.logits(h)?.squeeze(0)?.to_vec1::<f32>()?;
-                Ok(kvcache_engine::engine::argmax(&logits))
+                Ok(kvcache_models::argmax(&logits))
             },
         )
         .unwrap();

@@ -13,7 +13,7 @@ use std::time::Duration;
 use candle_core::Device;
 use kvcache_api::{DType, Fingerprint, KvLayout};
 use kvcache_engine::chat::{ChatServer, Reuse};
-use kvcache_engine::{Llama, LlamaConfig};
+use kvcache_models::{Llama, LlamaConfig};
 use kvcache_store::{RedisConfig, RedisTier, StoreConfig, TieredStore};
 use kvcache_testkit::redis_server::{self, RedisServer};
 

@@ -171,7 +171,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/e5_trace.json"));
     let trace: Trace = serde_json::from_str(&std::fs::read_to_string(&trace_path)?)?;
-    let config = kvcache_engine::gemma::GemmaFile::open(&gemma)?.config()?;
+    let config = kvcache_models::gemma::GemmaFile::open(&gemma)?.config()?;
     // Keys and values of one position in every layer, f32: a full-size cache.
     let full_per_position = config.n_layers * config.n_kv_heads * config.head_dim * 2 * 4;
 

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use kvcache_engine::attention::AttentionPath;
 use kvcache_engine::store::StoreOptions;
+use kvcache_models::attention::AttentionPath;
 
 /// How the server sizes its engine and guards its queue.
 #[derive(Debug, Clone, PartialEq, Eq)]

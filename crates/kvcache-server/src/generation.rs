@@ -10,7 +10,7 @@ use std::time::Instant;
 use kvcache_api::Namespace;
 use kvcache_engine::engine::FinishReason;
 use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams, StopText, TokenLogprobs};
-use kvcache_engine::Tokenizer;
+use kvcache_models::Tokenizer;
 use tokio::sync::mpsc;
 
 use crate::access::AccessRecord;

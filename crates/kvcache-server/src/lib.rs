@@ -33,8 +33,8 @@ pub mod worker;
 
 use std::sync::Arc;
 
-use kvcache_engine::gemma::GemmaFile;
-use kvcache_engine::{ModelFile, Tokenizer};
+use kvcache_models::gemma::GemmaFile;
+use kvcache_models::{ModelFile, Tokenizer};
 
 pub use config::ServerConfig;
 pub use error::ApiError;

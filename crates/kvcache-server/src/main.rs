@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use kvcache_engine::attention::AttentionPath;
 use kvcache_engine::store::StoreOptions;
+use kvcache_models::attention::AttentionPath;
 use kvcache_server::config::ApiKey;
 use kvcache_server::{router, AppState, ServerConfig};
 
@@ -162,7 +162,7 @@ fn init_logging(format: LogFormat) -> Result<(), Box<dyn std::error::Error>> {
 
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvcache_engine::threads::tune_cpu_threads() };
+    unsafe { kvcache_models::threads::tune_cpu_threads() };
     let args = Args::parse();
     if let Err(e) = init_logging(args.log_format) {
         eprintln!("kvcache-server: error: {e}");
@@ -179,9 +179,9 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let model = match args.model.as_str() {
-        "smollm2" => kvcache_engine::paths::model_path()
+        "smollm2" => kvcache_models::paths::model_path()
             .ok_or("no model: pass --model FILE, set KVCACHE_MODEL, or run `cargo xtask prepare --model`")?,
-        "gemma3" | "gemma" => std::env::var_os(kvcache_engine::gemma::GEMMA_ENV)
+        "gemma3" | "gemma" => std::env::var_os(kvcache_models::gemma::GEMMA_ENV)
             .filter(|p| !p.is_empty())
             .map(PathBuf::from)
             .ok_or("--model gemma3: KVCACHE_GEMMA is unset; run `cargo xtask serve -- --model gemma3`")?,
@@ -214,7 +214,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err("an API key must be non-empty and hold no whitespace".into());
     }
-    let header = kvcache_engine::ModelFile::open(&model)?;
+    let header = kvcache_models::ModelFile::open(&model)?;
     let default_name = match header.architecture() {
         Some("gemma3") => "gemma-3-270m",
         _ => "SmolLM2-135M-Instruct",

@@ -14,8 +14,8 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use futures_util::stream::{self, Stream};
 use kvcache_engine::sampling::TokenLogprobs;
-use kvcache_engine::tokenizer::{Message, Role};
-use kvcache_engine::Tokenizer;
+use kvcache_models::tokenizer::{Message, Role};
+use kvcache_models::Tokenizer;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
@@ -654,7 +654,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 mod tests {
     use std::sync::Arc;
 
-    use kvcache_engine::ChatTokenizer;
+    use kvcache_models::ChatTokenizer;
 
     use super::*;
     use crate::{ServerConfig, Worker};

@@ -19,10 +19,11 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use kvcache_api::{CacheError, CausalCache, CausalConfig, Fingerprint, Namespace};
 use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats, Stats};
-use kvcache_engine::gemma::GemmaFile;
 use kvcache_engine::sampling::{Sampler, TokenLogprobs};
-use kvcache_engine::{store, CellUse, EngineError, Model, ModelFile, Tokenizer, WeightMode};
+use kvcache_engine::{store, EngineError};
 use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
+use kvcache_models::gemma::GemmaFile;
+use kvcache_models::{CellUse, Model, ModelFile, Tokenizer, WeightMode};
 use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
@@ -165,9 +166,13 @@ impl Worker {
                     Some("gemma3") => {
                         let loaded = GemmaFile::open(file.path())
                             .and_then(|gemma| gemma.load(&Device::Cpu, WeightMode::F32, &mut |_| {}));
-                        setup.run(loaded, &file)
+                        setup.run(loaded.map_err(Into::into), &file)
                     }
-                    _ => setup.run(file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}), &file),
+                    _ => setup.run(
+                        file.load(&Device::Cpu, WeightMode::F32, &mut |_| {})
+                            .map_err(Into::into),
+                        &file,
+                    ),
                 }
             })
             .map_err(|e| kvcache_engine::EngineError::io("kvcache-engine thread", e))?;

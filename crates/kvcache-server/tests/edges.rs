@@ -41,7 +41,7 @@ fn assert_error(status: u16, body: &Value, want: u16, param: Option<&str>) {
 #[tokio::test]
 async fn control_tokens_never_show_and_end_of_turn_tokens_stop() {
     let Some(server) = Server::start(&[]) else { return };
-    let t = kvcache_engine::ModelFile::open(kvcache_engine::paths::model_path().unwrap())
+    let t = kvcache_models::ModelFile::open(kvcache_models::paths::model_path().unwrap())
         .unwrap()
         .tokenizer()
         .unwrap();

@@ -141,7 +141,7 @@ async fn completions_take_text_or_token_ids_and_stop_sequences() {
     );
 
     // The same prompt as token ids (what the tokenizer makes of it): the same text.
-    let file = kvcache_engine::ModelFile::open(kvcache_engine::paths::model_path().unwrap()).unwrap();
+    let file = kvcache_models::ModelFile::open(kvcache_models::paths::model_path().unwrap()).unwrap();
     let ids = file.tokenizer().unwrap().encode(prompt).unwrap();
     assert_eq!(ids.len() as u32, usage.prompt_tokens);
     let mut stream = client

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{tokenizer, Server};
-use kvcache_engine::tokenizer::ChatTokenizer;
+use kvcache_models::tokenizer::ChatTokenizer;
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";

@@ -60,12 +60,12 @@ const BUILDS: [Build; 4] = [
         pick: |a| a.profile_test.then(|| format!("causal-tests/{}", a.name)),
     },
     Build {
-        what: "the engine's paged_attention test",
+        what: "the models' paged_attention test",
         cargo: &[
             "test",
             "--release",
             "-p",
-            "kvcache-engine",
+            "kvcache-models",
             "--features",
             "cuda",
             "--test",
@@ -73,7 +73,7 @@ const BUILDS: [Build; 4] = [
             "--no-run",
         ],
         pick: |a| {
-            (a.kind("test") && a.name == "paged_attention").then(|| "engine/paged_attention".to_owned())
+            (a.kind("test") && a.name == "paged_attention").then(|| "models/paged_attention".to_owned())
         },
     },
     Build {
@@ -459,7 +459,7 @@ mod tests {
     fn the_run_script_knows_the_bundle_layout() {
         // Where `pack` puts what BUILDS pick (`bin/` is `$BIN` there).
         for path in [
-            "$BIN/engine/paged_attention",
+            "$BIN/models/paged_attention",
             "\"$BIN\"/causal-tests/*",
             "$BIN/bench/causal",
             "$BIN/bench/e8",

@@ -8,7 +8,7 @@
 #
 # The pieces, most important first; each gets its own log under $OUT, a timeout, and a line in
 # $OUT/summary.tsv (piece, status, seconds, log):
-#   engine-kernel      the engine's CUDA paged-attention kernel against the dense reference
+#   engine-kernel      the models' CUDA paged-attention kernel against the dense reference
 #                      (paged_attention's test the_cuda_kernel_on_the_gpu...)
 #   causal-tests       kvcache-causal's test binaries with KVCACHE_DEVICE=cuda, one piece each
 #                      (causal-tests/NAME), KVCACHE_BUNDLE_JOBS of them at once
@@ -172,7 +172,7 @@ main() {
     #    libcublasLt, libcurand from the machine's CUDA install, looked for where CUDA
     #    usually lives when the loader does not find them.
     export LD_LIBRARY_PATH="$unpack/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    local probe="$BIN/engine/paged_attention" lib dir found
+    local probe="$BIN/models/paged_attention" lib dir found
     for lib in $(ldd "$probe" 2>/dev/null | awk '/=> not found/ {print $1}'); do
         ldd "$probe" 2>/dev/null | grep -q "$lib => not found" || continue # found with another's folder
         found=""
@@ -216,8 +216,8 @@ main() {
     DEADLINE=$(( $(date +%s) + BUDGET ))
     echo "pieces: budget ${BUDGET}s"
     if wanted engine-kernel; then
-        NEED_PASSED=1 piece engine-kernel 120 "$OUT/engine-kernel.log" kvcache-engine KVCACHE_DEVICE=cuda -- \
-            "$BIN/engine/paged_attention" the_cuda_kernel_on_the_gpu --nocapture
+        NEED_PASSED=1 piece engine-kernel 120 "$OUT/engine-kernel.log" kvcache-models KVCACHE_DEVICE=cuda -- \
+            "$BIN/models/paged_attention" the_cuda_kernel_on_the_gpu --nocapture
     fi
     if wanted causal-tests; then
         local test running=0

@@ -1,6 +1,6 @@
-//! The mlx models as [`crate::LayerModel`]s, so that [`ChatServer`] (the
+//! The mlx models as [`kvcache_models::LayerModel`]s, so that [`ChatServer`] (the
 //! same loop as on candle) runs them: [`MlxLlama`] with one
-//! `kvcache_mlx::layers::KvCache` per layer, or [`super::MlxGemma`] over its
+//! `kvcache_mlx::layers::KvCache` per layer, or [`kvcache_models::mlx::MlxGemma`] over its
 //! mixed layers ([`super::MlxGemmaChatServer`]). Each request begins a trie
 //! session (paging the longest cached prefix in), prefills the rest (pausing
 //! where the trie wants branch-point snapshots), then decodes greedily, and
@@ -9,10 +9,10 @@
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
 use mlx_rs::Array;
 
-use super::MlxLlama;
 use crate::chat::{ChatServer, Reuse};
-use crate::model::LayerModel;
 use crate::Result;
+use kvcache_models::mlx::MlxLlama;
+use kvcache_models::LayerModel;
 
 /// The Llama over `KvCache`s, which rewind to any offset.
 impl LayerModel for MlxLlama {
@@ -35,7 +35,7 @@ impl LayerModel for MlxLlama {
 }
 
 /// The chat server on mlx: [`ChatServer`] with the mlx Llama by default (or
-/// [`super::MlxGemma`]), usually with [`Reuse::Trie`].
+/// [`kvcache_models::mlx::MlxGemma`]), usually with [`Reuse::Trie`].
 pub type MlxChatServer<'m, M = MlxLlama> = ChatServer<'m, M>;
 
 impl<'m> MlxChatServer<'m, MlxLlama> {

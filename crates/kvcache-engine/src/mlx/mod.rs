@@ -1,35 +1,17 @@
-//! The Llama of [`crate::llama`] and the Gemma of [`crate::gemma`] on mlx-rs arrays, running through the
+//! Chat on the mlx-rs models of `kvcache_models::mlx`, through the
 //! `kvcache_mlx` layer caches under the `kvcache_trie` prefix trie (`--backend mlx`).
 //!
-//! - [`weights`]: every weight as f32 host data, read from the GGUF with the
-//!   same candle reader and dequantization the candle model uses, or random
-//!   (the candle model's numbers: both draw from the same weight specs).
-//! - [`model`]: [`MlxLlama`], the forward pass (RoPE, grouped-query attention,
-//!   RMSNorm, SwiGLU, f32) without a cache (the reference) and through
-//!   per-layer [`kvcache_api::LayerCache`]s such as
-//!   [`kvcache_mlx::layers::KvCache`].
 //! - [`chat`]: [`MlxChatServer`], multi-conversation chat through
-//!   [`kvcache_trie::PrefixCache`] for either model ([`crate::LayerModel`]), over
-//!   mlx `KvCache`s for the Llama.
-//! - [`gemma`]: [`MlxGemma`], Gemma 3 with its window and global layers
-//!   through the same trie (rotating caches for the window layers), and its
-//!   chat server [`MlxGemmaChatServer`].
+//!   [`kvcache_trie::PrefixCache`] for either model ([`kvcache_models::LayerModel`]),
+//!   over mlx `KvCache`s for the Llama.
+//! - [`gemma`]: [`MlxGemmaChatServer`], Gemma 3's chat through the same trie
+//!   (rotating caches for the window layers).
 //!
 //! Compiled on macOS, and on Linux with `--cfg kvcache_mlx` (what `cargo xtask`
 //! passes together with the patched mlx-sys), like `kvcache_mlx::layers`.
-//! Arrays live on mlx's default device (the CPU on Linux, the GPU on macOS).
 
 pub mod chat;
 pub mod gemma;
-pub mod model;
-pub mod weights;
 
 pub use chat::MlxChatServer;
-pub use gemma::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
-pub use model::MlxLlama;
-pub use weights::{HostTensor, HostWeights};
-
-/// Maps an mlx-rs error to [`crate::EngineError::Mlx`].
-pub(crate) fn mlx_err(e: impl std::fmt::Display) -> crate::EngineError {
-    crate::EngineError::Mlx(e.to_string())
-}
+pub use gemma::MlxGemmaChatServer;

@@ -1,9 +1,14 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests: the engine's own (`engine_run`)
+//! and the models crate's (its checker, its simple cache and `testing`),
+//! compiled here from their files there.
 #![allow(dead_code)]
 
+#[path = "../../../kvcache-models/tests/common/check.rs"]
 pub mod check;
 pub mod engine_run;
+#[path = "../../../kvcache-models/tests/common/simple_cache.rs"]
 pub mod simple_cache;
+#[path = "../../../kvcache-models/tests/common/testing.rs"]
 pub mod testing;
 
 use candle_core::Tensor;

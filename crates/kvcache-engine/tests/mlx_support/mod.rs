@@ -3,10 +3,10 @@
 #![allow(dead_code)]
 
 use kvcache_api::SnapshotCache;
-use kvcache_engine::engine::argmax;
-use kvcache_engine::mlx::model::to_host;
-use kvcache_engine::mlx::MlxLlama;
 use kvcache_mlx::layers::KvCache;
+use kvcache_models::argmax;
+use kvcache_models::mlx::model::to_host;
+use kvcache_models::mlx::MlxLlama;
 use kvcache_trie::{PrefixCache, Stats};
 
 /// Bytes one position takes in every layer's snapshot (keys and values, f32).

@@ -48,7 +48,7 @@ impl E1Args {
         let path = self
             .trace
             .clone()
-            .unwrap_or_else(kvcache_engine::paths::e1_trace_path);
+            .unwrap_or_else(kvcache_models::paths::e1_trace_path);
         let trace = Trace::load(&path).map_err(|e| e.to_string())?;
         let requests: Vec<Request> = trace
             .requests

@@ -8,9 +8,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 /// The tokenizer of the model the test servers run (SmolLM2's, from its file).
-pub fn tokenizer() -> kvcache_engine::tokenizer::ChatTokenizer {
-    let path = kvcache_engine::paths::model_path().expect("model");
-    kvcache_engine::ModelFile::open(path)
+pub fn tokenizer() -> kvcache_models::tokenizer::ChatTokenizer {
+    let path = kvcache_models::paths::model_path().expect("model");
+    kvcache_models::ModelFile::open(path)
         .unwrap()
         .tokenizer()
         .unwrap()
@@ -27,14 +27,14 @@ impl Server {
     /// Starts the server on the test model with `args` added; `None` (with a
     /// printed reason) when there is no model.
     pub fn start(args: &[&str]) -> Option<Server> {
-        let model = kvcache_engine::paths::model_path_for_tests()?;
+        let model = kvcache_models::paths::model_path_for_tests()?;
         Some(Self::spawn(&model, args, None))
     }
 
     /// Starts the server on Gemma 3 270M (`$KVCACHE_GEMMA`) with `args`
     /// added; `None` (with a printed reason) when there is no Gemma file.
     pub fn start_gemma(args: &[&str]) -> Option<Server> {
-        let model = kvcache_engine::gemma::gemma_path_for_tests()?;
+        let model = kvcache_models::gemma::gemma_path_for_tests()?;
         Some(Self::spawn(&model, args, None))
     }
 
@@ -42,7 +42,7 @@ impl Server {
     /// (its log) in the returned list as well as passing it on.
     pub fn start_logged(args: &[&str]) -> Option<(Server, Arc<Mutex<Vec<String>>>)> {
         let lines = Arc::new(Mutex::new(Vec::new()));
-        let model = kvcache_engine::paths::model_path_for_tests()?;
+        let model = kvcache_models::paths::model_path_for_tests()?;
         Some((Self::spawn(&model, args, Some(lines.clone())), lines))
     }
 

@@ -13,11 +13,11 @@
 use kvcache_mlx::layers::DEFAULT_STEP;
 use mlx_rs::Array;
 
-use super::{MlxGemma, MlxGemmaLayer};
 use crate::chat::Reuse;
 use crate::mlx::chat::MlxChatServer;
-use crate::model::LayerModel;
 use crate::Result;
+use kvcache_models::mlx::{MlxGemma, MlxGemmaLayer};
+use kvcache_models::LayerModel;
 
 /// A chat server in miniature on mlx: one Gemma, one live sequence of
 /// [`MlxGemmaLayer`]s, and the prefix trie shared across conversations.

@@ -1,0 +1,704 @@
+//! The CPU paged-attention kernel, [`paged_attention`], which
+//! walks each row's runs in tiles of 64 cells (see its documentation).
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use candle_core::{Device, Storage, StorageRef, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use kvcache_api::{CellRun, PagedKv, RowRuns, StoredKv};
+
+use super::stored::{all_on, Geometry, StoredShape, StoredType, Strides};
+use crate::kernels;
+use crate::Result;
+
+/// Cells per tile of [`paged_attention`]: one `u64` mask per row.
+const TILE: usize = 64;
+
+/// Most rows in one block of [`paged_attention`].
+const BLOCK_ROWS: usize = 16;
+
+/// Up to this many queries on a tile (a block's rows times the query heads of
+/// one key/value head: a decode row's few heads), scores are dot products over
+/// the tile's keys as stored, row by row; beyond, the keys are transposed once
+/// so that every query's scores are plain multiply-adds across the tile (the
+/// transposition, a scalar store per element, pays only when shared).
+const DOT_QUERIES: usize = 8;
+
+/// Attention of `q: [n, n_heads, head_dim]` (f32) over the cells each row of
+/// `view` sees, scores scaled by `scale`; query head `j * g + i` uses key/value
+/// head `j` (`g = n_heads / kv_heads`). Returns `[n, n_heads * head_dim_v]`
+/// (f32), or `Ok(None)` when a tensor is not on the CPU (compute it densely
+/// instead). A row that sees no cell gets zeros.
+///
+/// Only the cells the rows see are read, in their stored type.
+///
+/// The kernel, FlashAttention-2 style:
+/// - Rows are grouped into *blocks* of up to 16 consecutive rows whose first
+///   runs start at the same cell (a prefill chunk of one sequence, or decode
+///   rows of sequences sharing a prefix through `copy_prefix`); every other
+///   decode row is a block of its own. The grouping only decides what is read
+///   once for several rows: each row still attends to its own cells.
+/// - A work item is a block and one key/value head; items are spread over
+///   candle's thread pool. An item walks the union of its rows' runs in tiles
+///   of up to 64 cells: it gathers that head's keys (transposed, `[head_dim][64]`)
+///   and values (`[64][head_dim_v]`) of the tile's cells into small f32 buffers,
+///   decoding as it reads, and gives each row a 64-bit mask of the tile entries
+///   it sees (its runs merged against the tile's cells).
+/// - Per row and query head, scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no
+///   horizontal sum) when many queries share the tile (a prefill block); when
+///   few do (a decode row's query heads) the keys stay row-major and each score
+///   is a dot product, sparing the transposition. Then scaled, hidden entries
+///   `-inf`; a running maximum, sum and
+///   accumulator are rescaled as the maximum grows, the accumulator takes
+///   `p * v[c]` for each visible cell `c`, and the end divides by the sum.
+///
+/// Cost: per key/value head, the cells of each block's union are read once
+/// and decoded once, and each row pays `g * (head_dim + head_dim_v)` multiply-adds
+/// per cell of the tiles it touches, about what it sees: the pass's range and
+/// other sequences' cells are never read. The inner loops are plain arithmetic
+/// compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
+/// `crate::kernels` does.
+///
+/// # Errors
+/// [`ModelError::InvalidArgument`](crate::ModelError::InvalidArgument) when the shapes or types do not fit
+/// (`n != view.runs.rows()`, head counts or dimensions that disagree, a run
+/// past the stored cells, queries not f32).
+pub fn paged_attention(q: &Tensor, view: &PagedKv<'_, Tensor>, scale: f32) -> Result<Option<Tensor>> {
+    if !all_on(q, view, Device::is_cpu) {
+        return Ok(None);
+    }
+    let geometry = Geometry::of(q, view)?;
+    let Geometry {
+        n,
+        n_heads,
+        kv_heads: kvh,
+        group: g,
+        head_dim: hd,
+        head_dim_v: hdv,
+        ..
+    } = geometry;
+    let runs = view.runs;
+    let k_held = Held::new(&view.keys);
+    let v_held = Held::new(&view.values);
+    let Some(keys) = k_held.plane(&geometry.keys)? else {
+        return Ok(None);
+    };
+    let Some(values) = v_held.plane(&geometry.values)? else {
+        return Ok(None);
+    };
+    let q = q.contiguous()?;
+    let q_held = q.storage_and_layout();
+    let Storage::Cpu(q_cpu) = &*q_held.0 else {
+        return Ok(None);
+    };
+    let qs = &q_cpu.as_slice::<f32>()?[q_held.1.start_offset()..][..n * n_heads * hd];
+
+    let blocks = blocks(runs);
+    let mut out = vec![0f32; n * n_heads * hdv];
+    {
+        // Each (row, key/value head) owns `g * hdv` consecutive outputs, written
+        // by the one item that holds the row's block and that head.
+        let slots: Vec<Mutex<&mut [f32]>> = out.chunks_mut(g * hdv).map(Mutex::new).collect();
+        let job = Job {
+            q: qs,
+            n_heads,
+            kvh,
+            g,
+            hd,
+            hdv,
+            scale,
+            keys,
+            values,
+            runs,
+            blocks: &blocks,
+            out: &slots,
+        };
+        let macs = runs.total_visible() * n_heads * (hd + hdv);
+        // About eight multiply-adds a vector instruction: the element-wise work
+        // the pool's threshold is measured in.
+        kernels::for_items(blocks.len() * kvh, macs / 8, |item| run_item(&job, item));
+    }
+    Ok(Some(Tensor::from_vec(out, (n, n_heads * hdv), q.device())?))
+}
+
+/// Consecutive rows attended together: they share the tiles of `union`.
+#[derive(Debug)]
+struct Block {
+    rows: Range<usize>,
+    /// Every cell any of the rows sees, as sorted disjoint runs.
+    union: Vec<CellRun>,
+}
+
+/// Groups the rows into [`Block`]s: a row joins the current block when its
+/// first run starts where the block's first row's does, up to [`BLOCK_ROWS`].
+fn blocks(runs: &RowRuns) -> Vec<Block> {
+    let n = runs.rows();
+    let first = |r: usize| runs.row(r).first().map(|c| c.start);
+    let mut blocks = Vec::new();
+    let mut all = Vec::new();
+    let mut r = 0;
+    while r < n {
+        let key = first(r);
+        let mut end = r + 1;
+        while end < n && end - r < BLOCK_ROWS && first(end) == key {
+            end += 1;
+        }
+        all.clear();
+        for row in r..end {
+            all.extend_from_slice(runs.row(row));
+        }
+        all.sort_unstable_by_key(|c| c.start);
+        let mut union: Vec<CellRun> = Vec::new();
+        for &run in &all {
+            match union.last_mut() {
+                Some(last) if run.start <= last.end => last.end = last.end.max(run.end),
+                _ => union.push(run),
+            }
+        }
+        blocks.push(Block { rows: r..end, union });
+        r = end;
+    }
+    blocks
+}
+
+/// A stored tensor's storage, borrowed while the kernel reads it.
+struct Held<'t> {
+    data: StorageRef<'t>,
+    scales: Option<StorageRef<'t>>,
+}
+
+impl<'t> Held<'t> {
+    fn new(stored: &'t StoredKv<Tensor>) -> Self {
+        let hold = |t: &'t Tensor| t.storage_and_layout().0;
+        match stored {
+            StoredKv::Float(t) => Held {
+                data: hold(t),
+                scales: None,
+            },
+            StoredKv::Q8_0 { quants, scales } => Held {
+                data: hold(quants),
+                scales: Some(hold(scales)),
+            },
+        }
+    }
+
+    /// The stored elements of `shape` as a [`Plane`]; `None` off the CPU.
+    fn plane(&self, shape: &StoredShape) -> Result<Option<Plane<'_>>> {
+        let Storage::Cpu(cpu) = &*self.data else {
+            return Ok(None);
+        };
+        let scales = match &self.scales {
+            Some(held) => match &**held {
+                Storage::Cpu(s) => Some(s.as_slice::<f16>()?),
+                _ => return Ok(None),
+            },
+            None => None,
+        };
+        let (data, len) = match (shape.ty, shape.scales_at, scales) {
+            (StoredType::F32, ..) => {
+                let s = cpu.as_slice::<f32>()?;
+                (Data::F32(s), s.len())
+            }
+            (StoredType::F16, ..) => {
+                let s = cpu.as_slice::<f16>()?;
+                (Data::F16(s), s.len())
+            }
+            (StoredType::BF16, ..) => {
+                let s = cpu.as_slice::<bf16>()?;
+                (Data::BF16(s), s.len())
+            }
+            (StoredType::Q8_0, Some(scales_at), Some(scales)) => {
+                let quants = cpu.as_slice::<u8>()?;
+                (
+                    Data::Q8 {
+                        quants,
+                        scales,
+                        scales_at,
+                    },
+                    quants.len(),
+                )
+            }
+            (StoredType::Q8_0, ..) => unreachable!("StoredShape::of gives q8_0 scales"),
+        };
+        shape.check_within(len, scales.map_or(0, <[f16]>::len))?;
+        Ok(Some(Plane {
+            data,
+            at: shape.at,
+            dim: shape.dim,
+        }))
+    }
+}
+
+/// Stored elements, in their type.
+#[derive(Debug, Clone, Copy)]
+enum Data<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+    /// `q + 128` and one scale per 32 values along the head dimension.
+    Q8 {
+        quants: &'a [u8],
+        scales: &'a [f16],
+        scales_at: Strides,
+    },
+}
+
+/// One layer's keys or values as stored, logical `[cells, heads, dim]`.
+#[derive(Debug, Clone, Copy)]
+struct Plane<'a> {
+    data: Data<'a>,
+    at: Strides,
+    dim: usize,
+}
+
+/// Conversion of a stored float element to f32.
+trait Element: Copy {
+    /// `dst[i] = src[i]` as f32 (same lengths).
+    fn to_f32s(src: &[Self], dst: &mut [f32]);
+    fn to_f32(self) -> f32;
+    /// `dst[d * step] = src[d]` as f32 for every `d`; `row` is scratch of
+    /// `src.len()` floats.
+    #[inline(always)]
+    fn scatter(src: &[Self], dst: &mut [f32], step: usize, row: &mut [f32]) {
+        Self::to_f32s(src, row);
+        for (d, &x) in row.iter().enumerate() {
+            dst[d * step] = x;
+        }
+    }
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32s(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn scatter(src: &[f32], dst: &mut [f32], step: usize, _row: &mut [f32]) {
+        for (d, &x) in src.iter().enumerate() {
+            dst[d * step] = x;
+        }
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn to_f32s(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn to_f32s(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Plane<'_> {
+    /// Writes element `(cells[k], head, d)` as f32 to `dst[k * cell_step + d *
+    /// dim_step]` for every tile entry `k` and `d < dim`; `row` is scratch of
+    /// at least `dim` floats.
+    #[inline(always)]
+    fn gather(&self, head: usize, cells: &[u32], dst: &mut [f32], step: (usize, usize), row: &mut [f32]) {
+        match self.data {
+            Data::F32(s) => self.gather_float(s, head, cells, dst, step, row),
+            Data::F16(s) => self.gather_float(s, head, cells, dst, step, row),
+            Data::BF16(s) => self.gather_float(s, head, cells, dst, step, row),
+            Data::Q8 {
+                quants,
+                scales,
+                scales_at,
+            } => self.gather_q8(quants, scales, scales_at, head, cells, dst, step, row),
+        }
+    }
+
+    #[inline(always)]
+    fn gather_float<E: Element>(
+        &self,
+        s: &[E],
+        head: usize,
+        cells: &[u32],
+        dst: &mut [f32],
+        (cell_step, dim_step): (usize, usize),
+        row: &mut [f32],
+    ) {
+        let (at, dim) = (self.at, self.dim);
+        if at.dim == 1 {
+            // A cell's head is one contiguous row: convert it whole.
+            let row = &mut row[..dim];
+            for (k, &c) in cells.iter().enumerate() {
+                let start = at.at(c as usize, head, 0);
+                // The next tile's rows, if its cells follow these.
+                prefetch(s.as_ptr().wrapping_add(start + TILE * at.cell), dim);
+                let src = &s[start..start + dim];
+                if dim_step == 1 {
+                    E::to_f32s(src, &mut dst[k * cell_step..k * cell_step + dim]);
+                } else {
+                    E::scatter(src, &mut dst[k * cell_step..], dim_step, row);
+                }
+            }
+        } else {
+            // Permuted: consecutive cells of one dimension lie side by side.
+            for d in 0..dim {
+                let base = at.at(0, head, d);
+                for (k, &c) in cells.iter().enumerate() {
+                    dst[k * cell_step + d * dim_step] = s[base + c as usize * at.cell].to_f32();
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn gather_q8(
+        &self,
+        quants: &[u8],
+        scales: &[f16],
+        scales_at: Strides,
+        head: usize,
+        cells: &[u32],
+        dst: &mut [f32],
+        (cell_step, dim_step): (usize, usize),
+        row: &mut [f32],
+    ) {
+        let (at, dim) = (self.at, self.dim);
+        let decode = |q: u8, d: f32| (f32::from(q) - 128.0) * d;
+        if at.dim == 1 {
+            let row = &mut row[..dim];
+            for (k, &c) in cells.iter().enumerate() {
+                let c = c as usize;
+                let start = at.at(c, head, 0);
+                // The next tile's rows, if its cells follow these.
+                prefetch(quants.as_ptr().wrapping_add(start + TILE * at.cell), dim);
+                let qs = &quants[start..start + dim];
+                for (b, (out, q)) in row.chunks_exact_mut(32).zip(qs.chunks_exact(32)).enumerate() {
+                    let d = scales[scales_at.at(c, head, b)].to_f32();
+                    for (o, &q) in out.iter_mut().zip(q) {
+                        *o = decode(q, d);
+                    }
+                }
+                if dim_step == 1 {
+                    dst[k * cell_step..k * cell_step + dim].copy_from_slice(row);
+                } else {
+                    for (d, &x) in row.iter().enumerate() {
+                        dst[k * cell_step + d * dim_step] = x;
+                    }
+                }
+            }
+        } else {
+            for d in 0..dim {
+                let base = at.at(0, head, d);
+                let s_base = scales_at.at(0, head, d / 32);
+                for (k, &c) in cells.iter().enumerate() {
+                    let c = c as usize;
+                    let scale = scales[s_base + c * scales_at.cell].to_f32();
+                    dst[k * cell_step + d * dim_step] = decode(quants[base + c * at.cell], scale);
+                }
+            }
+        }
+    }
+}
+
+/// Asks the CPU to start loading the `len` elements from `ptr` (a hint: any
+/// address, none read).
+#[inline(always)]
+fn prefetch<E>(ptr: *const E, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = len * std::mem::size_of::<E>();
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults, whatever the address (SSE,
+            // which every x86_64 CPU has), and `wrapping_byte_add` makes no
+            // in-bounds promise.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_byte_add(line).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ptr, len);
+}
+
+/// Everything the work items share.
+struct Job<'a> {
+    /// Queries, `[n, n_heads, hd]` row-major.
+    q: &'a [f32],
+    n_heads: usize,
+    kvh: usize,
+    g: usize,
+    hd: usize,
+    hdv: usize,
+    scale: f32,
+    keys: Plane<'a>,
+    values: Plane<'a>,
+    runs: &'a RowRuns,
+    blocks: &'a [Block],
+    /// Row `r`'s outputs for key/value head `j` at `out[r * kvh + j]`.
+    out: &'a [Mutex<&'a mut [f32]>],
+}
+
+/// A work item's buffers, kept by each thread between items and calls (a
+/// fresh allocation per item cost page faults).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// Keys of a tile: transposed, `[hd][TILE]`, or as stored, `[TILE][hd]`
+    /// (few queries, [`DOT_QUERIES`]).
+    kt: Vec<f32>,
+    /// Values of a tile, `[TILE][hdv]`.
+    vt: Vec<f32>,
+    /// One stored row converted.
+    row: Vec<f32>,
+    /// Per row and query head of the block: the running output, maximum and sum.
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// Per row of the block: its first run that may still meet a tile.
+    cursor: Vec<usize>,
+    /// The tile's segments: (first entry, first cell, end cell).
+    segments: Vec<(usize, u32, u32)>,
+}
+
+/// `v` as `len` copies of `value`, keeping its allocation.
+fn reset<T: Copy>(v: &mut Vec<T>, len: usize, value: T) {
+    v.clear();
+    v.resize(len, value);
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Work item `item` (block `item / kvh`, key/value head `item % kvh`), through
+/// the widest instructions the CPU has.
+fn run_item(job: &Job<'_>, item: usize) {
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        #[cfg(target_arch = "x86_64")]
+        if kernels::has_avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA, all that `run_item_avx2` needs.
+            unsafe { run_item_avx2(job, item, &mut scratch) };
+            return;
+        }
+        run_item_generic(job, item, &mut scratch);
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_item_avx2(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
+    run_item_generic(job, item, scratch);
+}
+
+/// Lanes of the reductions (see [`kernels`]): independent partial results the
+/// compiler keeps in one vector register.
+const LANES: usize = 8;
+
+/// `a . b` (equal lengths), in [`LANES`] partial sums.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a_chunks
+        .remainder()
+        .iter()
+        .zip(b_chunks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a_chunks.zip(b_chunks) {
+        for l in 0..LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `bits` set from `from` for `len` bits (`len >= 1`, `from + len <= 64`).
+#[inline(always)]
+fn bit_range(from: usize, len: usize) -> u64 {
+    let ones = if len >= 64 { u64::MAX } else { (1u64 << len) - 1 };
+    ones << from
+}
+
+/// The tile entries a row sees: its runs (from `cursor` on, which moves past
+/// runs that end before the tile) against the tile's segments `(entry,
+/// first cell, end cell)`.
+#[inline(always)]
+fn row_mask(row: &[CellRun], cursor: &mut usize, segments: &[(usize, u32, u32)]) -> u64 {
+    let mut mask = 0u64;
+    for &(entry, a, b) in segments {
+        while *cursor < row.len() && row[*cursor].end <= a {
+            *cursor += 1;
+        }
+        let mut i = *cursor;
+        while i < row.len() && row[i].start < b {
+            let (lo, hi) = (row[i].start.max(a), row[i].end.min(b));
+            mask |= bit_range(entry + (lo - a) as usize, (hi - lo) as usize);
+            i += 1;
+        }
+    }
+    mask
+}
+
+#[inline(always)]
+fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
+    let (block, head) = (&job.blocks[item / job.kvh], item % job.kvh);
+    let (g, hd, hdv) = (job.g, job.hd, job.hdv);
+    let rows = block.rows.clone();
+    let nr = rows.len();
+    let Scratch {
+        kt,
+        vt,
+        row: row_buf,
+        acc,
+        max,
+        sum,
+        cursor,
+        segments,
+    } = scratch;
+    reset(kt, hd * TILE, 0.0);
+    reset(vt, TILE * hdv, 0.0);
+    reset(row_buf, hd.max(hdv), 0.0);
+    reset(acc, nr * g * hdv, 0.0);
+    reset(max, nr * g, f32::NEG_INFINITY);
+    reset(sum, nr * g, 0.0);
+    reset(cursor, nr, 0);
+    let mut cells = [0u32; TILE];
+    let transposed = nr * g > DOT_QUERIES;
+    let union = &block.union;
+    let (mut ui, mut next) = (0, union.first().map_or(0, |r| r.start));
+    loop {
+        // The next tile: up to TILE cells of the union, as segments of runs.
+        segments.clear();
+        let mut t = 0;
+        while t < TILE && ui < union.len() {
+            let take = ((union[ui].end - next) as usize).min(TILE - t);
+            segments.push((t, next, next + take as u32));
+            for (k, c) in (next..next + take as u32).enumerate() {
+                cells[t + k] = c;
+            }
+            t += take;
+            next += take as u32;
+            if next == union[ui].end {
+                ui += 1;
+                if let Some(r) = union.get(ui) {
+                    next = r.start;
+                }
+            }
+        }
+        if t == 0 {
+            break;
+        }
+        let tile = &cells[..t];
+        if !transposed {
+            job.keys.gather(head, tile, kt, (hd, 1), row_buf);
+        } else {
+            if t < TILE {
+                // Entries past the tile are hidden from every row: zero keys
+                // keep their scores finite (then -inf).
+                for d in 0..hd {
+                    kt[d * TILE + t..(d + 1) * TILE].fill(0.0);
+                }
+            }
+            job.keys.gather(head, tile, kt, (1, TILE), row_buf);
+        }
+        job.values.gather(head, tile, vt, (hdv, 1), row_buf);
+        for (ri, r) in rows.clone().enumerate() {
+            let mask = row_mask(job.runs.row(r), &mut cursor[ri], segments);
+            if mask == 0 {
+                continue;
+            }
+            let mut bias = [0f32; TILE];
+            for (k, b) in bias.iter_mut().enumerate() {
+                *b = if mask >> k & 1 != 0 {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            for i in 0..g {
+                let qh = &job.q[(r * job.n_heads + head * g + i) * hd..][..hd];
+                let mut s = [0f32; TILE];
+                if transposed {
+                    for (d, &qd) in qh.iter().enumerate() {
+                        let k: &[f32; TILE] = kt[d * TILE..(d + 1) * TILE].try_into().expect("a tile row");
+                        for l in 0..TILE {
+                            s[l] += qd * k[l];
+                        }
+                    }
+                } else {
+                    // Entries past the tile keep 0: hidden by the row's mask.
+                    for (k, sk) in s[..t].iter_mut().enumerate() {
+                        *sk = dot(qh, &kt[k * hd..(k + 1) * hd]);
+                    }
+                }
+                let mut lane_max = [f32::NEG_INFINITY; LANES];
+                for (sc, bc) in s.chunks_exact_mut(LANES).zip(bias.chunks_exact(LANES)) {
+                    for l in 0..LANES {
+                        sc[l] = sc[l] * job.scale + bc[l];
+                        lane_max[l] = if sc[l] > lane_max[l] { sc[l] } else { lane_max[l] };
+                    }
+                }
+                let tile_max = lane_max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let idx = ri * g + i;
+                let new_max = max[idx].max(tile_max);
+                let mut lane_sum = [0f32; LANES];
+                for sc in s.chunks_exact_mut(LANES) {
+                    for l in 0..LANES {
+                        sc[l] = kernels::exp(sc[l] - new_max);
+                        lane_sum[l] += sc[l];
+                    }
+                }
+                let tile_sum: f32 = lane_sum.iter().sum();
+                let a = &mut acc[idx * hdv..(idx + 1) * hdv];
+                if new_max > max[idx] {
+                    // The running maximum grew: rescale what was summed under it.
+                    let factor = kernels::exp(max[idx] - new_max);
+                    sum[idx] *= factor;
+                    for x in a.iter_mut() {
+                        *x *= factor;
+                    }
+                    max[idx] = new_max;
+                }
+                sum[idx] += tile_sum;
+                let mut bits = mask;
+                while bits != 0 {
+                    let k = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let p = s[k];
+                    for (x, &v) in a.iter_mut().zip(&vt[k * hdv..(k + 1) * hdv]) {
+                        *x += p * v;
+                    }
+                }
+            }
+        }
+    }
+    for (ri, r) in rows.enumerate() {
+        let mut slot = job.out[r * job.kvh + head]
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for i in 0..g {
+            let idx = ri * g + i;
+            // A row that saw nothing keeps its zeros.
+            let inv = if sum[idx] > 0.0 { 1.0 / sum[idx] } else { 0.0 };
+            for (o, &x) in slot[i * hdv..(i + 1) * hdv]
+                .iter_mut()
+                .zip(&acc[idx * hdv..(idx + 1) * hdv])
+            {
+                *o = x * inv;
+            }
+        }
+    }
+}
