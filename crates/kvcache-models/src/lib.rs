@@ -18,6 +18,11 @@
 //!   random test weights), `decoder` (embedding, blocks, the attention and
 //!   feed-forward code), `rope` ([`Rope`], either layout), `kernels` (the
 //!   element-wise passes) and `q8` (Gemma's Q8_0 output head).
+//! - [`quant`]: weights kept in 4- and 8-bit blocks ([`quant::QMatrix`])
+//!   and multiplied in their own type against activations quantized per row
+//!   ([`quant::QActivations`]), as ggml does: scalar, AVX2 and AVX-512 VNNI
+//!   kernels chosen at run time, spread over rayon's pool, a row's result
+//!   bit-identical whatever batch it runs in.
 //! - [`attention`]: attention over a causal cache, dense (the reference) or
 //!   paged, the models' default: kernels walking each row's visible cells in
 //!   their stored type, [`attention::paged_attention`] on the CPU and
@@ -48,6 +53,7 @@ pub mod mlx;
 pub mod model;
 pub mod paths;
 mod q8;
+pub mod quant;
 mod rope;
 #[cfg(test)]
 #[path = "../tests/common/testing.rs"]
