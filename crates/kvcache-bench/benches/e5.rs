@@ -63,10 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let budget = knob("KVCACHE_E5_BUDGET_MIB", usize::MAX >> 20) << 20;
     let weights = std::env::var("KVCACHE_E5_WEIGHTS").unwrap_or_else(|_| "quantized".into());
     let (mode, kernels) = match weights.as_str() {
-        "quantized" => (
-            WeightMode::Quantized,
-            "Q4_K_M weights, candle's quantized kernels",
-        ),
+        "quantized" => (WeightMode::Candle, "Q4_K_M weights, candle's quantized kernels"),
         "f32" => (
             WeightMode::F32,
             "Q4_K_M weights dequantized to f32, candle's dense kernels",

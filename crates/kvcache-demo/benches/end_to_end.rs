@@ -134,6 +134,7 @@ fn store_benches(
         trace: trace_path,
         n_predict: predict,
         device: "cpu",
+        weights: WeightMode::F32,
     };
     let setup = replicas.setup();
     let verbose = std::env::var("KVCACHE_E1_VERBOSE").is_ok_and(|v| v == "1");

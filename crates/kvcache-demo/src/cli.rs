@@ -66,9 +66,12 @@ pub struct ModelArgs {
     #[arg(long, value_enum, value_name = "NAME", default_value_t = DeviceName::Cpu)]
     pub device: DeviceName,
 
-    /// Weights: f32 (dequantized), or q to keep the GGUF quantization (candle only)
-    #[arg(long, value_enum, value_name = "KIND", default_value_t = Weights::F32)]
-    pub weights: Weights,
+    /// Weights: gguf (the file's 4- and 8-bit blocks, activations quantized per
+    /// row, as llama.cpp multiplies them: the fastest), q8 or q4 (every matrix
+    /// in 8- or 4-bit blocks), candle (candle's quantized kernels) or f32
+    /// (dequantized: the reference)
+    #[arg(long, value_name = "MODE", default_value_t = WeightMode::FASTEST)]
+    pub weights: WeightMode,
 
     /// How the causal cache stores keys and values (f32, f16, bf16 or q8_0)
     ///
@@ -233,25 +236,6 @@ impl DeviceName {
     }
 }
 
-/// How weights are loaded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Weights {
-    /// Dequantized to f32
-    F32,
-    /// The GGUF's quantized blocks
-    #[value(alias = "quantized")]
-    Q,
-}
-
-impl From<Weights> for WeightMode {
-    fn from(w: Weights) -> Self {
-        match w {
-            Weights::F32 => WeightMode::F32,
-            Weights::Q => WeightMode::Quantized,
-        }
-    }
-}
-
 /// A part of the demo.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Part {
@@ -404,7 +388,7 @@ mod tests {
         );
         assert_eq!(cli.model.backend, Backend::Causal);
         assert_eq!(cli.model.device, DeviceName::Cpu);
-        assert_eq!(WeightMode::from(cli.model.weights), WeightMode::F32);
+        assert_eq!(cli.model.weights, WeightMode::FASTEST);
         assert_eq!(cli.model.kv_type, KvStorage::F32);
         assert_eq!(
             cli.questions().len(),
@@ -422,6 +406,7 @@ mod tests {
             trace: PathBuf::from("t.json"),
             n_predict: 8,
             device: DeviceName::Cpu.as_flag(),
+            weights: WeightMode::Q4,
         };
         let store = kvcache_engine::store::StoreOptions {
             dir: Some(PathBuf::from("/tmp/s")),
@@ -434,6 +419,7 @@ mod tests {
         assert_eq!(cli.model.model, Some(ModelChoice::File(PathBuf::from("m.gguf"))));
         assert_eq!(cli.trace_path(), PathBuf::from("t.json"));
         assert_eq!(cli.bench.e1_predict, 8);
+        assert_eq!(cli.model.weights, WeightMode::Q4);
         assert_eq!(cli.store.store_dir, Some(PathBuf::from("/tmp/s")));
         assert_eq!(cli.store.redis.as_deref(), Some("redis+unix:///tmp/r.sock"));
     }
@@ -461,7 +447,7 @@ mod tests {
         assert_eq!(cli.demo.skip, [Part::Chat, Part::Store]);
         assert!(cli.skips(Part::Store) && !cli.skips(Part::Shift));
         assert_eq!(cli.bench.e1_policies, [Policy::Trie, Policy::None]);
-        assert_eq!(WeightMode::from(cli.model.weights), WeightMode::Quantized);
+        assert_eq!(cli.model.weights, WeightMode::Candle);
         assert_eq!(cli.model.backend, Backend::Mlx);
         assert_eq!(cli.questions(), ["a", "b"]);
         assert_eq!(Reuse::from(Policy::Single), Reuse::SingleEntry);
@@ -504,7 +490,7 @@ mod tests {
             &["--e1-policies", "trie,lru"],
             &["--skip", "everything"],
             &["--device", "tpu"],
-            &["--weights", "q8"],
+            &["--weights", "q5"],
             &["--kv-type", "q4_1"],
             &["--bogus"],
             &["--model"],

@@ -209,14 +209,14 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             totals.add(&t);
             report_turn(tokenizer, c, turn, edit, question, &t, window)?;
             if edit && c == 0 {
-                if WeightMode::from(cli.model.weights) == WeightMode::F32 {
-                    verify(model, &prompt, &t.first_logits)?;
-                } else {
+                if cli.model.weights == WeightMode::Candle {
                     println!(
-                        "      (no check against a full recompute with --weights q: the quantized kernels \
-                         round activations to 8 bits, so two recomputes without a cache differ by ~1 in \
-                         the logits; kvcache-engine's tests/gemma.rs checks the quantized run layer by layer)"
+                        "      (no check against a full recompute with --weights candle: its kernels round \
+                         activations to 8 bits, so a recompute without a cache differs by ~1 in the \
+                         logits; kvcache-models' tests/gemma.rs checks that run layer by layer)"
                     );
+                } else {
+                    verify(model, &prompt, &t.first_logits)?;
                 }
             }
             *history = prompt;

@@ -53,7 +53,7 @@ fn run(cli: &Cli) -> Result<()> {
     }
     let device = device(cli.model.device)?;
     let path = model_path(cli)?;
-    let weights = WeightMode::from(cli.model.weights);
+    let weights = cli.model.weights;
     let mode = cli.mode();
     if is_gemma(&path)? {
         if mode != Mode::Demo || mlx {
@@ -173,13 +173,13 @@ fn load(path: &Path, device: &Device, weights: WeightMode) -> Result<(Llama, Cha
         "config: {} layers, dim {}, {} heads / {} KV heads of {}, FFN {}, vocab {}, rope base {}",
         c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size, c.rope_base
     );
-    let (bar, mut on_load) = progress::loading(&format!("loading weights ({weights:?})"));
+    let (bar, mut on_load) = progress::loading(&format!("loading weights ({weights})"));
     let model = file.load(device, weights, &mut on_load);
     bar.finish_and_clear();
     let model = model?;
     let tokenizer = file.tokenizer()?;
     println!(
-        "loaded model ({weights:?} weights) and tokenizer ({} tokens) in {:.2} s",
+        "loaded model ({weights} weights) and tokenizer ({} tokens) in {:.2} s",
         tokenizer.vocab_size(),
         t0.elapsed().as_secs_f64()
     );
@@ -211,5 +211,6 @@ fn replicas(path: &Path, cli: &Cli) -> Result<Replicas> {
         trace: cli.trace_path(),
         n_predict: cli.bench.e1_predict,
         device: cli.model.device.as_flag(),
+        weights: cli.model.weights,
     })
 }

@@ -9,6 +9,7 @@ use std::process::Command;
 
 use kvcache_bench::replica::ReplicaSetup;
 use kvcache_engine::store::StoreOptions;
+use kvcache_models::WeightMode;
 
 /// What every replica of a run gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +24,9 @@ pub struct Replicas {
     pub n_predict: usize,
     /// The device, as `--device` spells it.
     pub device: &'static str,
+    /// How the weights are held (`--weights`; part of the store's model
+    /// fingerprint, so every replica of a run needs the same).
+    pub weights: WeightMode,
 }
 
 impl Replicas {
@@ -37,7 +41,8 @@ impl Replicas {
             .arg("--trace")
             .arg(&self.trace)
             .args(["--e1-predict", &self.n_predict.to_string()])
-            .args(["--device", self.device]);
+            .args(["--device", self.device])
+            .args(["--weights", self.weights.name()]);
         if let Some(dir) = &store.dir {
             command.arg("--store-dir").arg(dir);
         }
@@ -57,7 +62,7 @@ impl Replicas {
 mod tests {
     #[test]
     fn a_replica_gets_the_runs_flags_then_its_stores() {
-        use super::{PathBuf, Replicas, StoreOptions};
+        use super::{PathBuf, Replicas, StoreOptions, WeightMode};
 
         let replicas = Replicas {
             exe: PathBuf::from("/bin/demo"),
@@ -65,6 +70,7 @@ mod tests {
             trace: PathBuf::from("t.json"),
             n_predict: 8,
             device: "cpu",
+            weights: WeightMode::Q8,
         };
         let run = [
             "--replica",
@@ -76,6 +82,8 @@ mod tests {
             "8",
             "--device",
             "cpu",
+            "--weights",
+            "q8",
         ];
         let command = replicas.setup().command(&StoreOptions::default());
         assert_eq!(command.get_program(), "/bin/demo");

@@ -187,9 +187,7 @@ fn quantized_weights_pick_the_same_next_token() {
     let Some(_) = loaded() else { return };
     let path = paths::model_path().unwrap();
     let file = kvcache_models::ModelFile::open(&path).unwrap();
-    let q = file
-        .load(&Device::Cpu, WeightMode::Quantized, &mut |_| {})
-        .unwrap();
+    let q = file.load(&Device::Cpu, WeightMode::Candle, &mut |_| {}).unwrap();
     let l = loaded().unwrap();
     let ids = l.tokenizer.encode("The capital of France is").unwrap();
     let batch: Vec<BatchToken> = ids

@@ -125,7 +125,7 @@ fn a_restarted_engine_continues_a_conversation_from_the_disk_store() {
     let tenant = Namespace::new("tenant-b").unwrap();
     let (other, _) = turn(&model, fingerprint, &dir, &tenant, &[&third.token_ids]);
     assert_eq!(other[0].restored, 0);
-    let quantized = store::model_fingerprint(&path, WeightMode::Quantized).unwrap();
+    let quantized = store::model_fingerprint(&path, WeightMode::Candle).unwrap();
     assert_ne!(quantized, fingerprint);
     let (other, _) = turn(&model, quantized, &dir, &shared, &[&third.token_ids]);
     assert_eq!(other[0].restored, 0);

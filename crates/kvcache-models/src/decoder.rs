@@ -77,6 +77,11 @@ fn three(source: &mut dyn WeightSource, [a, b, c]: [&WeightSpec; 3]) -> Result<[
 pub(crate) struct Qkv([Linear; 3]);
 
 impl Qkv {
+    /// Bytes of the three matrices.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.iter().map(Linear::bytes).sum()
+    }
+
     /// The matrices `[q, k, v]` from `source`, in that order.
     pub(crate) fn new(source: &mut dyn WeightSource, specs: [&WeightSpec; 3]) -> Result<Self> {
         three(source, specs).map(Qkv)
@@ -103,6 +108,11 @@ impl Qkv {
 pub(crate) struct FeedForward([Linear; 3]);
 
 impl FeedForward {
+    /// Bytes of the three matrices.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.iter().map(Linear::bytes).sum()
+    }
+
     /// The matrices `[gate, up, down]` from `source`, in that order.
     pub(crate) fn new(source: &mut dyn WeightSource, specs: [&WeightSpec; 3]) -> Result<Self> {
         three(source, specs).map(FeedForward)

@@ -172,6 +172,7 @@ impl Llama {
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
         let config = LlamaConfig::from_gguf_metadata(&content.metadata)?;
+        mode.check_device(device)?;
         let tensors = Tensors::new(content, reader, device, progress);
         let mut source = GgufWeights::new(tensors, mode, KERNEL, device);
         let [embed, norm, output] = outer_weights(&config);
@@ -189,8 +190,16 @@ impl Llama {
     /// matrix `[out, in]` uniform with variance `1 / in` (so logits are of order
     /// 1), queries and keys wider, norms near 1, a separate output projection.
     pub fn random(config: LlamaConfig, seed: u64, device: &Device) -> Result<Self> {
+        Llama::random_in(config, seed, WeightMode::F32, device)
+    }
+
+    /// [`random`](Llama::random) with the matrices held as `mode` says
+    /// (drawn in f32, then converted: the same numbers in every mode, up to
+    /// the mode's rounding).
+    pub fn random_in(config: LlamaConfig, seed: u64, mode: WeightMode, device: &Device) -> Result<Self> {
         config.validate()?;
-        let mut source = RandomWeights::new(seed, KERNEL, device);
+        mode.check_device(device)?;
+        let mut source = RandomWeights::new(seed, mode, KERNEL, device);
         let [embed, norm, output] = outer_weights(&config);
         let block = |l, source: &mut dyn WeightSource| Block::new(&config, l, source);
         let (trunk, _) = Trunk::new(&mut source, (&embed, &norm), config.n_layers, block)?;
@@ -229,6 +238,19 @@ impl Llama {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Bytes of matrices one decode step reads: every block's projections
+    /// and the output head, in the type the weight mode holds them in (what
+    /// bounds decode on a CPU: these bytes over the memory bandwidth).
+    pub fn matrix_bytes(&self) -> usize {
+        let blocks: usize = self
+            .trunk
+            .blocks
+            .iter()
+            .map(|b| b.qkv.bytes() + b.wo.bytes() + b.ffn.bytes())
+            .sum();
+        blocks + self.output.bytes()
     }
 
     /// The model's RoPE, usable as the cache's [`KeyShift`](kvcache_api::KeyShift).

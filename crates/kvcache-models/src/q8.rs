@@ -36,6 +36,11 @@ impl Q8Matrix {
     /// each weight, not reading it, bounds the time, and `gemm` wins.
     pub(crate) const MAX_ROWS: usize = 8;
 
+    /// Bytes of quants and scales a product reads.
+    pub(crate) fn bytes(&self) -> usize {
+        self.quants.len() + 4 * self.scales.len()
+    }
+
     /// The matrix of a 2-D Q8_0 tensor whose rows are whole blocks; `None`
     /// for any other tensor.
     pub(crate) fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {

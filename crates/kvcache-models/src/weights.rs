@@ -11,22 +11,118 @@
 
 mod skinny;
 
-use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::gguf::Tensors;
-use crate::Result;
+use crate::quant::{Format, GgmlType, QActivations, QMatrix, Target};
+use crate::{ModelError, Result};
 
-/// How the weights are held in memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How the weights are held in memory and multiplied: one choice for every
+/// matrix of a model (norms and the embedding lookup stay in f32).
+///
+/// The prefix store's fingerprint includes the mode: keys and values computed
+/// under one mode are never reused under another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum WeightMode {
-    /// Every weight dequantized to f32 (the default; fast on CPU, and what the
-    /// equivalence tests use).
+    /// Every weight dequantized to f32 and multiplied in f32 (the reference:
+    /// the equivalence tests' tightest tolerances hold here).
     #[default]
     F32,
-    /// Matrices kept in their GGUF quantization and multiplied with candle's
-    /// quantized kernels (smaller, but Q4_1 has no fast CPU kernel).
-    Quantized,
+    /// The GGUF's own blocks multiplied by candle's quantized kernels
+    /// (`QMatMul`; Q4_1 has no fast CPU kernel there).
+    Candle,
+    /// Every matrix in 8-bit blocks (`quant::Format::Q8`, the values of ggml's
+    /// Q8_0: exact for Q8_0 and Q5_0 files, requantized from anything else),
+    /// multiplied by [`crate::quant`]'s kernels against activations quantized
+    /// per row. CPU only.
+    Q8,
+    /// Every matrix in 4-bit blocks (`quant::Format::Q4`, the values of ggml's
+    /// Q4_1: exact for Q4_0 and Q4_1, Q4_K within its scales' f16 rounding,
+    /// requantized from anything else, the 8-bit output heads included).
+    /// CPU only.
+    Q4,
+    /// The file's own blocks where [`crate::quant`] multiplies them (Q4_0,
+    /// Q4_1, Q4_K as 4-bit; Q8_0 and Q5_0 as 8-bit), 8-bit for the rest (Q6_K,
+    /// floats): the bytes per token of llama.cpp on the same file. CPU only.
+    Gguf,
+}
+
+impl WeightMode {
+    /// Every mode, the reference first.
+    pub const ALL: [WeightMode; 5] = [
+        WeightMode::F32,
+        WeightMode::Candle,
+        WeightMode::Q8,
+        WeightMode::Q4,
+        WeightMode::Gguf,
+    ];
+
+    /// What programs use when the user names none: the fastest mode whose
+    /// results keep the equivalence proofs (see docs/BENCHMARKS.md, E9).
+    pub const FASTEST: WeightMode = WeightMode::Gguf;
+
+    /// The mode's name on command lines (`f32`, `candle`, `q8`, `q4`, `gguf`).
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightMode::F32 => "f32",
+            WeightMode::Candle => "candle",
+            WeightMode::Q8 => "q8",
+            WeightMode::Q4 => "q4",
+            WeightMode::Gguf => "gguf",
+        }
+    }
+
+    /// The block format matrices are converted to, for the modes
+    /// [`crate::quant`] multiplies.
+    fn packed(self) -> Option<Target> {
+        match self {
+            WeightMode::F32 | WeightMode::Candle => None,
+            WeightMode::Q8 => Some(Target::Q8),
+            WeightMode::Q4 => Some(Target::Q4),
+            WeightMode::Gguf => Some(Target::AsStored),
+        }
+    }
+
+    /// An `InvalidArgument` error when the mode cannot hold weights on
+    /// `device` ([`crate::quant`]'s modes run on the CPU only).
+    pub fn check_device(self, device: &Device) -> Result<()> {
+        if self.packed().is_some() && !device.is_cpu() {
+            return Err(ModelError::InvalidArgument(format!(
+                "weights {} run on the CPU only: use f32 or candle on this device",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for WeightMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WeightMode {
+    type Err = ModelError;
+
+    /// A mode by its [`name`](WeightMode::name) (`quantized` is `candle`'s
+    /// older name).
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "quantized" || s == "q" {
+            return Ok(WeightMode::Candle);
+        }
+        WeightMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = WeightMode::ALL.iter().map(|m| m.name()).collect();
+                ModelError::InvalidArgument(format!("no weight mode {s:?}: one of {}", names.join(", ")))
+            })
+    }
 }
 
 /// How a dense (f32) [`Linear`] multiplies: each model's measured choice.
@@ -48,15 +144,40 @@ pub(crate) enum Linear {
     Dense(Tensor, DenseKernel),
     /// GGUF-quantized weights, multiplied by candle's quantized kernels.
     Quant(QMatMul),
+    /// Weights in [`crate::quant`]'s blocks (shared: a model's copies hold
+    /// one), multiplied against activations quantized per row.
+    Packed(Arc<QMatrix>),
 }
 
 impl Linear {
     /// A GGUF matrix `q`, dequantized to f32 on `device` or kept quantized as
     /// `mode` says; dense products through `kernel`.
     pub(crate) fn new(q: QTensor, mode: WeightMode, kernel: DenseKernel, device: &Device) -> Result<Self> {
-        Ok(match mode {
-            WeightMode::F32 => Linear::Dense(q.dequantize(device)?, kernel),
-            WeightMode::Quantized => Linear::Quant(QMatMul::from_qtensor(q)?),
+        Ok(match (mode, mode.packed()) {
+            (_, Some(target)) => Linear::Packed(Arc::new(packed_from_qtensor(&q, target)?)),
+            (WeightMode::Candle, None) => Linear::Quant(QMatMul::from_qtensor(q)?),
+            _ => Linear::Dense(q.dequantize(device)?, kernel),
+        })
+    }
+
+    /// An f32 matrix `w` (`[out, in]`) held as `mode` says: random test
+    /// weights, or a tied output head without a stored copy.
+    pub(crate) fn from_f32(w: Tensor, mode: WeightMode, kernel: DenseKernel) -> Result<Self> {
+        Ok(match (mode, mode.packed()) {
+            (_, Some(target)) => {
+                let (rows, cols) = w.dims2()?;
+                let values = w.flatten_all()?.to_vec1::<f32>()?;
+                let format = match target {
+                    Target::Q4 => Format::Q4,
+                    Target::Q8 | Target::AsStored => Format::Q8,
+                };
+                let q = QMatrix::quantize(format, rows, cols, &values).map_err(format_error)?;
+                Linear::Packed(Arc::new(q))
+            }
+            (WeightMode::Candle, None) => {
+                Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q8_0)?)?)
+            }
+            _ => Linear::Dense(w, kernel),
         })
     }
 
@@ -70,9 +191,22 @@ impl Linear {
         kernel: DenseKernel,
     ) -> Result<Self> {
         Ok(match (mode, stored) {
-            (WeightMode::Quantized, Some(q)) => Linear::Quant(QMatMul::from_qtensor(q)?),
-            _ => Linear::Dense(embed.clone(), kernel),
+            (WeightMode::F32, _) => Linear::Dense(embed.clone(), kernel),
+            (_, Some(q)) => Linear::new(q, mode, kernel, embed.device())?,
+            (_, None) => Linear::from_f32(embed.clone(), mode, kernel)?,
         })
+    }
+
+    /// Bytes of weights one product reads, in the type they are held in.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Linear::Dense(w, _) => w.elem_count() * w.dtype().size_in_bytes(),
+            Linear::Quant(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Linear::Quant(QMatMul::Tensor(w) | QMatMul::TensorF16(w)) => {
+                w.elem_count() * w.dtype().size_in_bytes()
+            }
+            Linear::Packed(w) => w.weight_bytes(),
+        }
     }
 
     /// `x: [n, in]` to `[n, out]`.
@@ -84,8 +218,73 @@ impl Linear {
             },
             Linear::Dense(w, DenseKernel::Gemm) => x.matmul(&w.t()?)?,
             Linear::Quant(q) => q.forward(x)?,
+            Linear::Packed(w) => packed_forward(w, x)?,
         })
     }
+}
+
+/// `x: [n, in]` (f32 on the CPU) times a packed `w` (`[out, in]`): `x`'s rows
+/// quantized one by one, then [`QMatrix::matmul_into`] on rayon's pool.
+fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
+    use candle_core::Storage;
+    let (n, k) = x.dims2()?;
+    if k != w.cols() || !x.device().is_cpu() {
+        return Err(ModelError::InvalidArgument(format!(
+            "a [{n}, {k}] input on {:?} for a [{}, {}] matrix held on the CPU",
+            x.device(),
+            w.rows(),
+            w.cols()
+        )));
+    }
+    let x = x.to_dtype(DType::F32)?.contiguous()?;
+    let acts = {
+        let (storage, layout) = x.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            unreachable!("the device was checked to be the CPU");
+        };
+        let values = &cpu.as_slice::<f32>()?[layout.start_offset()..][..n * k];
+        QActivations::quantize(n, k, values).map_err(|e| ModelError::InvalidArgument(e.to_string()))?
+    };
+    let mut out = vec![0f32; n * w.rows()];
+    w.matmul_into(&acts, &mut out)
+        .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;
+    Ok(Tensor::from_vec(out, (n, w.rows()), x.device())?)
+}
+
+/// A GGUF tensor in [`crate::quant`]'s blocks: converted from its own type
+/// where the quant module reads it, else dequantized and quantized again.
+fn packed_from_qtensor(q: &QTensor, target: Target) -> Result<QMatrix> {
+    let &[rows, cols] = q.shape().dims() else {
+        return Err(ModelError::Format(format!("a matrix of shape {:?}", q.shape())));
+    };
+    let ty = match q.dtype() {
+        GgmlDType::F32 => Some(GgmlType::F32),
+        GgmlDType::F16 => Some(GgmlType::F16),
+        GgmlDType::BF16 => Some(GgmlType::BF16),
+        GgmlDType::Q4_0 => Some(GgmlType::Q4_0),
+        GgmlDType::Q4_1 => Some(GgmlType::Q4_1),
+        GgmlDType::Q5_0 => Some(GgmlType::Q5_0),
+        GgmlDType::Q8_0 => Some(GgmlType::Q8_0),
+        GgmlDType::Q4K => Some(GgmlType::Q4_K),
+        GgmlDType::Q6K => Some(GgmlType::Q6_K),
+        _ => None,
+    };
+    match ty {
+        Some(ty) => QMatrix::from_ggml(ty, &q.data()?, rows, cols, target).map_err(format_error),
+        None => {
+            let format = match target {
+                Target::Q4 => Format::Q4,
+                Target::Q8 | Target::AsStored => Format::Q8,
+            };
+            let values = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            QMatrix::quantize(format, rows, cols, &values).map_err(format_error)
+        }
+    }
+}
+
+/// A conversion the quant module refused, as a model-file error.
+fn format_error(e: crate::quant::QuantError) -> ModelError {
+    ModelError::Format(format!("weights not convertible to blocks: {e}"))
 }
 
 /// How a random test weight is drawn: each value `offset + scale * u`, `u`
@@ -236,15 +435,18 @@ impl<R: std::io::Read + std::io::Seek> WeightSource for GgufWeights<'_, R> {
 /// spec says, in the order asked for, from one seeded generator.
 pub(crate) struct RandomWeights<'a> {
     rng: SplitMix64,
+    mode: WeightMode,
     kernel: DenseKernel,
     device: &'a Device,
 }
 
 impl<'a> RandomWeights<'a> {
-    /// Weights from `seed` on `device`; matrices multiplied by `kernel`.
-    pub(crate) fn new(seed: u64, kernel: DenseKernel, device: &'a Device) -> Self {
+    /// Weights from `seed` on `device`; matrices held as `mode` says (drawn
+    /// in f32, then converted), dense ones multiplied by `kernel`.
+    pub(crate) fn new(seed: u64, mode: WeightMode, kernel: DenseKernel, device: &'a Device) -> Self {
         RandomWeights {
             rng: SplitMix64(seed),
+            mode,
             kernel,
             device,
         }
@@ -253,7 +455,7 @@ impl<'a> RandomWeights<'a> {
 
 impl WeightSource for RandomWeights<'_> {
     fn linear(&mut self, w: &WeightSpec) -> Result<Linear> {
-        Ok(Linear::Dense(self.tensor(w)?, self.kernel))
+        Linear::from_f32(self.tensor(w)?, self.mode, self.kernel)
     }
 
     fn tensor(&mut self, w: &WeightSpec) -> Result<Tensor> {

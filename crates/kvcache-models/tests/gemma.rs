@@ -333,7 +333,7 @@ fn a_long_conversation_through_the_cache_equals_recompute_f32() {
 #[test]
 fn a_long_conversation_through_the_cache_equals_recompute_quantized() {
     let Some(t) = tokenizer() else { return };
-    let full = model(WeightMode::Quantized);
+    let full = model(WeightMode::Candle);
     let w = 128;
     let model = full
         .with_choices(GemmaConfig {

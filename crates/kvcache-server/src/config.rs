@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use kvcache_engine::store::StoreOptions;
 use kvcache_models::attention::AttentionPath;
+use kvcache_models::WeightMode;
 
 /// How the server sizes its engine and guards its queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +21,9 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// How the model's attention reads the cache (paged by default).
     pub attention: AttentionPath,
+    /// How the model's weights are held and multiplied (the store's
+    /// fingerprint includes it).
+    pub weights: WeightMode,
     /// Positions of each sequence the sliding-window layers keep (a model
     /// with such layers, e.g. Gemma 3): at least the window; a conversation
     /// resumes without recomputing when its next turn parts from what the
@@ -121,6 +125,7 @@ impl Default for ServerConfig {
             max_batch: 256,
             prefill_chunk: 128,
             attention: AttentionPath::Paged,
+            weights: WeightMode::FASTEST,
             window_memory: 1024,
             block_tokens: Some(16),
             kv_events: None,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvcache_engine::store::StoreOptions;
 use kvcache_models::attention::AttentionPath;
+use kvcache_models::WeightMode;
 use kvcache_server::config::ApiKey;
 use kvcache_server::{router, AppState, ServerConfig};
 
@@ -56,6 +57,14 @@ struct Args {
     /// reference, for comparison).
     #[arg(long, value_enum, default_value_t = AttentionArg::Paged)]
     attention: AttentionArg,
+    /// How the weights are held and multiplied: `gguf` (the file's own 4- and
+    /// 8-bit blocks, multiplied against activations quantized per row, as
+    /// llama.cpp does; the fastest), `q8` or `q4` (every matrix in 8- or
+    /// 4-bit blocks), `candle` (candle's quantized kernels) or `f32`
+    /// (dequantized: the reference). Prefixes stored under one mode are never
+    /// reused under another.
+    #[arg(long, value_name = "MODE", default_value_t = WeightMode::FASTEST)]
+    weights: WeightMode,
     /// Positions of each sequence a sliding-window layer keeps (Gemma 3; at
     /// least the window): a conversation's next turn reuses the cache when it
     /// parts from what the cache holds at most this minus the window
@@ -231,6 +240,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         window_memory: args.window_memory,
         block_tokens: (args.block_tokens > 0).then_some(args.block_tokens),
         kv_events: args.kv_events.clone(),
+        weights: args.weights,
         attention: match args.attention {
             AttentionArg::Paged => AttentionPath::Paged,
             AttentionArg::Dense => AttentionPath::Dense,

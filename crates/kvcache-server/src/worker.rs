@@ -23,7 +23,7 @@ use kvcache_engine::sampling::{Sampler, TokenLogprobs};
 use kvcache_engine::{store, EngineError};
 use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
 use kvcache_models::gemma::GemmaFile;
-use kvcache_models::{CellUse, Model, ModelFile, Tokenizer, WeightMode};
+use kvcache_models::{CellUse, Model, ModelFile, Tokenizer};
 use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
@@ -165,11 +165,11 @@ impl Worker {
                 match file.architecture() {
                     Some("gemma3") => {
                         let loaded = GemmaFile::open(file.path())
-                            .and_then(|gemma| gemma.load(&Device::Cpu, WeightMode::F32, &mut |_| {}));
+                            .and_then(|gemma| gemma.load(&Device::Cpu, config.weights, &mut |_| {}));
                         setup.run(loaded.map_err(Into::into), &file)
                     }
                     _ => setup.run(
-                        file.load(&Device::Cpu, WeightMode::F32, &mut |_| {})
+                        file.load(&Device::Cpu, config.weights, &mut |_| {})
                             .map_err(Into::into),
                         &file,
                     ),
@@ -324,7 +324,7 @@ fn store_fingerprint(file: &ModelFile, config: &ServerConfig) -> kvcache_engine:
     if config.store.dir.is_none() && config.store.redis.is_none() {
         return Ok(None);
     }
-    store::model_fingerprint(file.path(), WeightMode::F32).map(Some)
+    store::model_fingerprint(file.path(), config.weights).map(Some)
 }
 
 /// Opens the prefix store of the model `fingerprint` names and links `engine`

@@ -201,6 +201,7 @@ impl Gemma {
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
         let config = GemmaConfig::from_gguf_metadata(&content.metadata)?;
+        mode.check_device(device)?;
         let tensors = Tensors::new(content, reader, device, progress);
         let mut source = GgufWeights::new(tensors, mode, KERNEL, device);
         Gemma::build(config, &mut source, mode, device)
@@ -210,9 +211,16 @@ impl Gemma {
     /// matrices of variance about `1 / in`, query and key norm weights near 2
     /// so attention is far from uniform, the other norm weights near 1.
     pub fn random(config: GemmaConfig, seed: u64, device: &Device) -> Result<Self> {
+        Gemma::random_in(config, seed, WeightMode::F32, device)
+    }
+
+    /// [`random`](Gemma::random) with the matrices held as `mode` says
+    /// (drawn in f32, then converted).
+    pub fn random_in(config: GemmaConfig, seed: u64, mode: WeightMode, device: &Device) -> Result<Self> {
         config.validate()?;
-        let mut source = RandomWeights::new(seed, KERNEL, device);
-        Gemma::build(config, &mut source, WeightMode::F32, device)
+        mode.check_device(device)?;
+        let mut source = RandomWeights::new(seed, mode, KERNEL, device);
+        Gemma::build(config, &mut source, mode, device)
     }
 
     /// The model with weights from `source` (held as `mode` says).
@@ -496,6 +504,24 @@ impl Gemma {
     /// this also moves roped keys by a position delta).
     pub fn rope(&self, layer: usize, x: &Tensor, positions: &[Pos]) -> Result<Tensor> {
         self.ropes[usize::from(self.config.is_global(layer))].apply(x, positions)
+    }
+
+    /// Bytes of matrices one decode step reads: every block's projections
+    /// and the output head, in the type the weight mode holds them in (what
+    /// bounds decode on a CPU: these bytes over the memory bandwidth).
+    pub fn matrix_bytes(&self) -> usize {
+        let blocks: usize = self
+            .trunk
+            .blocks
+            .iter()
+            .map(|b| b.qkv.bytes() + b.wo.bytes() + b.ffn.bytes())
+            .sum();
+        // Decode steps read the Q8_0 copy of the head where there is one.
+        blocks
+            + self
+                .output_q8
+                .as_ref()
+                .map_or(self.output.bytes(), Q8Matrix::bytes)
     }
 
     /// Logits `[n, vocab_size]` from final hidden states `[n, dim]`.
