@@ -17,7 +17,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::gguf::Tensors;
-use crate::quant::{Format, GgmlType, QActivations, QMatrix, Target};
+use crate::quant::{default_isa, Format, GgmlType, QActivations, QMatrix, Spread, Target};
 use crate::{ModelError, Result};
 
 /// How the weights are held in memory and multiplied: one choice for every
@@ -224,7 +224,7 @@ impl Linear {
 }
 
 /// `x: [n, in]` (f32 on the CPU) times a packed `w` (`[out, in]`): `x`'s rows
-/// quantized one by one, then [`QMatrix::matmul_into`] on rayon's pool.
+/// quantized one by one, then [`QMatrix::matmul_on`] candle's barrier pool.
 fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
     use candle_core::Storage;
     let (n, k) = x.dims2()?;
@@ -246,9 +246,25 @@ fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
         QActivations::quantize(n, k, values).map_err(|e| ModelError::InvalidArgument(e.to_string()))?
     };
     let mut out = vec![0f32; n * w.rows()];
-    w.matmul_into(&acts, &mut out)
+    w.matmul_on(&acts, default_isa(), &mut out, &CandlePool)
         .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;
     Ok(Tensor::from_vec(out, (n, w.rows()), x.device())?)
+}
+
+/// candle's barrier pool, the one the attention and element-wise kernels run
+/// on: the products share its threads instead of waking rayon's beside it
+/// (on 2 cores the two pools' threads took turns: a third of a decode step
+/// went to the scheduler, perf).
+struct CandlePool;
+
+impl Spread for CandlePool {
+    fn threads(&self) -> usize {
+        candle_core::utils::barrier_pool().n_workers() + 1
+    }
+
+    fn spread(&self, items: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        candle_core::utils::barrier_pool().execute_chunked(items, f);
+    }
 }
 
 /// A GGUF tensor in [`crate::quant`]'s blocks: converted from its own type

@@ -92,29 +92,57 @@ fn walk<K: TileKernel, const MR: usize, const NR: usize>(
     }
 }
 
-/// Runs kernel `k` over weight rows `cols`, on the current rayon pool if
-/// `parallel`, otherwise on the calling thread.
+/// A thread pool a product spreads its chunks of weight rows over: `spread(n,
+/// f)` calls `f` on ranges that together cover `0..n` once each, on any
+/// threads, and returns when all are done. How many threads it has decides
+/// only the chunk sizes, never a result.
+pub trait Spread: Sync {
+    /// Threads that take part (the calling one included).
+    fn threads(&self) -> usize;
+    /// Runs `f` over ranges covering `0..items`.
+    fn spread(&self, items: usize, f: &(dyn Fn(Range<usize>) + Sync));
+}
+
+/// rayon's current pool (use `ThreadPool::install` to choose it).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Rayon;
+
+impl Spread for Rayon {
+    fn threads(&self) -> usize {
+        rayon::current_num_threads()
+    }
+
+    fn spread(&self, items: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        (0..items).into_par_iter().for_each(|i| f(i..i + 1));
+    }
+}
+
+/// Runs kernel `k` over weight rows `cols`, spread over `pool` if given,
+/// otherwise on the calling thread.
 fn drive<K: TileKernel, const MR: usize, const NR: usize>(
     k: &K,
     w: &QMatrix,
     m: usize,
     cols: Range<usize>,
     out: OutPtr,
-    parallel: bool,
+    pool: Option<&dyn Spread>,
 ) {
     let row_bytes = w.blocks_per_row() * w.format.block_bytes();
-    let threads = rayon::current_num_threads();
     let n = cols.len();
-    if !parallel || threads == 1 || n <= ROW_GRAIN {
-        return walk::<K, MR, NR>(k, m, cols, row_bytes, out);
-    }
+    let threads = pool.map_or(1, |p| p.threads());
+    let pool = match pool {
+        Some(pool) if threads > 1 && n > ROW_GRAIN => pool,
+        _ => return walk::<K, MR, NR>(k, m, cols, row_bytes, out),
+    };
     // About four chunks per thread for balance, in whole grains.
     let per = n.div_ceil(4 * threads).div_ceil(ROW_GRAIN) * ROW_GRAIN;
     let chunks = n.div_ceil(per);
-    (0..chunks).into_par_iter().for_each(|c| {
-        let start = cols.start + c * per;
-        let end = (start + per).min(cols.end);
-        walk::<K, MR, NR>(k, m, start..end, row_bytes, out);
+    pool.spread(chunks, &|range| {
+        for c in range {
+            let start = cols.start + c * per;
+            let end = (start + per).min(cols.end);
+            walk::<K, MR, NR>(k, m, start..end, row_bytes, out);
+        }
     });
 }
 
@@ -125,7 +153,7 @@ fn product(
     isa: Isa,
     cols: Range<usize>,
     out: &mut [f32],
-    parallel: bool,
+    pool: Option<&dyn Spread>,
 ) -> Result<(), QuantError> {
     if a.cols() != w.cols {
         return Err(QuantError::InnerMismatch {
@@ -152,17 +180,17 @@ fn product(
     match isa {
         Isa::Scalar => {
             let k = super::scalar::ScalarTiles::new(w, a);
-            drive::<_, 2, 2>(&k, w, m, cols, out, parallel);
+            drive::<_, 2, 2>(&k, w, m, cols, out, pool);
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             let k = super::x86_avx2::Avx2Tiles::new(w, a).ok_or(QuantError::IsaUnavailable(isa))?;
-            drive::<_, 2, 4>(&k, w, m, cols, out, parallel);
+            drive::<_, 2, 4>(&k, w, m, cols, out, pool);
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             let k = super::x86_avx512::Avx512Tiles::new(w, a).ok_or(QuantError::IsaUnavailable(isa))?;
-            drive::<_, 4, 4>(&k, w, m, cols, out, parallel);
+            drive::<_, 4, 4>(&k, w, m, cols, out, pool);
         }
         #[cfg(not(target_arch = "x86_64"))]
         _ => return Err(QuantError::IsaUnavailable(isa)),
@@ -190,7 +218,7 @@ impl QMatrix {
         cols: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), QuantError> {
-        product(self, acts, isa, cols, out, false)
+        product(self, acts, isa, cols, out, None)
     }
 
     /// [`QMatrix::matmul_range_isa`] with the default instruction set.
@@ -200,18 +228,29 @@ impl QMatrix {
         cols: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), QuantError> {
-        product(self, acts, default_isa(), cols, out, false)
+        product(self, acts, default_isa(), cols, out, None)
     }
 
     /// `out = acts @ self^T` (`m x rows`, row-major), computed on the current
     /// rayon pool (use `ThreadPool::install` to choose the thread count).
     pub fn matmul_into_isa(&self, acts: &QActivations, isa: Isa, out: &mut [f32]) -> Result<(), QuantError> {
-        product(self, acts, isa, 0..self.rows, out, true)
+        product(self, acts, isa, 0..self.rows, out, Some(&Rayon))
+    }
+
+    /// `out = acts @ self^T` (`m x rows`, row-major), computed on `pool`.
+    pub fn matmul_on(
+        &self,
+        acts: &QActivations,
+        isa: Isa,
+        out: &mut [f32],
+        pool: &dyn Spread,
+    ) -> Result<(), QuantError> {
+        product(self, acts, isa, 0..self.rows, out, Some(pool))
     }
 
     /// [`QMatrix::matmul_into_isa`] with the default instruction set.
     pub fn matmul_into(&self, acts: &QActivations, out: &mut [f32]) -> Result<(), QuantError> {
-        product(self, acts, default_isa(), 0..self.rows, out, true)
+        product(self, acts, default_isa(), 0..self.rows, out, Some(&Rayon))
     }
 
     /// `acts @ self^T` as a new `m x rows` row-major vector (default instruction set).

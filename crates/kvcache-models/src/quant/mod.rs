@@ -52,7 +52,7 @@ pub use activations::QActivations;
 pub use convert::{convert, Target};
 pub use ggml::{dequantize_ggml, GgmlType};
 pub use isa::{Isa, ISA_ENV};
-pub use kernel::default_isa;
+pub use kernel::{default_isa, Rayon, Spread};
 
 use std::fmt;
 
