@@ -11,13 +11,16 @@
 //!   those of f32 storage.
 //! - **Bytes per cached token**, from the cache's own accounting
 //!   ([`CausalKvCache::storage_bytes_per_cell`]).
+//! - **Perplexity of a weight mode** ([`model_perplexity`]): the same text
+//!   through any model's own cache, for the model loaded in each
+//!   [`kvcache_models::WeightMode`].
 
 use candle_core::{Device, Tensor, D};
 use kvcache_api::{CausalConfig, KvStorage, Pos};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::greedy;
 use kvcache_engine::{EngineError, Result};
-use kvcache_models::{BatchToken, ChatTokenizer, Llama};
+use kvcache_models::{BatchToken, ChatTokenizer, Llama, Model};
 
 use crate::trace::Trace;
 
@@ -139,27 +142,56 @@ pub fn perplexity(
     storage: KvStorage,
     pass_len: usize,
 ) -> Result<(f64, usize)> {
+    check_text(tokens, pass_len)?;
+    let mut cache = cache_for(storage, tokens.len(), pass_len)?;
+    let ppl = perplexity_by(tokens, pass_len, |batch| Ok(model.forward(batch, &mut cache)?))?;
+    Ok((ppl, cache.storage_bytes_per_cell()))
+}
+
+/// Perplexity of `tokens` (at least 2) through `model`'s own cache (f32 keys
+/// and values; window layers keep the whole text), in passes of `pass_len`:
+/// what a [`kvcache_models::WeightMode`] costs in accuracy, for any model.
+pub fn model_perplexity<M: Model>(model: &M, tokens: &[u32], pass_len: usize) -> Result<f64> {
+    check_text(tokens, pass_len)?;
+    let config = CausalConfig::new(1, tokens.len(), pass_len);
+    let mut cache = model.new_cache(&config, tokens.len(), &Device::Cpu)?;
+    perplexity_by(tokens, pass_len, |batch| {
+        Ok(model.forward_batch(batch, &mut cache)?)
+    })
+}
+
+fn check_text(tokens: &[u32], pass_len: usize) -> Result<()> {
     if tokens.len() < 2 || pass_len == 0 {
         return Err(EngineError::InvalidArgument(format!(
             "perplexity needs at least 2 tokens and passes of at least 1, got {} and {pass_len}",
             tokens.len()
         )));
     }
-    let mut cache = cache_for(storage, tokens.len(), pass_len)?;
+    Ok(())
+}
+
+/// `exp` of the mean negative log-likelihood of each next token of `tokens`,
+/// the logits `[n, vocab]` of each pass of up to `pass_len` tokens from
+/// `forward`.
+fn perplexity_by(
+    tokens: &[u32],
+    pass_len: usize,
+    mut forward: impl FnMut(&[BatchToken]) -> Result<Tensor>,
+) -> Result<f64> {
     let mut nll = 0f64;
     for start in (0..tokens.len() - 1).step_by(pass_len) {
         let end = (start + pass_len).min(tokens.len() - 1);
         let batch = BatchToken::run(0, start as Pos, &tokens[start..end]);
-        // [n, vocab] -> log-probabilities of each next token.
-        let logits = model.forward(&batch, &mut cache)?;
-        let log_probs = log_softmax(&logits)?;
-        let next: Vec<u32> = tokens[start + 1..end + 1].to_vec();
-        let next = Tensor::from_vec(next, (end - start, 1), model.device())?;
+        let log_probs = log_softmax(&forward(&batch)?)?;
+        let next = Tensor::from_vec(
+            tokens[start + 1..end + 1].to_vec(),
+            (end - start, 1),
+            log_probs.device(),
+        )?;
         let picked = log_probs.gather(&next, 1)?.sum_all()?.to_scalar::<f32>()?;
         nll -= f64::from(picked);
     }
-    let ppl = (nll / (tokens.len() - 1) as f64).exp();
-    Ok((ppl, cache.storage_bytes_per_cell()))
+    Ok((nll / (tokens.len() - 1) as f64).exp())
 }
 
 /// `log_softmax` over the last axis of `[n, vocab]`, in f32.

@@ -10,7 +10,7 @@
 
 use candle_core::Device;
 use kvcache_api::KvStorage;
-use kvcache_bench::kv_accuracy::{measure, AccuracyPlan};
+use kvcache_bench::kv_accuracy::{measure, model_perplexity, AccuracyPlan};
 use kvcache_bench::trace::Trace;
 use kvcache_models::{paths, ModelFile, WeightMode};
 
@@ -67,4 +67,54 @@ fn storage_types_keep_perplexity_and_save_memory() {
     let q8 = report.row(KvStorage::Q8_0).unwrap();
     assert_eq!(q8.bytes_per_token, values / 32 * 34);
     assert!(f32_row.bytes_per_token as f64 / q8.bytes_per_token as f64 >= 3.7);
+}
+
+/// Perplexity of the E1 replies (512 tokens, passes of 128) for each weight
+/// mode against f32 (the file's weights dequantized), on SmolLM2 and, when
+/// its file is there, Gemma 3. `gguf` holds the file's own blocks and adds
+/// only the 8-bit rounding of activations; `q8` requantizes 4-bit weights to
+/// 8 bits (finer than they are); `q4` also puts the 8-bit output heads in 4
+/// bits, the one mode that loses more than rounding.
+#[test]
+fn weight_modes_keep_perplexity() {
+    let trace = Trace::load(paths::e1_trace_path()).unwrap();
+    let text = kvcache_bench::kv_accuracy::reference_text(&trace);
+    let check = |name: &str, ppl: &dyn Fn(WeightMode) -> f64| {
+        let f32_ppl = ppl(WeightMode::F32);
+        assert!(
+            f32_ppl.is_finite() && f32_ppl > 1.0,
+            "{name}: f32 perplexity {f32_ppl}"
+        );
+        for (mode, limit) in [
+            (WeightMode::Gguf, 0.02),
+            (WeightMode::Q8, 0.02),
+            (WeightMode::Q4, 0.25),
+        ] {
+            let p = ppl(mode);
+            let change = p / f32_ppl - 1.0;
+            eprintln!(
+                "{name} {mode}: perplexity {p:.4} ({:+.3}% vs f32 {f32_ppl:.4})",
+                100.0 * change
+            );
+            assert!(change.abs() <= limit, "{name} {mode}: {p} vs f32 {f32_ppl}");
+        }
+    };
+    if let Some(path) = paths::model_path_for_tests() {
+        let file = ModelFile::open(&path).unwrap();
+        let mut tokens = file.tokenizer().unwrap().encode(&text).unwrap();
+        tokens.truncate(512);
+        check("smollm2", &|mode| {
+            let model = file.load(&Device::Cpu, mode, &mut |_| {}).unwrap();
+            model_perplexity(&model, &tokens, 128).unwrap()
+        });
+    }
+    if let Some(path) = kvcache_models::gemma::gemma_path_for_tests() {
+        let file = kvcache_models::gemma::GemmaFile::open(&path).unwrap();
+        let mut tokens = file.tokenizer().unwrap().encode(&text, true, false);
+        tokens.truncate(512);
+        check("gemma3", &|mode| {
+            let model = file.load(&Device::Cpu, mode, &mut |_| {}).unwrap();
+            model_perplexity(&model, &tokens, 128).unwrap()
+        });
+    }
 }

@@ -11,12 +11,16 @@ use common::engine_run::drain;
 use kvcache_api::{CausalConfig, KeyShift, Namespace};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{greedy, Engine, EngineConfig, Request, Stats};
-use kvcache_models::{Llama, LlamaConfig};
+use kvcache_models::{Llama, LlamaConfig, WeightMode};
 
 const BLOCK: usize = 4;
 
 fn model() -> Llama {
-    Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()
+    model_in(WeightMode::F32)
+}
+
+fn model_in(mode: WeightMode) -> Llama {
+    Llama::random_in(LlamaConfig::tiny(), 5, mode, &Device::Cpu).unwrap()
 }
 
 fn engine(model: &Llama, sequences: usize, cells_each: usize, chunk: usize) -> Engine<'_, CausalKvCache> {
@@ -67,11 +71,18 @@ fn conversation(c: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| (c * 17 + i * 5 + 3) % 64).collect()
 }
 
+/// In every weight mode: a turn resumed from the blocks its conversation
+/// left generates what the whole prompt decoded alone does.
 #[test]
 fn more_conversations_than_sequence_slots_keep_their_prefixes() {
-    let model = model();
+    for mode in WeightMode::ALL {
+        conversations_keep_their_prefixes(&model_in(mode));
+    }
+}
+
+fn conversations_keep_their_prefixes(model: &Llama) {
     // Two sequence ids, 160 cells: five conversations of ~26 tokens fit.
-    let mut engine = engine(&model, 2, 80, 8);
+    let mut engine = engine(model, 2, 80, 8);
     let firsts: Vec<Request> = (0..5)
         .map(|c| Request::new(c, conversation(c as u32, 15), 6))
         .collect();
@@ -80,7 +91,7 @@ fn more_conversations_than_sequence_slots_keep_their_prefixes() {
     }
     let done = drain(&mut engine);
     for (f, r) in done.iter().zip(&firsts) {
-        assert_eq!(f.generated, alone(&model, r), "turn 1 of {}", r.id);
+        assert_eq!(f.generated, alone(model, r), "turn 1 of {}", r.id);
     }
     assert_eq!(engine.active(), 0);
     assert_eq!(engine.idle_sequences(), 0, "nothing is kept as a sequence");
@@ -104,7 +115,7 @@ fn more_conversations_than_sequence_slots_keep_their_prefixes() {
     let done2 = drain(&mut engine);
     for (f, r) in done2.iter().zip(&seconds) {
         assert_eq!(f.reused, 20, "request {}", r.id);
-        assert_eq!(f.generated, alone(&model, r), "turn 2 of {}", r.id);
+        assert_eq!(f.generated, alone(model, r), "turn 2 of {}", r.id);
     }
     assert_eq!(engine.reuse_stats().blocks_evicted, 0);
 }

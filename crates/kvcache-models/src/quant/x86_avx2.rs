@@ -43,6 +43,26 @@ impl TileKernel for Avx2Tiles<'_> {
     }
 }
 
+/// Prefetches the weights [`PREFETCH_BYTES`] past `quants` (and the scales
+/// as far past `scales`, in blocks) into the caches. Weight rows are short
+/// (SmolLM2's 576 values: 288 bytes in Q4) and read a few at a time, too
+/// short a stream for the hardware prefetcher: without this, decode waited
+/// on loads (perf: the first use of each nibble load held half the kernel's
+/// samples). A prefetch never faults and changes no result.
+#[inline]
+pub(crate) fn prefetch_ahead(quants: *const u8, scales: *const u16) {
+    // SAFETY: `_mm_prefetch` is a hint: it never faults, whatever the address
+    // (`wrapping_add` makes no in-bounds claim either), and needs only SSE.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(quants.wrapping_add(PREFETCH_BYTES).cast());
+        _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add(PREFETCH_BYTES / 16).cast());
+    }
+}
+
+/// How far ahead of its reads a kernel prefetches weights (4 KiB: a few
+/// tiles of rows ahead, measured on E9's decode).
+pub(crate) const PREFETCH_BYTES: usize = 4096;
+
 /// f16 bits to f32 with F16C.
 ///
 /// # Safety
@@ -119,6 +139,7 @@ unsafe fn q8_tile<const MR: usize, const NR: usize>(
             let mut dw = [0f32; NR];
             for r in 0..NR {
                 let blk = (j0 + r) * nb + b;
+                prefetch_ahead(wq.wrapping_add(blk * 32), ws.wrapping_add(blk));
                 wv[r] = _mm256_loadu_si256(wq.add(blk * 32).cast());
                 wabs[r] = _mm256_sign_epi8(wv[r], wv[r]);
                 dw[r] = f16_to_f32(*ws.add(blk));
@@ -169,6 +190,7 @@ unsafe fn q4_tile<const MR: usize, const NR: usize>(
             let mut dw = [0f32; NR];
             for r in 0..NR {
                 let blk = (j0 + r) * nb + b;
+                prefetch_ahead(wq.wrapping_add(blk * 16), ws.wrapping_add(blk));
                 let nib = _mm_loadu_si128(wq.add(blk * 16).cast());
                 let lo = _mm_and_si128(nib, low4);
                 let hi = _mm_and_si128(_mm_srli_epi16::<4>(nib), low4);

@@ -12,7 +12,7 @@
 //! fixed order; the Q4 `m` term reuses the AVX2 8-lane dot product.
 
 use super::kernel::TileKernel;
-use super::x86_avx2::{hsum256, min_dot};
+use super::x86_avx2::{hsum256, min_dot, prefetch_ahead};
 use super::{Format, Isa, QActivations, QMatrix, BLOCK};
 use std::arch::x86_64::*;
 
@@ -46,26 +46,6 @@ impl TileKernel for Avx512Tiles<'_> {
         }
     }
 }
-
-/// Prefetches the weights [`PREFETCH_BYTES`] past `quants` (and the scales
-/// as far past `scales`, in blocks) into the caches. Weight rows are short
-/// (SmolLM2's 576 values: 288 bytes in Q4) and read a few at a time, too
-/// short a stream for the hardware prefetcher: without this, decode waited
-/// on loads (perf: the first use of each nibble load held half the kernel's
-/// samples). A prefetch never faults and changes no result.
-#[inline]
-fn prefetch_ahead(quants: *const u8, scales: *const u16) {
-    // SAFETY: `_mm_prefetch` is a hint: it never faults, whatever the address
-    // (`wrapping_add` makes no in-bounds claim either), and needs only SSE.
-    unsafe {
-        _mm_prefetch::<_MM_HINT_T0>(quants.wrapping_add(PREFETCH_BYTES).cast());
-        _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add(PREFETCH_BYTES / 16).cast());
-    }
-}
-
-/// How far ahead of its reads a kernel prefetches weights (4 KiB: a few
-/// tiles of rows ahead, measured on E9's decode).
-pub(crate) const PREFETCH_BYTES: usize = 4096;
 
 /// `[v[0]; 8] ++ [v[1]; 8]` from the two low lanes of `v`.
 #[inline]
