@@ -243,7 +243,8 @@ fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
             unreachable!("the device was checked to be the CPU");
         };
         let values = &cpu.as_slice::<f32>()?[layout.start_offset()..][..n * k];
-        QActivations::quantize(n, k, values).map_err(|e| ModelError::InvalidArgument(e.to_string()))?
+        QActivations::quantize_on(n, k, values, &CandlePool)
+            .map_err(|e| ModelError::InvalidArgument(e.to_string()))?
     };
     let mut out = vec![0f32; n * w.rows()];
     w.matmul_on(&acts, default_isa(), &mut out, &CandlePool)

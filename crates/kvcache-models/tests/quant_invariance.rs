@@ -120,3 +120,21 @@ proptest! {
         }
     }
 }
+
+/// Rows quantized on a pool equal rows quantized one by one (each row on its
+/// own), at prefill sizes where the pool is used.
+#[test]
+fn activations_quantized_on_a_pool_equal_row_by_row() {
+    let mut rng = Rng::new(77);
+    let (m, k) = (300, 640);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.normal(2.0)).collect();
+    let alone = QActivations::quantize(m, k, &x).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    let spread = pool.install(|| QActivations::quantize_on(m, k, &x, &kvcache_models::quant::Rayon).unwrap());
+    assert_eq!(alone, spread);
+    for i in [0, 1, 299] {
+        let row = QActivations::quantize(1, k, &x[i * k..(i + 1) * k]).unwrap();
+        assert_eq!(row.block_quants(0, 3), alone.block_quants(i, 3));
+        assert_eq!(row.scale(0, 7), alone.scale(i, 7));
+    }
+}

@@ -1,6 +1,53 @@
 //! Activations quantized per row to 8 bits, in 32-value blocks.
 
-use super::{QuantError, BLOCK};
+use super::{QuantError, Spread, BLOCK};
+
+/// Values from which quantizing rows is worth a pool (prefill sizes).
+const PARALLEL_FROM: usize = 64 * 1024;
+
+/// Where each row's blocks go, shared by the threads of one quantization
+/// (each writes only its own rows).
+#[derive(Clone, Copy)]
+struct RowsOut {
+    scales: *mut f32,
+    sums: *mut f32,
+    quants: *mut i8,
+}
+
+// SAFETY: the threads sharing a `RowsOut` write disjoint rows (see
+// `quantize_with`), and the buffers outlive them.
+unsafe impl Send for RowsOut {}
+// SAFETY: as above; shared references only copy the pointers.
+unsafe impl Sync for RowsOut {}
+
+/// One row's blocks: `d = absmax / 127`, each value's `q` rounded to the
+/// nearest integer (ties to even, by adding and taking away 1.5 * 2^23:
+/// plain f32 arithmetic the compiler vectorizes, where `round` is a call per
+/// value), and `s = d * sum(q)`.
+fn quantize_row(x: &[f32], scales: &mut [f32], sums: &mut [f32], quants: &mut [i8]) {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    for (((xb, qb), d_out), s_out) in x
+        .chunks_exact(BLOCK)
+        .zip(quants.chunks_exact_mut(BLOCK))
+        .zip(scales.iter_mut())
+        .zip(sums.iter_mut())
+    {
+        let absmax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = absmax / 127.0;
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let mut rounded = [0f32; BLOCK];
+        for (r, &v) in rounded.iter_mut().zip(xb) {
+            *r = ((v * id).clamp(-127.0, 127.0) + MAGIC) - MAGIC;
+        }
+        let mut sum = 0i32;
+        for (q, &r) in qb.iter_mut().zip(&rounded) {
+            *q = r as i8;
+            sum += r as i32;
+        }
+        *d_out = d;
+        *s_out = d * sum as f32;
+    }
+}
 
 /// `m` rows of `k` values, each 32-value block quantized to `i8` with an f32
 /// scale `d = absmax / 127` (0 for an all-zero block), quants rounded to
@@ -22,6 +69,21 @@ pub struct QActivations {
 impl QActivations {
     /// Quantizes the row-major `m x k` matrix `x` (`k` a multiple of 32).
     pub fn quantize(m: usize, k: usize, x: &[f32]) -> Result<QActivations, QuantError> {
+        Self::quantize_with(m, k, x, None)
+    }
+
+    /// [`quantize`](Self::quantize) with the rows spread over `pool` (each row
+    /// on its own, so the result is the same on any pool).
+    pub fn quantize_on(m: usize, k: usize, x: &[f32], pool: &dyn Spread) -> Result<QActivations, QuantError> {
+        Self::quantize_with(m, k, x, Some(pool))
+    }
+
+    fn quantize_with(
+        m: usize,
+        k: usize,
+        x: &[f32],
+        pool: Option<&dyn Spread>,
+    ) -> Result<QActivations, QuantError> {
         if !k.is_multiple_of(BLOCK) {
             return Err(QuantError::BadShape {
                 rows: m,
@@ -39,21 +101,36 @@ impl QActivations {
         let mut acts = QActivations {
             m,
             k,
-            scales: Vec::with_capacity(blocks),
-            sums: Vec::with_capacity(blocks),
+            scales: vec![0.0; blocks],
+            sums: vec![0.0; blocks],
             quants: vec![0; m * k],
         };
-        for (xb, qb) in x.chunks_exact(BLOCK).zip(acts.quants.chunks_exact_mut(BLOCK)) {
-            let absmax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = absmax / 127.0;
-            let id = if d == 0.0 { 0.0 } else { 1.0 / d };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
-                sum += *q as i32;
+        let per_row = k / BLOCK;
+        let rows = RowsOut {
+            scales: acts.scales.as_mut_ptr(),
+            sums: acts.sums.as_mut_ptr(),
+            quants: acts.quants.as_mut_ptr(),
+        };
+        let quantize_rows = |range: std::ops::Range<usize>| {
+            let rows: RowsOut = rows;
+            for i in range {
+                // SAFETY: row `i < m` of each output, whose lengths are `m`
+                // rows of `per_row` blocks (of `k` quants); each row index is
+                // handed out once, so no two threads write the same row, and
+                // the vectors outlive this call.
+                let (scales, sums, quants) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(rows.scales.add(i * per_row), per_row),
+                        std::slice::from_raw_parts_mut(rows.sums.add(i * per_row), per_row),
+                        std::slice::from_raw_parts_mut(rows.quants.add(i * k), k),
+                    )
+                };
+                quantize_row(&x[i * k..(i + 1) * k], scales, sums, quants);
             }
-            acts.scales.push(d);
-            acts.sums.push(d * sum as f32);
+        };
+        match pool {
+            Some(pool) if pool.threads() > 1 && m * k >= PARALLEL_FROM => pool.spread(m, &quantize_rows),
+            _ => quantize_rows(0..m),
         }
         Ok(acts)
     }
