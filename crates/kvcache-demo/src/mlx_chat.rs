@@ -17,7 +17,8 @@ pub fn run(path: &Path, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
     use std::time::Instant;
 
     use kvcache_engine::chat::Reuse;
-    use kvcache_engine::mlx::{MlxChatServer, MlxLlama};
+    use kvcache_engine::mlx::MlxChatServer;
+    use kvcache_models::mlx::MlxLlama;
     use kvcache_models::ModelFile;
 
     use crate::{parts, progress, report};

@@ -12,11 +12,12 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvcache_api::{LayerCache, SnapshotCache};
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
-use kvcache_engine::EngineError;
+use kvcache_engine::mlx::MlxChatServer;
 use kvcache_mlx::layers::KvCache;
 use kvcache_models::argmax;
 use kvcache_models::mlx::model::to_host;
+use kvcache_models::mlx::{HostWeights, MlxLlama};
+use kvcache_models::ModelError;
 use kvcache_models::{LlamaConfig, ModelFile, WeightMode};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 use proptest::prelude::*;
@@ -187,8 +188,7 @@ fn bad_calls_leave_the_caches_alone() {
     let mut caches: Vec<KvCache> = (0..2).map(|_| KvCache::new()).collect();
     model.hidden_layers(&[1, 2, 3], &mut caches).unwrap();
     let before: Vec<usize> = caches.iter().map(|l| l.offset()).collect();
-    let invalid =
-        |r: kvcache_engine::Result<mlx_rs::Array>| matches!(r, Err(EngineError::InvalidArgument(_)));
+    let invalid = |r: kvcache_models::Result<mlx_rs::Array>| matches!(r, Err(ModelError::InvalidArgument(_)));
     assert!(
         invalid(model.hidden_layers(&[64], &mut caches)),
         "token outside the vocabulary"

@@ -39,12 +39,13 @@ use kvcache_api::{LayerCache, MixedLayer, SnapshotCache};
 use kvcache_models::argmax;
 use std::time::Instant;
 
-use kvcache_engine::mlx::{MlxGemma, MlxGemmaChatServer, MlxGemmaLayer};
-use kvcache_engine::EngineError;
+use kvcache_engine::mlx::MlxGemmaChatServer;
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use kvcache_models::gemma::tokenizer::end_of_reply;
 use kvcache_models::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
 use kvcache_models::mlx::model::to_host;
+use kvcache_models::mlx::{MlxGemma, MlxGemmaLayer};
+use kvcache_models::ModelError;
 use kvcache_models::{paths, WeightMode};
 use kvcache_trie::PrefixCache;
 use mlx_rs::Array;
@@ -343,11 +344,11 @@ fn caches_of_the_wrong_kind_or_window_are_refused_unchanged() {
     narrow[0] = MixedLayer::Window(RotatingKvCache::new(4).unwrap());
     for wrong in [&mut all_global, &mut narrow] {
         let err = model.hidden_layers(&[1, 2, 3], wrong).unwrap_err();
-        assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
+        assert!(matches!(err, ModelError::InvalidArgument(_)), "{err:?}");
         assert!(wrong.iter().all(|c| c.offset() == 0 && c.state().is_empty()));
     }
     let err = model.hidden_layers(&[1, 64], &mut caches).unwrap_err();
-    assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
+    assert!(matches!(err, ModelError::InvalidArgument(_)), "{err:?}");
     assert!(caches.iter().all(|c| c.offset() == 3));
 }
 

@@ -14,8 +14,9 @@ use std::sync::OnceLock;
 
 use candle_core::Device;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::mlx::{HostWeights, MlxChatServer, MlxLlama};
+use kvcache_engine::mlx::MlxChatServer;
 use kvcache_models::mlx::model::to_host;
+use kvcache_models::mlx::{HostWeights, MlxLlama};
 use kvcache_models::tokenizer::{chatml, Message, Role};
 use kvcache_models::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};

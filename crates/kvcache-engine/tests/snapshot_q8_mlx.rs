@@ -19,10 +19,10 @@ mod common;
 mod mlx_support;
 
 use common::testing::Trace;
-use kvcache_engine::mlx::{HostWeights, MlxLlama};
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
 use kvcache_models::argmax;
 use kvcache_models::mlx::model::to_host;
+use kvcache_models::mlx::{HostWeights, MlxLlama};
 use kvcache_models::{paths, ModelFile};
 use kvcache_trie::PrefixCache;
 use mlx_support::max_abs_diff;

@@ -1,5 +1,5 @@
-//! The mlx models as [`kvcache_models::LayerModel`]s, so that [`ChatServer`] (the
-//! same loop as on candle) runs them: [`MlxLlama`] with one
+//! [`ChatServer`] (the same loop as on candle) on the mlx models, which are
+//! [`kvcache_models::LayerModel`]s: [`MlxLlama`] with one
 //! `kvcache_mlx::layers::KvCache` per layer, or [`kvcache_models::mlx::MlxGemma`] over its
 //! mixed layers ([`super::MlxGemmaChatServer`]). Each request begins a trie
 //! session (paging the longest cached prefix in), prefills the rest (pausing
@@ -7,32 +7,10 @@
 //! closing the session stores what the caches hold.
 
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
-use mlx_rs::Array;
+use kvcache_models::mlx::MlxLlama;
 
 use crate::chat::{ChatServer, Reuse};
 use crate::Result;
-use kvcache_models::mlx::MlxLlama;
-use kvcache_models::LayerModel;
-
-/// The Llama over `KvCache`s, which rewind to any offset.
-impl LayerModel for MlxLlama {
-    type Array = Array;
-    type Layer = KvCache;
-
-    const RESUMABLE: bool = false;
-
-    fn new_layers(&self) -> Result<Vec<KvCache>> {
-        Ok((0..self.config().n_layers).map(|_| KvCache::new()).collect())
-    }
-
-    fn hidden_layers(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<Array> {
-        MlxLlama::hidden_layers(self, tokens, caches)
-    }
-
-    fn next_token(&self, hidden: &Array) -> Result<u32> {
-        MlxLlama::next_token(self, hidden)
-    }
-}
 
 /// The chat server on mlx: [`ChatServer`] with the mlx Llama by default (or
 /// [`kvcache_models::mlx::MlxGemma`]), usually with [`Reuse::Trie`].

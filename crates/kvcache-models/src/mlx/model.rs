@@ -18,6 +18,7 @@
 
 use kvcache_api::{LayerCache, Pos};
 use kvcache_causal::RopeLayout;
+use kvcache_mlx::layers::KvCache;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, sigmoid, softmax_axis};
 use mlx_rs::{fast, Array};
@@ -26,7 +27,7 @@ use super::mlx_err;
 use super::weights::HostWeights;
 use crate::llama::{block_weights, outer_weights};
 use crate::weights::WeightSpec;
-use crate::{LlamaConfig, LoadProgress, ModelError, ModelFile, Result, Rope};
+use crate::{LayerModel, LlamaConfig, LoadProgress, ModelError, ModelFile, Result, Rope};
 
 /// `n` as an mlx dimension.
 pub(crate) fn dim(n: usize) -> Result<i32> {
@@ -400,4 +401,24 @@ pub fn to_host(a: &Array) -> Result<Vec<f32>> {
     let a = a.contiguous().map_err(mlx_err)?;
     a.eval().map_err(mlx_err)?;
     Ok(a.try_as_slice::<f32>().map_err(mlx_err)?.to_vec())
+}
+
+/// The Llama over `KvCache`s, which rewind to any offset.
+impl LayerModel for MlxLlama {
+    type Array = Array;
+    type Layer = KvCache;
+
+    const RESUMABLE: bool = false;
+
+    fn new_layers(&self) -> Result<Vec<KvCache>> {
+        Ok((0..self.config().n_layers).map(|_| KvCache::new()).collect())
+    }
+
+    fn hidden_layers(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<Array> {
+        MlxLlama::hidden_layers(self, tokens, caches)
+    }
+
+    fn next_token(&self, hidden: &Array) -> Result<u32> {
+        MlxLlama::next_token(self, hidden)
+    }
 }

@@ -1,7 +1,8 @@
 //! [`MlxGemmaChatServer`]: multi-conversation chat on Gemma 3 through the
 //! prefix trie on mlx.
 //!
-//! The loop of [`crate::mlx::MlxChatServer`] over [`MlxGemmaLayer`]s (a rotating
+//! The loop of [`crate::mlx::MlxChatServer`] over
+//! [`kvcache_models::mlx::MlxGemmaLayer`]s (a rotating
 //! window per window layer, a full KV cache per global layer), with one
 //! difference: each turn keeps a restore point at the end of its prompt
 //! ([`crate::chat::trie_turn_resumable`]). A rotating cache cannot rewind from
@@ -10,39 +11,15 @@
 //! with the restore point it resumes there instead of re-evaluating from the
 //! last snapshot before it.
 
-use kvcache_mlx::layers::DEFAULT_STEP;
-use mlx_rs::Array;
+use kvcache_models::mlx::MlxGemma;
 
 use crate::chat::Reuse;
 use crate::mlx::chat::MlxChatServer;
 use crate::Result;
-use kvcache_models::mlx::{MlxGemma, MlxGemmaLayer};
-use kvcache_models::LayerModel;
 
 /// A chat server in miniature on mlx: one Gemma, one live sequence of
-/// [`MlxGemmaLayer`]s, and the prefix trie shared across conversations.
+/// [`kvcache_models::mlx::MlxGemmaLayer`]s, and the prefix trie shared across conversations.
 pub type MlxGemmaChatServer<'m> = MlxChatServer<'m, MlxGemma>;
-
-/// Gemma over rotating window caches, which cannot rewind once wrapped: each
-/// turn keeps a restore point at its prompt's end.
-impl LayerModel for MlxGemma {
-    type Array = Array;
-    type Layer = MlxGemmaLayer;
-
-    const RESUMABLE: bool = true;
-
-    fn new_layers(&self) -> Result<Vec<MlxGemmaLayer>> {
-        self.new_caches(DEFAULT_STEP)
-    }
-
-    fn hidden_layers(&self, tokens: &[u32], caches: &mut [MlxGemmaLayer]) -> Result<Array> {
-        MlxGemma::hidden_layers(self, tokens, caches)
-    }
-
-    fn next_token(&self, hidden: &Array) -> Result<u32> {
-        MlxGemma::next_token(self, hidden)
-    }
-}
 
 impl<'m> MlxChatServer<'m, MlxGemma> {
     /// A prefix-trie server whose layer caches grow in steps of `step`

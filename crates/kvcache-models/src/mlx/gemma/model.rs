@@ -34,7 +34,7 @@ use std::path::Path;
 use candle_core::Device;
 use kvcache_api::{LayerCache, MixedLayer};
 use kvcache_causal::RopeLayout;
-use kvcache_mlx::layers::{KvCache, RotatingKvCache};
+use kvcache_mlx::layers::{KvCache, RotatingKvCache, DEFAULT_STEP};
 use mlx_rs::ops::{sigmoid, tanh};
 use mlx_rs::{fast, Array};
 
@@ -46,7 +46,7 @@ use crate::gemma::{Activation, GemmaConfig, GemmaFile};
 use crate::gguf::Tensors;
 use crate::weights::SplitMix64;
 use crate::weights::WeightSpec;
-use crate::{LoadProgress, ModelError, Result, Rope};
+use crate::{LayerModel, LoadProgress, ModelError, Result, Rope};
 
 /// One layer's cache of an [`MlxGemma`]: a global layer keeps every position
 /// in a [`KvCache`], a window layer the last `W` in a [`RotatingKvCache`].
@@ -397,4 +397,25 @@ fn gelu_tanh(x: &Array) -> Result<Array> {
         .and_then(|t| t.multiply(x))
         .and_then(|t| t.multiply(Array::from_f32(0.5)))
         .map_err(e)
+}
+
+/// Gemma over rotating window caches, which cannot rewind once wrapped: each
+/// turn keeps a restore point at its prompt's end.
+impl LayerModel for MlxGemma {
+    type Array = Array;
+    type Layer = MlxGemmaLayer;
+
+    const RESUMABLE: bool = true;
+
+    fn new_layers(&self) -> Result<Vec<MlxGemmaLayer>> {
+        self.new_caches(DEFAULT_STEP)
+    }
+
+    fn hidden_layers(&self, tokens: &[u32], caches: &mut [MlxGemmaLayer]) -> Result<Array> {
+        MlxGemma::hidden_layers(self, tokens, caches)
+    }
+
+    fn next_token(&self, hidden: &Array) -> Result<u32> {
+        MlxGemma::next_token(self, hidden)
+    }
 }
