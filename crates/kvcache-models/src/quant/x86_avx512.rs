@@ -2,10 +2,10 @@
 //!
 //! `vpdpbusd` multiplies unsigned by signed bytes and sums groups of four into
 //! sixteen i32 lanes: lanes 0..8 belong to block `b`, lanes 8..16 to block
-//! `b + 1`. Q4 nibbles are unsigned already; for Q8 x Q8 the weight's sign is
-//! moved onto the activation with a masked subtract (AVX-512 has no
-//! `sign_epi8`). Each lane is accumulated with `fma(d_w * d_a, isum, acc)`,
-//! the scale vector holding block `b`'s product in the low half and block
+//! `b + 1`. Q4 nibbles are unsigned already; for Q8 x Q8 the activations go
+//! in offset by 128 and each lane starts from minus 128 times its weights'
+//! sum. Each lane is accumulated with `fma(d_w * d_a, isum, acc)`, the scale
+//! vector holding block `b`'s product in the low half and block
 //! `b + 1`'s in the high half. An odd last block is loaded with a byte mask
 //! and given zero scales in the high half, where `fma(0, 0, acc)` leaves the
 //! accumulator unchanged. The sixteen lanes are summed once at the end in a
@@ -129,29 +129,35 @@ unsafe fn q8_tile<const MR: usize, const NR: usize>(
         let nb = w.blocks_per_row();
         let (wq, aq) = (w.quants.as_ptr(), a.quants.as_ptr());
         let zero = _mm512_setzero_si512();
+        let ones = _mm512_set1_epi8(1);
+        let bias = _mm512_set1_epi8(-128);
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         let mut b = 0;
         while b < nb {
             let pair = b + 1 < nb;
             let bytes: u64 = if pair { !0 } else { 0xffff_ffff };
-            let mut wabs = [zero; NR];
-            let mut wneg = [0u64; NR];
+            // `dpbusd` takes its first factor unsigned: the activations go in
+            // as `a + 128` (`a ^ 0x80`), and each lane starts from `-128` times
+            // its four weights' sum, so the lane ends at `sum(a * w)` exactly
+            // (no saturation). One correction per weight block, none per pair.
+            let mut wv = [zero; NR];
+            let mut corr = [zero; NR];
             let mut dw = [_mm512_setzero_ps(); NR];
             for r in 0..NR {
                 let blk = (j0 + r) * nb + b;
                 prefetch_ahead(wq.wrapping_add(blk * 32), w.scales.as_ptr().wrapping_add(blk));
-                let v = _mm512_maskz_loadu_epi8(bytes, wq.add(blk * 32).cast());
-                wneg[r] = _mm512_movepi8_mask(v);
-                wabs[r] = _mm512_abs_epi8(v);
+                wv[r] = _mm512_maskz_loadu_epi8(bytes, wq.add(blk * 32).cast());
+                let lane_sums = _mm512_dpbusd_epi32(zero, ones, wv[r]);
+                corr[r] = _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(lane_sums));
                 dw[r] = weight_scales(w.scales.as_ptr(), blk, pair);
             }
             for (i, acc_row) in acc.iter_mut().enumerate() {
                 let blk = (i0 + i) * nb + b;
                 let av = _mm512_maskz_loadu_epi8(bytes, aq.add(blk * BLOCK));
+                let au = _mm512_xor_si512(av, bias);
                 let da = act_scales(a.scales.as_ptr(), blk, pair);
                 for r in 0..NR {
-                    let signed = _mm512_mask_sub_epi8(av, wneg[r], zero, av);
-                    let isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wabs[r], signed));
+                    let isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[r], au, wv[r]));
                     acc_row[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[r], da), isum, acc_row[r]);
                 }
             }
