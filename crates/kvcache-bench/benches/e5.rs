@@ -18,15 +18,9 @@
 
 use candle_core::Device;
 use kvcache_bench::e5::{self, E5Policy, E5Trace, E5Verdict};
+use kvcache_bench::knobs::knob;
 use kvcache_models::gemma::{gemma_path_for_tests, GemmaFile};
 use kvcache_models::WeightMode;
-
-fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn policy(name: &str) -> Option<E5Policy> {
     match name.trim() {

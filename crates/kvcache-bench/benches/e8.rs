@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use kvcache_api::{CausalConfig, KvStorage, Pos, SeqState};
+use kvcache_bench::knobs::{knob, list};
 use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::causal_cache;
 use kvcache_causal::CausalKvCache;
@@ -41,22 +42,6 @@ use kvcache_models::attention::AttentionPath;
 use kvcache_models::{paths, BatchToken, Llama, LlamaConfig, ModelFile, WeightMode};
 
 type Error = Box<dyn std::error::Error>;
-
-fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn list(name: &str, default: &str) -> Vec<String> {
-    std::env::var(name)
-        .unwrap_or_else(|_| default.into())
-        .split(',')
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
 
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;

@@ -39,27 +39,12 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, IndexOp, Tensor};
 use kvcache_api::CausalConfig;
+use kvcache_bench::knobs::{knob, list};
 use kvcache_bench::trace::Trace;
 use kvcache_models::gemma::GemmaFile;
 use kvcache_models::{argmax, paths, BatchToken, Model, ModelFile, WeightMode};
 
 type Error = Box<dyn std::error::Error>;
-
-fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn list(name: &str, default: &str) -> Vec<String> {
-    std::env::var(name)
-        .unwrap_or_else(|_| default.into())
-        .split(',')
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
 
 /// What one round measures, in tokens per second.
 #[derive(Debug, Clone, Default)]

@@ -23,13 +23,17 @@
 //! - [`kv_accuracy`]: each KV storage type on the real model (perplexity,
 //!   agreement with f32, bytes per token).
 //!
+//! - [`knobs`]: the benchmarks' settings from environment variables.
+//!
 //! `benches/e8.rs` (long-context batched decode, paged against dense
-//! attention) uses the workloads' cache.
+//! attention) uses the workloads' cache; `benches/e9.rs` times each weight
+//! mode against llama-server.
 #![deny(missing_docs)]
 
 pub mod bench;
 pub mod conversation;
 pub mod e5;
+pub mod knobs;
 pub mod kv_accuracy;
 pub mod replica;
 pub mod store_bench;
