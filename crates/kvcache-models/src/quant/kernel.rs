@@ -6,9 +6,11 @@
 //! call walks its weight rows in cache-sized chunks, and inside each chunk
 //! walks all activation rows in tiles, so the chunk's weights stay in cache
 //! while every activation row passes over them. The parallel driver hands
-//! chunks of weight rows to rayon's pool. Each kernel computes every output
-//! value with the same operations whatever the tile shape, so neither the
-//! batch size nor the chunking changes a single bit of the result.
+//! chunks of weight rows to a pool ([`Spread`]: rayon's, or any other). A Q4
+//! product of many rows unpacks each chunk of weights once and runs the 8-bit
+//! kernel over it. Each kernel computes every output value with the same
+//! operations whatever the tile shape, so neither the batch size nor the
+//! chunking changes a single bit of the result.
 
 use super::{Format, Isa, QActivations, QMatrix, QuantError, BLOCK};
 use rayon::prelude::*;
