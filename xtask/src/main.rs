@@ -40,7 +40,7 @@ Commands:
                        (crates/kvcache-server) in release mode on the model,
                        on 127.0.0.1:8080 unless told `--host H --port P`
   test-metal [ARGS]    kvcache-causal's tests on the Metal device (macOS)
-  test-cuda [ARGS]     kvcache-causal's tests and the engine's CUDA kernel on a GPU (needs nvcc)
+  test-cuda [ARGS]     kvcache-causal's tests and the models' CUDA kernel on a GPU (needs nvcc)
   cuda-bundle          without a GPU: nvcc 13.0 from PyPI (cached), then the CUDA tests
                        and benches built and packed into target/cuda-bundle/ with the
                        run.sh that runs them on a GPU machine without Rust

@@ -15,7 +15,7 @@ pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
         "KVCACHE_REQUIRE_REDIS",
         if cfg!(target_os = "linux") { "1" } else { "0" },
     );
-    // The engine's CUDA kernel runs on the CPU through a C++ shim; MLX's build
+    // The models' CUDA kernel runs on the CPU through a C++ shim; MLX's build
     // needs the same compiler, so a missing one is a failure, not a skip.
     cargo.set_env("KVCACHE_REQUIRE_CXX", "1");
     // kvcache-server's smoke test runs the official Python `openai` client.
