@@ -23,12 +23,28 @@ pub struct Server {
     pub base: String,
 }
 
+/// `args` after `--weights f32` (see [`Server::start`]).
+fn with_f32<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    let mut all = vec!["--weights", "f32"];
+    all.extend_from_slice(args);
+    all
+}
+
 impl Server {
-    /// Starts the server on the test model with `args` added; `None` (with a
-    /// printed reason) when there is no model.
+    /// Starts the server on the test model (SmolLM2) with `args` added, its
+    /// weights in f32; `None` (with a printed reason) when there is no model.
+    ///
+    /// f32 because these tests compare answers text for text across batching
+    /// and prefix reuse (the load test against each request alone, logprobs
+    /// against the plain answer), which f32 keeps exactly. In the quantized
+    /// modes a row's products are the same in any batch, but attention over a
+    /// reused prefix sums in another order, and in a near-tie one 8-bit
+    /// rounding of an activation can flip a token; the models' tests bound
+    /// that (`kvcache-models/tests/equivalence_tiny.rs`). The Gemma tests run
+    /// the server's default mode.
     pub fn start(args: &[&str]) -> Option<Server> {
         let model = kvcache_models::paths::model_path_for_tests()?;
-        Some(Self::spawn(&model, args, None))
+        Some(Self::spawn(&model, &with_f32(args), None))
     }
 
     /// Starts the server on Gemma 3 270M (`$KVCACHE_GEMMA`) with `args`
@@ -43,7 +59,7 @@ impl Server {
     pub fn start_logged(args: &[&str]) -> Option<(Server, Arc<Mutex<Vec<String>>>)> {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let model = kvcache_models::paths::model_path_for_tests()?;
-        Some((Self::spawn(&model, args, Some(lines.clone())), lines))
+        Some((Self::spawn(&model, &with_f32(args), Some(lines.clone())), lines))
     }
 
     fn spawn(model: &std::path::Path, args: &[&str], log: Option<Arc<Mutex<Vec<String>>>>) -> Server {
