@@ -1,9 +1,16 @@
 //! What an operator sees of each request: an `x-request-id` on every
-//! response (the client's own when it sent a usable one) and one access log
-//! line per request, written when its response body is done (for a stream:
-//! when the last event is sent or the client goes away), with the id,
-//! method, path, status, token counts, cached tokens, time to first token and
-//! duration, and the error's message for a refusal.
+//! response (the client's own when it sent a usable one) and exactly one
+//! access log line per request, however it ends: written when its response
+//! body is done (for a stream: when the last event is sent or the client goes
+//! away), or, for a client that leaves before the answer is ready, when its
+//! handler is dropped (status 499, as nginx logs it). The line has the id,
+//! method, path, status, tenant, token counts, cached tokens, time to first
+//! token and duration, why the answer finished (`cancelled` when the client
+//! left first), and for a refusal its reason and message.
+//!
+//! Every 4xx is counted here, by reason, in
+//! `kvcache_requests_rejected_total{reason}`, whoever answered it (a
+//! handler, the key and body guard, axum's 405).
 //!
 //! The line is a `tracing` event of target [`TARGET`] (`RUST_LOG` filters it
 //! like any other); 5xx answers are logged at `warn`, the rest at `info`.
@@ -15,12 +22,14 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes, HttpBody};
-use axum::extract::Request;
+use axum::extract::{Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
 
+use crate::error::ApiError;
+use crate::metrics::Metrics;
 use crate::openai::Usage;
 
 /// The `tracing` target of the access log.
@@ -31,6 +40,13 @@ pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The longest client request id echoed back (longer ones are replaced).
 const MAX_CLIENT_ID: usize = 128;
+
+/// The status logged for a request whose client went away before its
+/// answer was ready (nginx's "client closed request"); never sent.
+pub const CLIENT_CLOSED: u16 = 499;
+
+/// The finish reason logged for an answer cut short because its client left.
+pub const CANCELLED: &str = "cancelled";
 
 /// What a handler learns about a request for its log line; shared between
 /// the handler (or the stream it returns) and the middleware.
@@ -45,6 +61,8 @@ struct Fields {
     ttft: Option<Duration>,
     finish_reason: Option<&'static str>,
     error: Option<String>,
+    reason: Option<&'static str>,
+    tenant: Option<String>,
 }
 
 impl AccessRecord {
@@ -83,6 +101,21 @@ impl AccessRecord {
     pub fn error(&self, message: &str) {
         self.with(|f| f.error = Some(message.to_owned()));
     }
+
+    /// A refusal or failure: its message and its reason in a word
+    /// ([`ApiError::reason`]).
+    pub fn refused(&self, error: &ApiError) {
+        self.with(|f| {
+            f.error = Some(error.message.clone());
+            f.reason = Some(error.reason());
+        });
+    }
+
+    /// The tenant the request's API key names (its name in the keys file,
+    /// else the key's namespace; never the key).
+    pub fn tenant(&self, name: &str) {
+        self.with(|f| f.tenant = Some(name.to_owned()));
+    }
 }
 
 /// The id of the request: the client's `x-request-id` when it is 1 to 128
@@ -106,30 +139,40 @@ pub fn request_id(client: Option<&HeaderValue>) -> String {
 }
 
 /// The middleware: gives the request its id and an [`AccessRecord`], sets
-/// `x-request-id` on the response, and logs the line once the body is done.
-pub async fn layer(mut request: Request, next: Next) -> Response {
-    let started = Instant::now();
+/// `x-request-id` on the response, counts a 4xx by reason, and logs the line
+/// once the body is done, or at once if the request is dropped before it has
+/// an answer (its client went away).
+pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, next: Next) -> Response {
     let id = request_id(request.headers().get(&REQUEST_ID));
     let record = AccessRecord::default();
     request.extensions_mut().insert(record.clone());
-    let method = request.method().to_string();
-    let path = request.uri().path().to_owned();
+    // From here on, however the request ends, dropping `line` logs it once.
+    let mut line = Line {
+        id,
+        method: request.method().to_string(),
+        path: request.uri().path().to_owned(),
+        status: None,
+        started: Instant::now(),
+        record,
+        // A HEAD answer has no body to send.
+        complete: request.method() == axum::http::Method::HEAD,
+    };
     let mut response = next.run(request).await;
-    if let Ok(value) = HeaderValue::from_str(&id) {
+    if let Ok(value) = HeaderValue::from_str(&line.id) {
         response.headers_mut().insert(REQUEST_ID.clone(), value);
     }
-    let line = Line {
-        id,
-        method,
-        path,
-        status: response.status(),
-        started,
-        record,
-    };
+    let status = response.status();
+    line.status = Some(status);
+    if let Some(error) = response.extensions().get::<ApiError>() {
+        line.record.refused(error);
+    }
+    if status.is_client_error() {
+        metrics.reject(crate::error::reason_of(status));
+    }
     // The line goes out when the body is dropped: sent in full, or abandoned
     // by a client that went away.
     let (parts, body) = response.into_parts();
-    Response::from_parts(parts, Body::new(Logged { body, _line: line }))
+    Response::from_parts(parts, Body::new(Logged { body, line }))
 }
 
 /// A response body that carries its access line: the body's frames and size
@@ -137,7 +180,7 @@ pub async fn layer(mut request: Request, next: Next) -> Response {
 /// when it is dropped.
 struct Logged {
     body: Body,
-    _line: Line,
+    line: Line,
 }
 
 impl HttpBody for Logged {
@@ -148,7 +191,14 @@ impl HttpBody for Logged {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.line.complete = true,
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.line.complete = true,
+            _ => {}
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -165,16 +215,28 @@ struct Line {
     id: String,
     method: String,
     path: String,
-    status: StatusCode,
+    /// `None` until the handler has answered.
+    status: Option<StatusCode>,
     started: Instant,
     record: AccessRecord,
+    /// Whether the whole body went out.
+    complete: bool,
 }
 
 impl Drop for Line {
     fn drop(&mut self) {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let duration_ms = ms(self.started.elapsed());
+        // No answer yet, or a body not sent in full: the client went away.
+        let disconnected = self.status.is_none() || !self.complete;
+        let status = self.status.map_or(CLIENT_CLOSED, |s| s.as_u16());
         self.record.with(|f| {
+            let finish_reason = match f.finish_reason {
+                Some(reason) => Some(reason),
+                // A generation cut short (its prompt known, no error).
+                None if disconnected && f.error.is_none() && f.prompt_tokens.is_some() => Some(CANCELLED),
+                None => None,
+            };
             macro_rules! line {
                 ($level:expr) => {
                     tracing::event!(
@@ -183,19 +245,22 @@ impl Drop for Line {
                         request_id = %self.id,
                         method = %self.method,
                         path = %self.path,
-                        status = self.status.as_u16(),
+                        status,
+                        tenant = f.tenant.as_deref(),
                         prompt_tokens = f.prompt_tokens,
                         completion_tokens = f.completion_tokens,
                         cached_tokens = f.cached_tokens,
                         ttft_ms = f.ttft.map(ms),
                         duration_ms,
-                        finish_reason = f.finish_reason,
+                        finish_reason,
+                        disconnected,
+                        reason = f.reason,
                         error = f.error.as_deref(),
                         "request"
                     )
                 };
             }
-            if self.status.is_server_error() {
+            if (500..600).contains(&status) {
                 line!(tracing::Level::WARN);
             } else {
                 line!(tracing::Level::INFO);

@@ -60,8 +60,18 @@ pub struct ServerConfig {
     /// The API keys `/v1` accepts (`Authorization: Bearer KEY`); empty: no
     /// key needed. Each key is its own tenant.
     pub api_keys: Vec<ApiKey>,
-    /// How long a request body may take to arrive before a 408.
+    /// How long a request body may take to arrive before a 408 (with
+    /// `Connection: close`).
     pub body_timeout: Duration,
+    /// How long a request's headers may take, from their first byte, before
+    /// the connection is closed (slow clients: slowloris).
+    pub header_timeout: Duration,
+    /// How long a connection may stay idle (no request in progress, no byte
+    /// of the next one) before it is closed; zero: one request per connection.
+    pub keep_alive_timeout: Duration,
+    /// Connections open at once; past it a new one is answered 503 with
+    /// `Connection: close` and closed.
+    pub max_connections: usize,
     /// The largest request body accepted (413 beyond).
     pub body_limit: usize,
 }
@@ -137,6 +147,9 @@ impl Default for ServerConfig {
             store_block_tokens: 64,
             api_keys: Vec::new(),
             body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(10),
+            keep_alive_timeout: Duration::from_secs(30),
+            max_connections: 512,
             body_limit: 2 << 20,
         }
     }

@@ -115,6 +115,12 @@ impl ApiError {
         }
     }
 
+    /// Why the request was refused, in a word: the `reason` of its access
+    /// line and, for a 4xx, of `kvcache_requests_rejected_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        reason_of(self.status)
+    }
+
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         #[derive(Serialize)]
@@ -136,6 +142,25 @@ impl ApiError {
     }
 }
 
+/// The reason of a refusal with `status` (see [`ApiError::reason`]): one of
+/// [`crate::metrics::REJECT_REASONS`] for a 4xx, `overloaded` for 503 and
+/// `server_error` for the other 5xx.
+pub fn reason_of(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 => "invalid_request",
+        401 => "unauthorized",
+        404 => "not_found",
+        405 => "method_not_allowed",
+        408 => "timeout",
+        413 => "too_large",
+        503 => "overloaded",
+        500..=599 => "server_error",
+        _ => "other",
+    }
+}
+
+/// The response of an error carries the error itself as an extension: the
+/// access log reads its reason and message from there, whoever made it.
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
@@ -144,6 +169,30 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        response.extensions_mut().insert(self);
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_4xx_has_a_counted_reason() {
+        for status in [400u16, 401, 404, 405, 408, 413, 418] {
+            let status = StatusCode::from_u16(status).unwrap();
+            assert!(
+                crate::metrics::REJECT_REASONS.contains(&reason_of(status)),
+                "{status}"
+            );
+        }
+        assert_eq!(ApiError::too_large(1).reason(), "too_large");
+        assert_eq!(ApiError::overloaded(1).reason(), "overloaded");
+        let response = ApiError::unauthorized("no").into_response();
+        assert_eq!(
+            response.extensions().get::<ApiError>().map(ApiError::reason),
+            Some("unauthorized")
+        );
     }
 }

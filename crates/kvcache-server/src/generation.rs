@@ -245,6 +245,12 @@ pub fn check(
             format!("At most {MAX_STOPS} stop sequences"),
         ));
     }
+    if let Some(i) = stops.iter().position(String::is_empty) {
+        return Err(ApiError::invalid(
+            Some("stop"),
+            format!("stop sequence {i} is empty: an empty string would match before any text"),
+        ));
+    }
     let namespace = Namespace::from_salt(options.cache_salt.as_deref())
         .map_err(|e| ApiError::invalid(Some("cache_salt"), e.to_string()))?;
     Ok(Checked {

@@ -14,6 +14,8 @@
 //!   (streamed as server-sent events or not), `GET /v1/models`, `GET /health`,
 //!   `GET /metrics` ([`metrics`], Prometheus text); `/health` answers 503
 //!   once the engine thread has ended.
+//! - [`connections`]: the accept loop: a timeout for every phase of a
+//!   connection (headers, body, idle), a bound on open connections.
 //! - [`access`]: an `x-request-id` on every response and one access log line
 //!   per request (`tracing`, target `kvcache_server::access`).
 //! - [`generation`]: a request's options checked, its tokens turned into text
@@ -24,6 +26,7 @@
 
 pub mod access;
 pub mod config;
+pub mod connections;
 pub mod error;
 pub mod generation;
 pub mod metrics;

@@ -122,12 +122,29 @@ struct Args {
     #[arg(long, value_name = "KEY")]
     api_key: Vec<String>,
     /// Read API keys from PATH: one a line, `KEY` or `KEY TENANT-NAME`; blank
-    /// lines and `#` comments skipped. Adds to --api-key.
+    /// lines and `#` comments skipped. Adds to --api-key. A file that cannot
+    /// be read, or holds no key, stops the server at start (it would
+    /// otherwise serve everyone): to shut every client out, stop the server
+    /// or start it with a new key no client has.
     #[arg(long, value_name = "PATH")]
     api_keys_file: Option<PathBuf>,
-    /// Seconds a request body may take to arrive before the server answers 408.
+    /// Seconds a request body may take to arrive before the server answers
+    /// 408 and closes the connection.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     body_timeout: f64,
+    /// Seconds a request's headers may take, from their first byte, before
+    /// the server closes the connection (slow clients).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a connection may stay idle, between requests or before the
+    /// first, before the server closes it; 0: one request per connection.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    keep_alive_timeout: f64,
+    /// Connections open at once; past it a new one is answered 503 (with
+    /// `Connection: close`) and closed. Keep it below the descriptor limit
+    /// (`ulimit -n`).
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    max_connections: usize,
 }
 
 /// `--attention`.
@@ -169,21 +186,90 @@ fn init_logging(format: LogFormat) -> Result<(), Box<dyn std::error::Error>> {
     installed.map_err(|e| format!("could not install the logger: {e}").into())
 }
 
+/// Whether the command line asks for JSON logs (read before the arguments
+/// are parsed, so that even a bad argument is reported as JSON).
+fn json_asked(args: &[std::ffi::OsString]) -> bool {
+    let args: Vec<&str> = args.iter().filter_map(|a| a.to_str()).collect();
+    args.iter()
+        .enumerate()
+        .any(|(i, a)| *a == "--log-format=json" || (*a == "--log-format" && args.get(i + 1) == Some(&"json")))
+}
+
+/// One error line on stderr before the logger exists: a JSON object when
+/// `json`, else text.
+fn early_error(json: bool, message: &str) {
+    if json {
+        let line = serde_json::json!({
+            "level": "ERROR",
+            "target": "kvcache_server",
+            "message": message.trim_end(),
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("kvcache-server: error: {}", message.trim_end());
+    }
+}
+
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread starts.
     unsafe { kvcache_models::threads::tune_cpu_threads() };
-    let args = Args::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let json = json_asked(&argv);
+    let args = match Args::try_parse_from(&argv) {
+        Ok(args) => args,
+        // --help and --version go to stdout as they are.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) if json => {
+            early_error(true, &e.render().to_string());
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
     if let Err(e) = init_logging(args.log_format) {
-        eprintln!("kvcache-server: error: {e}");
+        early_error(json, &e.to_string());
         return ExitCode::FAILURE;
+    }
+    if args.log_format == LogFormat::Json {
+        // A panic is one JSON line too.
+        std::panic::set_hook(Box::new(|info| {
+            tracing::error!(panic = %info, "the server panicked");
+        }));
     }
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvcache-server: error: {e}");
+            tracing::error!(error = %e, "kvcache-server could not start or stopped on an error");
             ExitCode::FAILURE
         }
     }
+}
+
+/// The keys of `--api-keys-file`: refused if the file cannot be read or
+/// holds no key (only comments or blank lines), which would start a server
+/// open to everyone.
+fn read_keys_file(path: &std::path::Path) -> Result<Vec<ApiKey>, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("--api-keys-file {}: {e}", path.display()))?;
+    let keys = ApiKey::parse_file(&text).map_err(|e| format!("--api-keys-file {}: {e}", path.display()))?;
+    if keys.is_empty() {
+        return Err(format!(
+            "--api-keys-file {} holds no key (only comments or blank lines); refusing to start \
+             without keys. To shut every client out, stop the server or give it a new key no \
+             client has",
+            path.display()
+        ));
+    }
+    Ok(keys)
+}
+
+/// `value` seconds as a duration, if finite and within `range`.
+fn seconds(flag: &str, value: f64, zero_ok: bool) -> Result<Duration, String> {
+    let ok = value.is_finite() && (value > 0.0 || (zero_ok && value == 0.0)) && value <= 86_400.0;
+    if !ok {
+        let least = if zero_ok { "0" } else { "above 0" };
+        return Err(format!("{flag} must be a number of seconds, {least} to 86400"));
+    }
+    Ok(Duration::from_secs_f64(value))
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -199,8 +285,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if !(args.idle_ttl.is_finite() && args.idle_ttl >= 0.0) {
         return Err("--idle-ttl must be a non-negative number of seconds".into());
     }
-    if !(args.body_timeout.is_finite() && args.body_timeout > 0.0) {
-        return Err("--body-timeout must be a positive number of seconds".into());
+    let body_timeout = seconds("--body-timeout", args.body_timeout, false)?;
+    let header_timeout = seconds("--header-timeout", args.header_timeout, false)?;
+    let keep_alive_timeout = seconds("--keep-alive-timeout", args.keep_alive_timeout, true)?;
+    if !(1..=1_000_000).contains(&args.max_connections) {
+        return Err("--max-connections must lie in 1..=1000000".into());
     }
     let mut api_keys: Vec<ApiKey> = args
         .api_key
@@ -211,11 +300,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     if let Some(path) = &args.api_keys_file {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| format!("--api-keys-file {}: {e}", path.display()))?;
-        api_keys.extend(
-            ApiKey::parse_file(&text).map_err(|e| format!("--api-keys-file {}: {e}", path.display()))?,
-        );
+        api_keys.extend(read_keys_file(path)?);
     }
     if api_keys
         .iter()
@@ -255,7 +340,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         store_queue: args.store_queue,
         store_block_tokens: args.store_block_tokens,
         api_keys,
-        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        body_timeout,
+        header_timeout,
+        keep_alive_timeout,
+        max_connections: args.max_connections,
         ..ServerConfig::default()
     };
     if !config.api_keys.is_empty() {
@@ -267,7 +355,23 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if config.store_block_tokens == 0 {
         return Err("--store-block-tokens must be at least 1".into());
     }
-    eprintln!("kvcache-server: loading {}", model.display());
+    if let Some(limit) = kvcache_server::connections::descriptor_limit() {
+        // The model, the listener, the store and stdio take a few more.
+        if limit < config.max_connections as u64 + 64 {
+            tracing::warn!(
+                max_connections = config.max_connections,
+                descriptor_limit = limit,
+                "--max-connections is not below the descriptor limit (ulimit -n) by 64: \
+                 raise the limit or lower --max-connections, or accept may fail before the bound"
+            );
+        }
+    }
+    tracing::info!(model = %model.display(), "loading the model");
+    let limits = kvcache_server::connections::Limits {
+        header_timeout: config.header_timeout,
+        keep_alive_timeout: config.keep_alive_timeout,
+        max_connections: config.max_connections,
+    };
     let state = AppState::load(&model, config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -281,8 +385,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         println!("kvcache-server: listening on http://{}", listener.local_addr()?);
         tracing::info!(address = %listener.local_addr()?, "listening");
-        axum::serve(listener, router(state))
-            .with_graceful_shutdown(shutdown_signal())
+        let metrics = state.metrics.clone();
+        kvcache_server::connections::serve(listener, router(state), limits, metrics, shutdown_signal())
             .await?;
         Ok::<(), Box<dyn std::error::Error>>(())
     })

@@ -55,17 +55,57 @@ impl Histogram {
 pub struct Metrics {
     /// Requests accepted for generation.
     pub requests: AtomicU64,
-    /// Requests refused with a 4xx.
-    pub rejected: AtomicU64,
+    /// Requests refused with a 4xx, by reason ([`REJECT_REASONS`]).
+    rejected: [AtomicU64; REJECT_REASONS.len()],
     /// Requests refused because the queue was full.
     pub overloaded: AtomicU64,
     /// Requests submitted and not yet answered in full.
     pub in_flight: AtomicUsize,
     ttft: Histogram,
     queue_wait: Histogram,
+    /// Connections open now.
+    pub connections_open: AtomicUsize,
+    /// Connections accepted and served.
+    pub connections_accepted: AtomicU64,
+    /// Connections refused past `--max-connections`.
+    pub connections_refused: AtomicU64,
+    /// Connections closed because a request's headers did not arrive in time.
+    pub header_timeouts: AtomicU64,
+    /// Keep-alive connections closed after their idle time.
+    pub idle_closed: AtomicU64,
 }
 
+/// The reasons of `kvcache_requests_rejected_total{reason}`, one per 4xx
+/// status the server answers ([`crate::error::ApiError::reason`]).
+pub const REJECT_REASONS: [&str; 7] = [
+    "invalid_request",
+    "unauthorized",
+    "not_found",
+    "method_not_allowed",
+    "timeout",
+    "too_large",
+    "other",
+];
+
 impl Metrics {
+    /// Counts one request refused with a 4xx for `reason` (one of
+    /// [`REJECT_REASONS`]; anything else counts as `other`).
+    pub fn reject(&self, reason: &str) {
+        let i = REJECT_REASONS
+            .iter()
+            .position(|&r| r == reason)
+            .unwrap_or(REJECT_REASONS.len() - 1);
+        self.rejected[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests refused with a 4xx for `reason` so far.
+    pub fn rejected(&self, reason: &str) -> u64 {
+        REJECT_REASONS
+            .iter()
+            .position(|&r| r == reason)
+            .map_or(0, |i| self.rejected[i].load(Ordering::Relaxed))
+    }
+
     /// Records one time to first token.
     pub fn observe_ttft(&self, ttft: Duration) {
         self.ttft.observe(ttft);
@@ -205,17 +245,45 @@ impl Metrics {
             load(&self.requests),
         );
         metric(
-            "kvcache_requests_rejected_total",
-            "counter",
-            "Requests refused as invalid.",
-            load(&self.rejected),
-        );
-        metric(
             "kvcache_requests_overloaded_total",
             "counter",
             "Requests refused with 503 because the queue was full.",
             load(&self.overloaded),
         );
+        metric(
+            "kvcache_connections_open",
+            "gauge",
+            "HTTP connections open.",
+            self.connections_open.load(Ordering::Relaxed) as f64,
+        );
+        metric(
+            "kvcache_connections_accepted_total",
+            "counter",
+            "HTTP connections accepted and served.",
+            load(&self.connections_accepted),
+        );
+        metric(
+            "kvcache_connections_refused_total",
+            "counter",
+            "HTTP connections refused (503, closed) because --max-connections were open.",
+            load(&self.connections_refused),
+        );
+        let name = "kvcache_requests_rejected_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Requests refused with a 4xx, by reason.\n# TYPE {name} counter"
+        );
+        for (reason, count) in REJECT_REASONS.iter().zip(&self.rejected) {
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", load(count));
+        }
+        let name = "kvcache_connections_timed_out_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} HTTP connections closed by a timeout: headers not complete within \
+             --header-timeout, or idle past --keep-alive-timeout.\n# TYPE {name} counter"
+        );
+        let _ = writeln!(out, "{name}{{phase=\"headers\"}} {}", load(&self.header_timeouts));
+        let _ = writeln!(out, "{name}{{phase=\"idle\"}} {}", load(&self.idle_closed));
         self.ttft.render(
             &mut out,
             "kvcache_time_to_first_token_seconds",
@@ -336,6 +404,27 @@ mod tests {
         assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"5\"} 1\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_count 2\n"));
     }
+    #[test]
+    fn rejections_are_counted_by_reason() {
+        let m = Metrics::default();
+        m.reject("unauthorized");
+        m.reject("unauthorized");
+        m.reject("too_large");
+        m.reject("no such reason");
+        let text = m.render(&Gauges::default(), None);
+        assert!(text.contains("kvcache_requests_rejected_total{reason=\"unauthorized\"} 2\n"));
+        assert!(text.contains("kvcache_requests_rejected_total{reason=\"too_large\"} 1\n"));
+        assert!(text.contains("kvcache_requests_rejected_total{reason=\"other\"} 1\n"));
+        assert!(text.contains("kvcache_requests_rejected_total{reason=\"timeout\"} 0\n"));
+        assert_eq!(m.rejected("unauthorized"), 2);
+        assert_eq!(
+            text.matches("# TYPE kvcache_requests_rejected_total counter")
+                .count(),
+            1
+        );
+        assert!(text.contains("kvcache_connections_timed_out_total{phase=\"headers\"} 0\n"));
+    }
+
     #[test]
     fn store_counters_come_per_tier() {
         let tier = |name, hits, puts| kvcache_store::TierStats {

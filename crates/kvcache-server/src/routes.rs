@@ -20,6 +20,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
 use crate::access::{self, AccessRecord};
+use crate::config::ApiKey;
 use crate::error::ApiError;
 use crate::generation::{
     check, refuse_unsupported_chat, refuse_unsupported_completion, Checked, Generation, Piece,
@@ -39,7 +40,10 @@ pub fn router(state: AppState) -> Router {
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .layer(axum::middleware::from_fn(json_errors))
-        .layer(axum::middleware::from_fn(access::layer))
+        .layer(axum::middleware::from_fn_with_state(
+            state.metrics.clone(),
+            access::layer,
+        ))
         .with_state(state)
 }
 
@@ -51,45 +55,42 @@ pub struct Tenant(pub Option<String>);
 /// Before any handler: the API key of a `/v1` request when keys are
 /// configured (401 otherwise; `/health` and `/metrics` stay open), then the
 /// whole body, read within `body_timeout` (408) and `body_limit` (413).
+///
+/// A refusal leaves the connection usable or closes it: the body of a
+/// refused request is read and dropped (within a bound) so that the next
+/// request on a keep-alive connection starts where it should, and when it
+/// cannot be (too large, too slow), the answer says `Connection: close`.
 async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let (mut parts, body) = request.into_parts();
+    let record = parts
+        .extensions
+        .get::<AccessRecord>()
+        .cloned()
+        .unwrap_or_default();
+    let mut stream = body.into_data_stream();
+    let limit = state.config.body_limit;
     let mut tenant = Tenant(None);
     if !state.config.api_keys.is_empty() && parts.uri.path().starts_with("/v1") {
-        let sent = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        let Some(sent) = sent else {
-            return ApiError::unauthorized("You didn't provide an API key (Authorization: Bearer KEY)")
-                .into_response();
-        };
-        // Compare every key in full, whatever matches, so the time taken
-        // says nothing about how close a wrong key came.
-        let mut found = None;
-        for key in &state.config.api_keys {
-            if constant_time_eq(key.key.as_bytes(), sent.as_bytes()) {
-                found = Some(key);
+        let key = match authenticate(&state.config.api_keys, &parts.headers) {
+            Ok(key) => key,
+            Err(error) => {
+                let drained = linger(&mut stream, limit).await;
+                return refuse(error, !drained);
             }
-        }
-        let Some(key) = found else {
-            return ApiError::unauthorized("Incorrect API key provided").into_response();
         };
+        record.tenant(&key.tenant.clone().unwrap_or_else(|| key.namespace()));
         tenant = Tenant(Some(key.namespace()));
     }
     parts.extensions.insert(tenant);
-    let limit = state.config.body_limit;
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     use futures_util::StreamExt;
-    let mut stream = body.into_data_stream();
     if declared.is_some_and(|n| n > limit as u64) {
-        linger(&mut stream, limit).await;
-        return ApiError::too_large(limit).into_response();
+        let drained = linger(&mut stream, limit).await;
+        return refuse(ApiError::too_large(limit), !drained);
     }
     let read = async {
         let mut bytes = Vec::new();
@@ -97,7 +98,6 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
             let chunk =
                 chunk.map_err(|e| ApiError::invalid(None, format!("Could not read the body: {e}")))?;
             if bytes.len() + chunk.len() > limit {
-                linger(&mut stream, limit).await;
                 return Err(ApiError::too_large(limit));
             }
             bytes.extend_from_slice(&chunk);
@@ -106,28 +106,81 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
     };
     let bytes = match tokio::time::timeout(state.config.body_timeout, read).await {
         Ok(Ok(bytes)) => bytes,
-        Ok(Err(e)) => return e.into_response(),
-        Err(_) => return ApiError::body_timeout(state.config.body_timeout).into_response(),
+        Ok(Err(e)) if e.status == StatusCode::PAYLOAD_TOO_LARGE => {
+            let drained = linger(&mut stream, limit).await;
+            return refuse(e, !drained);
+        }
+        // The body is broken or cut short: nothing more to read on this
+        // connection.
+        Ok(Err(e)) => return refuse(e, true),
+        Err(_) => return refuse(ApiError::body_timeout(state.config.body_timeout), true),
     };
     next.run(Request::from_parts(parts, Body::from(bytes))).await
 }
 
-/// Reads and drops what is left of a body refused as too large, up to four
+/// The key a request's `Authorization` header names: `Bearer KEY`, the
+/// scheme in any case (RFC 7235), the key compared in full against every
+/// configured one whatever matches, so the time taken says nothing about
+/// how close a wrong key came.
+fn authenticate<'k>(keys: &'k [ApiKey], headers: &axum::http::HeaderMap) -> Result<&'k ApiKey, ApiError> {
+    let sent = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, key) = v.trim().split_once(char::is_whitespace)?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+        });
+    let Some(sent) = sent else {
+        return Err(ApiError::unauthorized(
+            "You didn't provide an API key (Authorization: Bearer KEY)",
+        ));
+    };
+    let mut found = None;
+    for key in keys {
+        if constant_time_eq(key.key.as_bytes(), sent.as_bytes()) {
+            found = Some(key);
+        }
+    }
+    found.ok_or_else(|| ApiError::unauthorized("Incorrect API key provided"))
+}
+
+/// `error` as a response, with `Connection: close` when `close` (what is
+/// left of the request's body was not read: the connection cannot carry
+/// another request).
+fn refuse(error: ApiError, close: bool) -> Response {
+    let mut response = error.into_response();
+    if close {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// Reads and drops what is left of a refused request's body, up to four
 /// times the limit and for at most a second, so that a client still writing
-/// it reads the 413 rather than a broken connection (a lingering close, as
-/// web servers do); a larger or slower body gets the answer regardless.
-async fn linger(stream: &mut axum::body::BodyDataStream, limit: usize) {
+/// it reads the answer rather than a broken connection (a lingering close,
+/// as web servers do); whether the body was read to its end.
+async fn linger(stream: &mut axum::body::BodyDataStream, limit: usize) -> bool {
     use futures_util::StreamExt;
     let drain = async {
         let mut dropped = 0usize;
-        while let Some(Ok(chunk)) = stream.next().await {
-            dropped += chunk.len();
-            if dropped > 4 * limit {
-                break;
+        loop {
+            match stream.next().await {
+                None => return true,
+                Some(Err(_)) => return false,
+                Some(Ok(chunk)) => {
+                    dropped += chunk.len();
+                    if dropped > 4 * limit {
+                        return false;
+                    }
+                }
             }
         }
     };
-    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+    tokio::time::timeout(Duration::from_secs(1), drain)
+        .await
+        .unwrap_or(false)
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -171,15 +224,24 @@ async fn json_errors(request: Request, next: Next) -> Response {
     out
 }
 
-/// Puts the request under its key's tenant: the namespace is the key's
-/// prefix, then `:` and the salt if the request sent one. Salts of two keys
-/// never meet, and requests without a salt are kept apart too.
+/// Puts the request under its key's tenant. The salt is checked as the
+/// client sent it (1 to 128 bytes, the usual characters); under a key the
+/// namespace is the key's prefix, then `:` and the SHA-256 of the salt in
+/// hex when the request sent one (98 bytes whatever the salt, so a salt of
+/// the full 128 bytes fits under a key as it does without one). Salts of two
+/// keys never meet, and requests without a salt are kept apart too.
 fn apply_tenant(tenant: &Tenant, salt: &mut Option<String>) -> Result<(), ApiError> {
     kvcache_api::Namespace::from_salt(salt.as_deref())
         .map_err(|e| ApiError::invalid(Some("cache_salt"), e.to_string()))?;
     if let Some(prefix) = &tenant.0 {
         *salt = Some(match salt.take() {
-            Some(s) => format!("{prefix}:{s}"),
+            Some(s) => {
+                use sha2::{Digest, Sha256};
+                format!(
+                    "{prefix}:{}",
+                    kvcache_api::host::hex(&Sha256::digest(s.as_bytes()))
+                )
+            }
             None => prefix.clone(),
         });
     }
@@ -189,18 +251,6 @@ fn apply_tenant(tenant: &Tenant, salt: &mut Option<String>) -> Result<(), ApiErr
 /// Parses a JSON body, answering malformed JSON and wrong types with a 400.
 fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(None, format!("Invalid request body: {e}")))
-}
-
-/// Counts a refusal, notes it for the access log and passes it on.
-fn rejected(state: &AppState, record: &AccessRecord, error: ApiError) -> ApiError {
-    record.error(&error.message);
-    if error.status.is_client_error() {
-        state
-            .metrics
-            .rejected
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-    error
 }
 
 async fn chat_completions(
@@ -230,7 +280,7 @@ async fn chat_completions(
     .await;
     match result {
         Ok((model, checked)) => respond(state, Kind::Chat, model, checked, started, record).await,
-        Err(e) => rejected(&state, &record, e).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -264,7 +314,7 @@ async fn completions(
     .await;
     match result {
         Ok((model, checked)) => respond(state, Kind::Completion, model, checked, started, record).await,
-        Err(e) => rejected(&state, &record, e).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -426,23 +476,107 @@ impl Header {
     }
 }
 
-/// Log-probabilities as the API of `kind` writes them, from `offset`
-/// characters into the answer (completions' `text_offset`).
+/// Log-probabilities as the API of `kind` writes them, token by token as a
+/// stream hands them out.
+///
+/// They add up to the answer's text: a control token the text leaves out
+/// (`<|im_start|>` forced by a bias; the end-of-turn token never has an
+/// entry) is left out here too, so the tokens' bytes, joined, are the text's
+/// bytes. A token that is not whole UTF-8 on its own (part of a character
+/// split across tokens) is written as OpenAI writes it: in completions'
+/// `tokens` and `top_logprobs` as `bytes:` and its bytes escaped (`\xf0\x9f`;
+/// printable ASCII as itself), in chat's `token` as the escaped bytes, its
+/// `bytes` exact. Completions' `text_offset` counts characters of the text
+/// before the token; one that continues a split character has the offset of
+/// that character.
 #[derive(Debug, Clone)]
 struct Logprobs {
     kind: Kind,
     tokenizer: std::sync::Arc<dyn Tokenizer>,
-    offset: usize,
+    /// Characters of the answer before the next token.
+    chars: usize,
+    /// The bytes of a character not yet complete at the end of the tokens so far.
+    tail: Vec<u8>,
+}
+
+/// `bytes` escaped: printable ASCII (but `\\`) as itself, every other byte as `\xNN`.
+fn escape_bytes(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(bytes.len() * 4);
+    for &b in bytes {
+        if (0x20..0x7f).contains(&b) && b != b'\\' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+    out
+}
+
+/// Characters in `bytes` as a lossy UTF-8 decoding counts them (one per
+/// invalid sequence), leaving an incomplete character at the end in
+/// `bytes`.
+fn take_chars(bytes: &mut Vec<u8>) -> usize {
+    let mut chars = 0;
+    loop {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => {
+                chars += text.chars().count();
+                bytes.clear();
+                return chars;
+            }
+            Err(e) => {
+                let valid = e.valid_up_to();
+                chars += std::str::from_utf8(&bytes[..valid]).map_or(0, |t| t.chars().count());
+                match e.error_len() {
+                    // Cut short at the end: wait for the rest.
+                    None => {
+                        bytes.drain(..valid);
+                        return chars;
+                    }
+                    // Invalid: one replacement character.
+                    Some(n) => {
+                        chars += 1;
+                        bytes.drain(..valid + n);
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Logprobs {
+    fn new(kind: Kind, tokenizer: std::sync::Arc<dyn Tokenizer>) -> Self {
+        Logprobs {
+            kind,
+            tokenizer,
+            chars: 0,
+            tail: Vec::new(),
+        }
+    }
+
+    /// Token `id` as the API writes it, and its bytes.
     fn token(&self, id: u32) -> (String, Vec<u8>) {
         let bytes = self.tokenizer.token_bytes(id);
-        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        let text = match std::str::from_utf8(&bytes) {
+            Ok(text) => text.to_owned(),
+            Err(_) if self.kind == Kind::Completion => format!("bytes:{}", escape_bytes(&bytes)),
+            Err(_) => escape_bytes(&bytes),
+        };
+        (text, bytes)
+    }
+
+    /// Whether `id` is a control token, which the answer's text leaves out.
+    fn is_control(&self, id: u32) -> bool {
+        self.tokenizer
+            .decode_text(&[id])
+            .is_ok_and(|text| text.is_empty())
+            && !self.tokenizer.token_bytes(id).is_empty()
     }
 
     /// The `logprobs` of a choice holding the tokens of `lps`.
     fn render(&mut self, lps: &[TokenLogprobs]) -> Value {
+        let lps: Vec<&TokenLogprobs> = lps.iter().filter(|lp| !self.is_control(lp.token)).collect();
         match self.kind {
             Kind::Chat => {
                 let content: Vec<Value> = lps
@@ -466,9 +600,10 @@ impl Logprobs {
                 let (mut tokens, mut token_logprobs, mut top, mut offsets) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for lp in lps {
-                    let (token, _) = self.token(lp.token);
-                    offsets.push(self.offset);
-                    self.offset += token.chars().count();
+                    let (token, bytes) = self.token(lp.token);
+                    offsets.push(self.chars);
+                    self.tail.extend_from_slice(&bytes);
+                    self.chars += take_chars(&mut self.tail);
                     tokens.push(token);
                     token_logprobs.push(lp.logprob);
                     let alternatives: serde_json::Map<String, Value> = lp
@@ -493,17 +628,14 @@ async fn respond(
     record: AccessRecord,
 ) -> Response {
     let (stream, include_usage) = (checked.stream, checked.include_usage);
-    let logprobs = checked.options.logprobs.is_some().then(|| Logprobs {
-        kind,
-        tokenizer: state.tokenizer.clone(),
-        offset: 0,
-    });
+    let logprobs = checked
+        .options
+        .logprobs
+        .is_some()
+        .then(|| Logprobs::new(kind, state.tokenizer.clone()));
     let generation = match Generation::start(&state, checked, started, record.clone()) {
         Ok(g) => g,
-        Err(e) => {
-            record.error(&e.message);
-            return e.into_response();
-        }
+        Err(e) => return e.into_response(),
     };
     let header = Header::new(kind, model);
     if stream {
@@ -526,7 +658,6 @@ async fn respond(
             }
             Err(e) => {
                 tracing::error!(error = %e.message, "a request failed on the engine");
-                record.error(&e.message);
                 return e.into_response();
             }
         }
@@ -596,7 +727,7 @@ fn sse_events(
                 }
                 Some(Err(e)) => {
                     tracing::error!(error = %e.message, "a streamed request failed on the engine");
-                    s.record.error(&e.message);
+                    s.record.refused(&e);
                     s.queue.push_back(data(&e.body()));
                     s.done = true;
                 }
@@ -667,6 +798,20 @@ mod tests {
             config: Arc::new(ServerConfig::default()),
             metrics: Arc::default(),
         }
+    }
+
+    #[test]
+    fn split_characters_are_escaped_and_counted_once_whole() {
+        assert_eq!(escape_bytes(b"a \\\xf0\x9f"), "a \\x5c\\xf0\\x9f");
+        // 😀 (4 bytes) split 2 + 2, then "é" and an invalid byte.
+        let mut tail = vec![0xf0, 0x9f];
+        assert_eq!((take_chars(&mut tail), tail.len()), (0, 2));
+        tail.extend_from_slice(&[0x98, 0x80]);
+        assert_eq!((take_chars(&mut tail), tail.len()), (1, 0));
+        tail.extend_from_slice("é".as_bytes());
+        tail.push(0xff);
+        tail.push(b'x');
+        assert_eq!((take_chars(&mut tail), tail.len()), (3, 0));
     }
 
     #[tokio::test]

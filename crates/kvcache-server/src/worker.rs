@@ -433,6 +433,17 @@ fn serve<M: Model>(
         for (id, lp) in engine.take_logprobs() {
             logprobs.entry(id).or_default().push_back(lp);
         }
+        // Requests that took a sequence in this pass, before their tokens
+        // (and their end: one that finishes in its first pass is still told
+        // how long it waited; its end carries its cached tokens).
+        for (id, waited) in joined {
+            if let Some(tx) = jobs.get(&id) {
+                let _ = tx.send(JobEvent::Started {
+                    cached_tokens: engine.reused_tokens(id).unwrap_or(0),
+                    waited,
+                });
+            }
+        }
         for (id, mut event) in outgoing {
             if let JobEvent::Token { logprobs: lp, .. } = &mut event {
                 *lp = logprobs.get_mut(&id).and_then(|q| q.pop_front());
@@ -452,14 +463,6 @@ fn serve<M: Model>(
             for (id, tx) in jobs.drain() {
                 let _ = tx.send(JobEvent::Failed(error.to_string()));
                 engine.cancel(id)?;
-            }
-        }
-        for (id, waited) in joined {
-            if let (Some(tx), Some(cached_tokens)) = (jobs.get(&id), engine.reused_tokens(id)) {
-                let _ = tx.send(JobEvent::Started {
-                    cached_tokens,
-                    waited,
-                });
             }
         }
         for id in closed {

@@ -323,7 +323,19 @@ async fn bad_requests_get_openai_errors_and_the_server_carries_on() {
     assert!(server.alive());
     let answer = chat(&client, ok).await;
     assert!(answer.usage.is_some());
-    assert_eq!(server.metric("kvcache_requests_rejected_total").await, 9.0);
+    // By reason: the eight 400s and the unknown model's 404.
+    assert_eq!(
+        server
+            .metric("kvcache_requests_rejected_total{reason=\"invalid_request\"}")
+            .await,
+        8.0
+    );
+    assert_eq!(
+        server
+            .metric("kvcache_requests_rejected_total{reason=\"not_found\"}")
+            .await,
+        1.0
+    );
     let models: Value = reqwest::get(format!("{}/models", server.api_base()))
         .await
         .unwrap()

@@ -298,3 +298,172 @@ async fn parameters_out_of_range_or_not_implemented_are_400_naming_them() {
     .await;
     assert_eq!(status, 200, "{e}");
 }
+
+/// A legacy token as bytes: `bytes:` and `\xNN` escapes (printable ASCII as
+/// itself) for a token that is not whole UTF-8, else its text.
+fn legacy_bytes(token: &str) -> Vec<u8> {
+    let Some(escaped) = token.strip_prefix("bytes:") else {
+        return token.as_bytes().to_vec();
+    };
+    let mut out = Vec::new();
+    let b = escaped.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && b.get(i + 1) == Some(&b'x') {
+            out.push(u8::from_str_radix(&escaped[i + 2..i + 4], 16).unwrap());
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The legacy log-probabilities of `answer` add up to its text: the tokens'
+/// bytes joined are the text's, and each `text_offset` is the number of
+/// whole characters before the token.
+fn assert_logprobs_make_the_text(answer: &Value) {
+    let choice = &answer["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    let lp = &choice["logprobs"];
+    let tokens: Vec<Vec<u8>> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| legacy_bytes(t.as_str().unwrap()))
+        .collect();
+    assert_eq!(tokens.concat(), text.as_bytes(), "{answer}");
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets.len(), tokens.len());
+    let mut start = 0;
+    for (token, &offset) in tokens.iter().zip(&offsets) {
+        let mut whole = start;
+        while !text.is_char_boundary(whole) {
+            whole -= 1;
+        }
+        assert_eq!(offset, text[..whole].chars().count() as u64, "{answer}");
+        start += token.len();
+    }
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), tokens.len());
+}
+
+#[tokio::test]
+async fn legacy_logprobs_tokens_join_to_the_text() {
+    let Some(server) = Server::start(&[]) else { return };
+    // Emoji split across tokens (SmolLM2 writes 😀 as two byte tokens).
+    let body = json!({"model": MODEL, "prompt": "Smile 😀 ok 😀 ok 😀 ok 😀 ok", "max_tokens": 12,
+                      "temperature": 0, "logprobs": 1});
+    let (status, answer) = post(&server, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let text = answer["choices"][0]["text"].as_str().unwrap();
+    assert!(text.contains('😀'), "{answer}");
+    let tokens = answer["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    assert!(
+        tokens.iter().any(|t| t.as_str().unwrap().starts_with("bytes:")),
+        "no split character: {answer}"
+    );
+    assert_logprobs_make_the_text(&answer);
+    // Streamed: the chunks' tokens and offsets continue one another.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = reqwest::Client::new()
+        .post(format!("{}/v1/completions", server.base))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut joined = json!({"choices": [{"text": "", "logprobs": {"tokens": [], "text_offset": [], "token_logprobs": []}}]});
+    for data in events.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        let choice = &chunk["choices"][0];
+        let text = format!(
+            "{}{}",
+            joined["choices"][0]["text"].as_str().unwrap(),
+            choice["text"].as_str().unwrap_or("")
+        );
+        joined["choices"][0]["text"] = json!(text);
+        if let Some(lp) = choice["logprobs"].as_object() {
+            for key in ["tokens", "text_offset", "token_logprobs"] {
+                let more = lp[key].as_array().unwrap().clone();
+                joined["choices"][0]["logprobs"][key]
+                    .as_array_mut()
+                    .unwrap()
+                    .extend(more);
+            }
+        }
+    }
+    assert_eq!(joined["choices"][0]["text"], answer["choices"][0]["text"]);
+    assert_logprobs_make_the_text(&joined);
+
+    // Control tokens: forced `<|im_start|>` never shows in the text, so not in the tokens either.
+    let t = tokenizer();
+    let im_start = t.encode("<|im_start|>").unwrap()[0];
+    let body = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+                      "logprobs": 0, "logit_bias": { im_start.to_string(): 100 }});
+    let (status, answer) = post(&server, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 4);
+    assert_logprobs_make_the_text(&answer);
+    // In chat the same: every entry's bytes joined are the content.
+    let (status, answer) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat(json!({"logprobs": true, "logit_bias": { im_start.to_string(): 100 }, "max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let content = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    let bytes: Vec<u8> = answer["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|e| {
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(bytes, content.as_bytes(), "{answer}");
+}
+
+#[tokio::test]
+async fn an_empty_stop_sequence_is_a_400_naming_stop() {
+    let Some(server) = Server::start(&[]) else { return };
+    for (path, mut body) in [
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+        ),
+        ("/v1/chat/completions", chat(json!({"max_tokens": 2}))),
+    ] {
+        for stop in [json!(""), json!(["a", ""])] {
+            for stream in [false, true] {
+                body["stop"] = stop.clone();
+                body["stream"] = json!(stream);
+                let (status, e) = post(&server, path, &body).await;
+                assert_eq!(status, 400, "{path} {stop} stream {stream}: {e}");
+                assert_eq!(e["error"]["param"], "stop", "{e}");
+                assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+            }
+        }
+        // A real stop sequence still works.
+        body["stop"] = json!(["\n\n"]);
+        body["stream"] = json!(false);
+        let (status, e) = post(&server, path, &body).await;
+        assert_eq!(status, 200, "{e}");
+    }
+}

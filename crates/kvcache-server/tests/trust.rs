@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{tokenizer, Server};
+use common::{access_lines, tokenizer, Server};
 use kvcache_models::tokenizer::{chatml, Message, Role};
 use serde_json::{json, Value};
 
@@ -109,16 +109,6 @@ async fn a_benign_chat_has_the_prompt_it_had_before() {
     let before = t.encode(&chatml(&chat, true)).unwrap();
     assert_eq!(t.chatml_ids(&chat, true).unwrap(), before);
     prompt_is(&server, "benign", json!(messages), &before).await;
-}
-
-/// The access log lines (JSON) written so far, by request id.
-fn access_lines(log: &std::sync::Mutex<Vec<String>>) -> Vec<Value> {
-    log.lock()
-        .unwrap()
-        .iter()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|v| v["target"] == "kvcache_server::access")
-        .collect()
 }
 
 /// Waits (up to 30 s) for the access line of `id`: a streamed body is logged
@@ -236,4 +226,280 @@ async fn every_request_has_an_id_and_an_access_line() {
         .unwrap();
     assert_eq!(health.status(), 200);
     assert!(health.headers().contains_key("x-request-id"));
+}
+
+/// The access lines of request `id` once there is one (and a moment for a
+/// second, which must not come).
+async fn lines_of(log: &std::sync::Mutex<Vec<String>>, id: &str) -> Vec<Value> {
+    access_line(log, id).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    access_lines(log)
+        .into_iter()
+        .filter(|v| v["request_id"] == id)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_has_exactly_one_access_line_however_it_ends() {
+    use std::io::Write;
+    let Some((server, log)) = Server::start_logged(&["--log-format", "json"]) else {
+        return;
+    };
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", server.base);
+    // Long answers: the end-of-text tokens banned.
+    let long = json!({"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 400, "temperature": 0,
+                      "logit_bias": {"0": -100, "1": -100, "2": -100}});
+    let short = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0});
+
+    // Finished, not streamed.
+    let r = client
+        .post(&url)
+        .header("x-request-id", "end-done")
+        .json(&short)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.text().await.unwrap();
+    // Finished, streamed.
+    let mut streamed = short.clone();
+    streamed["stream"] = json!(true);
+    let r = client
+        .post(&url)
+        .header("x-request-id", "end-stream")
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+    // Refused.
+    let r = client
+        .post(&url)
+        .header("x-request-id", "end-refused")
+        .json(&json!({"model": MODEL}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // A stream dropped after its first event.
+    let mut dropped = long.clone();
+    dropped["stream"] = json!(true);
+    let mut r = client
+        .post(&url)
+        .header("x-request-id", "end-dropped")
+        .json(&dropped)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.chunk().await.unwrap().is_some());
+    drop(r);
+    // Not streamed, the client gone before the answer.
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
+    let body = long.to_string();
+    let mut socket = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-request-id: end-gone\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // Until the engine runs it, then away.
+    for _ in 0..100 {
+        if server.metric("kvcache_requests_in_flight").await == 2.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    drop(socket);
+    server.wait_metric("kvcache_requests_cancelled_total", 2.0).await;
+
+    for (id, status, finish) in [
+        ("end-done", 200, Some("length")),
+        ("end-stream", 200, Some("length")),
+        ("end-refused", 400, None),
+        ("end-dropped", 200, Some("cancelled")),
+        ("end-gone", 499, Some("cancelled")),
+    ] {
+        let lines = lines_of(&log, id).await;
+        assert_eq!(lines.len(), 1, "{id}: {lines:?}");
+        let line = &lines[0];
+        assert_eq!(line["status"], status, "{id}: {line}");
+        assert_eq!(line["finish_reason"].as_str(), finish, "{id}: {line}");
+        let cut = finish == Some("cancelled");
+        assert_eq!(line["disconnected"], cut, "{id}: {line}");
+        if cut {
+            let made = line["completion_tokens"].as_u64().unwrap_or(0);
+            assert!(made < 400, "{id}: {line}");
+        }
+    }
+    assert_eq!(
+        lines_of(&log, "end-refused").await[0]["reason"],
+        "invalid_request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_counted_by_reason_and_logged_with_reason_and_tenant() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "sk-alice alice\n").unwrap();
+    let Some((server, log)) = Server::start_logged(&[
+        "--log-format",
+        "json",
+        "--api-keys-file",
+        keys.to_str().unwrap(),
+        "--body-timeout",
+        "1",
+    ]) else {
+        return;
+    };
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", server.base);
+    let send = |id: &str, request: reqwest::RequestBuilder| request.header("x-request-id", id).send();
+    let ok = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 1});
+    let r = send("no-key", client.post(&url).json(&ok)).await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = send("method", client.get(&url).bearer_auth("sk-alice"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    let huge = json!({"model": MODEL, "prompt": "a".repeat(3 << 20)});
+    let r = send("huge", client.post(&url).bearer_auth("sk-alice").json(&huge))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let mut bad_stop = ok.clone();
+    bad_stop["stop"] = json!(["a", ""]);
+    let r = send("stop", client.post(&url).bearer_auth("sk-alice").json(&bad_stop))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // A body that stops coming: 408, and the connection is closed.
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
+    let mut socket = std::net::TcpStream::connect(&addr).unwrap();
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-request-id: stalled\r\nauthorization: Bearer sk-alice\r\n\
+         content-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"model\":"
+    )
+    .unwrap();
+    let (status, head, _) = common::read_response(&mut socket).unwrap();
+    assert_eq!(status, 408, "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+
+    for (reason, count) in [
+        ("unauthorized", 1.0),
+        ("method_not_allowed", 1.0),
+        ("too_large", 1.0),
+        ("invalid_request", 1.0),
+        ("timeout", 1.0),
+        ("not_found", 0.0),
+    ] {
+        let name = format!("kvcache_requests_rejected_total{{reason=\"{reason}\"}}");
+        assert_eq!(server.metric(&name).await, count, "{name}");
+    }
+    for (id, status, reason, tenant) in [
+        ("no-key", 401, "unauthorized", None),
+        ("method", 405, "method_not_allowed", Some("alice")),
+        ("huge", 413, "too_large", Some("alice")),
+        ("stop", 400, "invalid_request", Some("alice")),
+        ("stalled", 408, "timeout", Some("alice")),
+    ] {
+        let line = access_line(&log, id).await;
+        assert_eq!(line["status"], status, "{id}: {line}");
+        assert_eq!(line["reason"], reason, "{id}: {line}");
+        assert!(
+            line["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{id}: {line}"
+        );
+        assert_eq!(line["tenant"].as_str(), tenant, "{id}: {line}");
+    }
+    // An answered request names its tenant too; the key is never logged.
+    let r = send("answered", client.post(&url).bearer_auth("sk-alice").json(&ok))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(access_line(&log, "answered").await["tenant"], "alice");
+    assert!(!log.lock().unwrap().iter().any(|l| l.contains("sk-alice")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_stderr_line_is_json_in_json_mode() {
+    let Some((mut server, log)) =
+        Server::start_logged(&["--log-format", "json", "--max-connections", "100000"])
+    else {
+        return;
+    };
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", server.base))
+        .json(&json!({"model": MODEL, "prompt": "Hi", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.text().await;
+    let status = tokio::task::spawn_blocking(move || server.terminate(std::time::Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let lines = log.lock().unwrap().clone();
+    // Loading, listening, the request, shutting down at least.
+    assert!(lines.len() >= 4, "{lines:?}");
+    for line in &lines {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line:?}"));
+        assert!(v.is_object() && v["level"].is_string(), "{line}");
+    }
+    assert!(lines.iter().any(|l| l.contains("loading the model")), "{lines:?}");
+
+    // Start-up errors, and a bad argument, are JSON too.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
+        .args(["--log-format", "json", "--port", "not-a-port"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# none\n").unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
+        .args([
+            "--log-format",
+            "json",
+            "--model",
+            "/nonexistent.gguf",
+            "--api-keys-file",
+        ])
+        .arg(&keys)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    for output in [&bad, &refused] {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.trim().is_empty());
+        for line in stderr.lines() {
+            let v: Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line:?}"));
+            assert_eq!(v["level"], "ERROR", "{line}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_wait_is_observed_once_per_request() {
+    let Some(server) = Server::start(&[]) else { return };
+    // One-token answers finish in the pass that admits them.
+    for (i, max_tokens) in [1, 1, 1, 1, 3, 3].into_iter().enumerate() {
+        post(
+            &server,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": format!("Request {i}"), "max_tokens": max_tokens}),
+        )
+        .await;
+    }
+    assert_eq!(server.metric("kvcache_queue_wait_seconds_count").await, 6.0);
 }

@@ -188,3 +188,80 @@ pub fn metric_value(text: &str, name: &str) -> f64 {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("metric {name} missing"))
 }
+
+/// One HTTP/1.1 answer read off a raw socket: its status, its head (status
+/// line and headers, lower-cased) and its body (`content-length` bytes; an
+/// answer without one is read to the end of the connection).
+pub fn read_response(stream: &mut std::net::TcpStream) -> std::io::Result<(u16, String, Vec<u8>)> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        if stream.read(&mut byte)? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("closed after {:?}", String::from_utf8_lossy(&buf)),
+            ));
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).to_lowercase();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let mut body = Vec::new();
+    match length {
+        Some(n) => {
+            body.resize(n, 0);
+            stream.read_exact(&mut body)?;
+        }
+        None => {
+            stream.read_to_end(&mut body)?;
+        }
+    }
+    Ok((status, head, body))
+}
+
+/// Whether the server closed `stream` (end of file or reset) within
+/// `within`, reading and dropping whatever it sends first; how long it took.
+pub fn closed_within(stream: &mut std::net::TcpStream, within: Duration) -> Option<Duration> {
+    use std::io::Read;
+    let start = std::time::Instant::now();
+    let mut sink = [0u8; 1024];
+    while start.elapsed() < within {
+        let left = within
+            .saturating_sub(start.elapsed())
+            .max(Duration::from_millis(1));
+        stream.set_read_timeout(Some(left)).ok()?;
+        match stream.read(&mut sink) {
+            Ok(0) => return Some(start.elapsed()),
+            Ok(_) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return None
+            }
+            Err(_) => return Some(start.elapsed()),
+        }
+    }
+    None
+}
+
+/// The JSON access lines (target `kvcache_server::access`) in `log`.
+pub fn access_lines(log: &Mutex<Vec<String>>) -> Vec<serde_json::Value> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|v| v["target"] == "kvcache_server::access")
+        .collect()
+}
