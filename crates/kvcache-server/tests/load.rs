@@ -4,6 +4,11 @@
 //! must equal the same request run alone (on a server with one sequence and
 //! no reuse), nothing may be lost or garbled, and afterwards the cells, the
 //! gauges and the resident memory are back to their baseline.
+//!
+//! Beside them, slow clients (issue 36): one that opens connections and
+//! drips its headers, one that drips its bodies; each connection must be
+//! closed after the 2 s `--header-timeout`, each body answered 408 after the
+//! 2 s `--body-timeout`, never a 5xx, while the other clients are served.
 
 mod common;
 
@@ -98,6 +103,59 @@ async fn reference_requests(alone: &Server) -> Vec<(Value, String)> {
     out
 }
 
+/// Slow connections each slow client opens (bounded by the time cap too).
+const SLOW_CONNECTIONS: usize = 8;
+
+/// A slow client beside the load: `headers` drips a request's headers a byte
+/// every 200 ms, else the headers go at once and the body drips 10 bytes
+/// every 500 ms. Each connection must be closed (headers) or answered 408
+/// (body) within 2 to 8 s; the outcomes, or what was wrong.
+fn slow_client(addr: &str, headers: bool, started: Instant) -> Result<usize, String> {
+    use std::io::Write;
+    let body =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut done = 0;
+    while done < SLOW_CONNECTIONS && started.elapsed() < TIME_CAP {
+        let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        let opened = Instant::now();
+        if headers {
+            for b in head.bytes() {
+                if s.write_all(&[b]).is_err() || opened.elapsed() > Duration::from_secs(8) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            common::closed_within(&mut s, Duration::from_secs(8))
+                .ok_or("dripped headers: still open after 8 s")?;
+        } else {
+            s.write_all(head.as_bytes()).map_err(|e| e.to_string())?;
+            for chunk in body.as_bytes().chunks(10) {
+                if s.write_all(chunk).is_err() || opened.elapsed() > Duration::from_secs(8) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+            let (status, head, _) =
+                common::read_response(&mut s).map_err(|e| format!("dripped body: {e}"))?;
+            if status != 408 {
+                return Err(format!("dripped body answered {head}"));
+            }
+        }
+        let took = opened.elapsed();
+        if !(Duration::from_millis(1900)..Duration::from_secs(8)).contains(&took) {
+            return Err(format!("a slow connection ended after {took:?}"));
+        }
+        done += 1;
+    }
+    Ok(done)
+}
+
 #[derive(Debug, Default)]
 struct Tally {
     answered: usize,
@@ -115,7 +173,16 @@ async fn sixteen_streaming_clients_for_a_minute() {
     let references = std::sync::Arc::new(reference_requests(&alone).await);
     drop(alone);
 
-    let Some(server) = Server::start(&["--max-sequences", "12", "--idle-ttl", "2"]) else {
+    let Some(server) = Server::start(&[
+        "--max-sequences",
+        "12",
+        "--idle-ttl",
+        "2",
+        "--header-timeout",
+        "2",
+        "--body-timeout",
+        "2",
+    ]) else {
         return;
     };
     let http = reqwest::Client::new();
@@ -128,6 +195,14 @@ async fn sixteen_streaming_clients_for_a_minute() {
     let baseline_rss = server.rss_kib();
 
     let started = Instant::now();
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
+    let slow: Vec<_> = [true, false]
+        .into_iter()
+        .map(|headers| {
+            let addr = addr.clone();
+            std::thread::spawn(move || slow_client(&addr, headers, started))
+        })
+        .collect();
     let mut clients = Vec::new();
     for client in 0..CLIENTS {
         let (http, url, references) = (http.clone(), url.clone(), references.clone());
@@ -193,14 +268,19 @@ async fn sixteen_streaming_clients_for_a_minute() {
         total.refused += t.refused;
         total.wrong.extend(t.wrong);
     }
+    let slow: Vec<Result<usize, String>> = slow.into_iter().map(|t| t.join().unwrap()).collect();
     let elapsed = started.elapsed();
     eprintln!(
-        "load: {} answered, {} disconnected, {} refused in {:.1} s",
+        "load: {} answered, {} disconnected, {} refused in {:.1} s; slow clients: {slow:?} \
+         (dripped headers closed, dripped bodies answered 408)",
         total.answered,
         total.disconnected,
         total.refused,
         elapsed.as_secs_f64()
     );
+    for outcome in &slow {
+        assert!(outcome.as_ref().is_ok_and(|&n| n > 0), "{slow:?}");
+    }
     assert!(
         total.wrong.is_empty(),
         "{} wrong: {:#?}",

@@ -5,6 +5,11 @@
 //! themselves (invalid UTF-8, cut short, not JSON). Every answer must be a
 //! 4xx with an OpenAI-style JSON error or a valid 200 answer, and `/health`
 //! must stay ok after every batch. Bounded in count and in time.
+//!
+//! Beside each batch run slow clients (issue 36): headers dripped a byte at a
+//! time (closed after the 1 s `--header-timeout`), bodies dripped past the
+//! 1 s `--body-timeout` (408) and bodies dripped within it (answered). None
+//! may get a 5xx or hold its connection past its timeout.
 
 mod common;
 
@@ -18,6 +23,8 @@ const MODEL: &str = "SmolLM2-135M-Instruct";
 const REQUESTS: usize = 400;
 const BATCH: usize = 50;
 const SEED: u64 = 0x5eed_2024;
+/// Slow clients beside each batch.
+const SLOW_PER_BATCH: usize = 3;
 
 /// SplitMix64: small, seeded, enough for a sweep.
 struct Rng(u64);
@@ -261,11 +268,82 @@ fn judge(status: u16, content_type: &str, body: &[u8]) -> Result<&'static str, S
     Ok("200")
 }
 
+/// One slow client of `kind` (0: headers dripped, 1: body dripped past the
+/// body timeout, 2: body dripped within it) sending `body` to `path`; the
+/// outcome's name, or what was wrong.
+fn slow_client(addr: &str, kind: usize, path: &str, body: &[u8]) -> Result<String, String> {
+    use std::io::Write;
+    use std::time::Duration;
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    let started = Instant::now();
+    match kind {
+        0 => {
+            // A byte every 100 ms: the headers would take seconds.
+            for b in head.bytes() {
+                if s.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                if started.elapsed() > Duration::from_secs(6) {
+                    return Err("headers dripped for 6 s without the server closing".into());
+                }
+            }
+            match common::closed_within(&mut s, Duration::from_secs(5)) {
+                Some(_) if started.elapsed() < Duration::from_secs(6) => Ok("slow headers: closed".into()),
+                _ => Err(format!("slow headers open after {:?}", started.elapsed())),
+            }
+        }
+        _ => {
+            let pause = if kind == 1 { 300 } else { 40 };
+            let mut sent = s.write_all(head.as_bytes()).is_ok();
+            for chunk in body.chunks(body.len().div_ceil(8).max(1)) {
+                std::thread::sleep(Duration::from_millis(pause));
+                sent = sent && s.write_all(chunk).is_ok();
+            }
+            let what = if kind == 1 { "slow body" } else { "dripped body" };
+            match common::read_response(&mut s) {
+                Ok((status, head, answer)) => {
+                    if !(200..500).contains(&status) {
+                        return Err(format!("{what}: {head}"));
+                    }
+                    if (400..500).contains(&status) {
+                        let v: Value = serde_json::from_slice(&answer)
+                            .map_err(|_| format!("{what}: {status} not JSON"))?;
+                        if !v["error"]["message"].is_string() {
+                            return Err(format!("{what}: {status} without an OpenAI error"));
+                        }
+                    }
+                    Ok(format!("{what}: {status}"))
+                }
+                // Closed before an answer: only if the body never all went out.
+                Err(e) if !sent => Ok(format!("{what}: closed ({})", e.kind())),
+                Err(e) => Err(format!("{what}: no answer: {e}")),
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn random_bodies_get_a_4xx_or_a_valid_answer_and_the_server_stays_healthy() {
-    let Some(server) = Server::start(&["--default-max-tokens", "4"]) else {
+    let Some(server) = Server::start(&[
+        "--default-max-tokens",
+        "4",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--idle-ttl",
+        "1",
+    ]) else {
         return;
     };
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
         .build()
@@ -273,7 +351,15 @@ async fn random_bodies_get_a_4xx_or_a_valid_answer_and_the_server_stays_healthy(
     let mut rng = Rng(SEED);
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     let started = Instant::now();
+    let mut slow_outcomes: BTreeMap<String, usize> = BTreeMap::new();
     for batch in 0..REQUESTS / BATCH {
+        let slow: Vec<_> = (0..SLOW_PER_BATCH)
+            .map(|kind| {
+                let (path, bytes) = request(&mut rng);
+                let addr = addr.clone();
+                std::thread::spawn(move || slow_client(&addr, kind, path, &bytes))
+            })
+            .collect();
         for i in 0..BATCH {
             let (path, bytes) = request(&mut rng);
             let response = client
@@ -300,6 +386,12 @@ async fn random_bodies_get_a_4xx_or_a_valid_answer_and_the_server_stays_healthy(
                 ),
             }
         }
+        for client in slow {
+            match client.join().unwrap() {
+                Ok(outcome) => *slow_outcomes.entry(outcome).or_default() += 1,
+                Err(why) => panic!("batch {batch}: {why}"),
+            }
+        }
         let health: Value = reqwest::get(format!("{}/health", server.base))
             .await
             .unwrap()
@@ -314,9 +406,23 @@ async fn random_bodies_get_a_4xx_or_a_valid_answer_and_the_server_stays_healthy(
     }
     // Nothing left running or holding cells once the sweep is done.
     server.wait_metric("kvcache_requests_in_flight", 0.0).await;
+    server.wait_metric("kvcache_sequences_active", 0.0).await;
+    // Kept prefixes age out (`--idle-ttl 1`): every cell back.
+    server.wait_metric("kvcache_cells_in_use", 0.0).await;
     println!(
-        "sweep: {REQUESTS} requests (seed {SEED:#x}) in {:.1} s: {outcomes:?}",
-        started.elapsed().as_secs_f64()
+        "sweep: {REQUESTS} requests (seed {SEED:#x}) in {:.1} s: {outcomes:?}; slow clients: {slow_outcomes:?}; \
+         connections timed out in their headers: {}",
+        started.elapsed().as_secs_f64(),
+        server
+            .metric("kvcache_connections_timed_out_total{phase=\"headers\"}")
+            .await
+    );
+    let slow_total: usize = slow_outcomes.values().sum();
+    assert_eq!(slow_total, SLOW_PER_BATCH * REQUESTS / BATCH);
+    assert_eq!(
+        slow_outcomes.get("slow headers: closed"),
+        Some(&(REQUESTS / BATCH)),
+        "{slow_outcomes:?}"
     );
     let total: usize = outcomes.values().sum();
     assert_eq!(total, REQUESTS);
