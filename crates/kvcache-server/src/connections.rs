@@ -13,7 +13,7 @@
 //! - **Idle**: a connection with no request in progress and no byte of the
 //!   next one is closed after `keep_alive_timeout` since its last answer
 //!   (or since it opened), counted as `phase="idle"`; a zero timeout serves
-//!   one request per connection.
+//!   one request per connection (which waits `header_timeout` for it).
 //! - **How many**: at most `max_connections` at once; past it a new
 //!   connection gets a 503 in OpenAI's error shape with `Connection: close`
 //!   and `Retry-After`, and is closed (counted in
@@ -235,7 +235,12 @@ impl Activity {
             .idle_since
             .load(Ordering::Relaxed)
             .max(self.last_write.load(Ordering::Relaxed));
-        Some((Phase::Idle, since + ms(limits.keep_alive_timeout)))
+        // Without keep-alive a connection still waits for its one request.
+        let idle = match limits.keep_alive_timeout {
+            d if d.is_zero() => limits.header_timeout,
+            d => d,
+        };
+        Some((Phase::Idle, since + ms(idle)))
     }
 }
 
@@ -463,6 +468,12 @@ mod tests {
         assert_eq!(a.deadline(&limits), None);
         a.answered();
         assert_eq!(a.deadline(&limits).map(|d| d.0), Some(Phase::Idle));
+        // No keep-alive: the first request is still waited for.
+        let once = Limits {
+            keep_alive_timeout: Duration::ZERO,
+            ..limits
+        };
+        assert_eq!(Activity::new().deadline(&once), Some((Phase::Idle, 2000)));
     }
 
     #[test]

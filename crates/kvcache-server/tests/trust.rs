@@ -294,6 +294,7 @@ async fn every_request_has_exactly_one_access_line_however_it_ends() {
         .unwrap();
     assert!(r.chunk().await.unwrap().is_some());
     drop(r);
+    server.wait_metric("kvcache_requests_cancelled_total", 1.0).await;
     // Not streamed, the client gone before the answer.
     let addr = server.base.strip_prefix("http://").unwrap().to_string();
     let body = long.to_string();
@@ -305,12 +306,7 @@ async fn every_request_has_exactly_one_access_line_however_it_ends() {
     )
     .unwrap();
     // Until the engine runs it, then away.
-    for _ in 0..100 {
-        if server.metric("kvcache_requests_in_flight").await == 2.0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    server.wait_metric("kvcache_requests_in_flight", 1.0).await;
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     drop(socket);
     server.wait_metric("kvcache_requests_cancelled_total", 2.0).await;
