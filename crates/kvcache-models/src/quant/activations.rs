@@ -11,6 +11,7 @@ const PARALLEL_FROM: usize = 64 * 1024;
 struct RowsOut {
     scales: *mut f32,
     sums: *mut f32,
+    offsets: *mut i32,
     quants: *mut i8,
 }
 
@@ -23,14 +24,15 @@ unsafe impl Sync for RowsOut {}
 /// One row's blocks: `d = absmax / 127`, each value's `q` rounded to the
 /// nearest integer (ties to even, by adding and taking away 1.5 * 2^23:
 /// plain f32 arithmetic the compiler vectorizes, where `round` is a call per
-/// value), and `s = d * sum(q)`.
-fn quantize_row(x: &[f32], scales: &mut [f32], sums: &mut [f32], quants: &mut [i8]) {
+/// value), `s = d * sum(q)` and the offset `-128 * sum(q)`.
+fn quantize_row(x: &[f32], scales: &mut [f32], sums: &mut [f32], offsets: &mut [i32], quants: &mut [i8]) {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-    for (((xb, qb), d_out), s_out) in x
+    for ((((xb, qb), d_out), s_out), o_out) in x
         .chunks_exact(BLOCK)
         .zip(quants.chunks_exact_mut(BLOCK))
         .zip(scales.iter_mut())
         .zip(sums.iter_mut())
+        .zip(offsets.iter_mut())
     {
         let absmax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = absmax / 127.0;
@@ -46,12 +48,15 @@ fn quantize_row(x: &[f32], scales: &mut [f32], sums: &mut [f32], quants: &mut [i
         }
         *d_out = d;
         *s_out = d * sum as f32;
+        *o_out = -128 * sum;
     }
 }
 
 /// `m` rows of `k` values, each 32-value block quantized to `i8` with an f32
 /// scale `d = absmax / 127` (0 for an all-zero block), quants rounded to
-/// nearest, and the block sum `s = d * sum(q)`.
+/// nearest, the block sum `s = d * sum(q)`, and the block's offset
+/// `-128 * sum(q)` (what the 8-bit kernels start each block's integer sum
+/// from: they multiply weights stored plus 128).
 ///
 /// Each row is quantized on its own: a row's blocks never depend on other rows.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,6 +67,8 @@ pub struct QActivations {
     pub(crate) scales: Vec<f32>,
     /// `d * sum(q)` of each block, same indexing as `scales`.
     pub(crate) sums: Vec<f32>,
+    /// `-128 * sum(q)` of each block, same indexing as `scales`.
+    pub(crate) offsets: Vec<i32>,
     /// Quants, `m * k`, row-major.
     pub(crate) quants: Vec<i8>,
 }
@@ -103,12 +110,14 @@ impl QActivations {
             k,
             scales: vec![0.0; blocks],
             sums: vec![0.0; blocks],
+            offsets: vec![0; blocks],
             quants: vec![0; m * k],
         };
         let per_row = k / BLOCK;
         let rows = RowsOut {
             scales: acts.scales.as_mut_ptr(),
             sums: acts.sums.as_mut_ptr(),
+            offsets: acts.offsets.as_mut_ptr(),
             quants: acts.quants.as_mut_ptr(),
         };
         let quantize_rows = |range: std::ops::Range<usize>| {
@@ -118,14 +127,15 @@ impl QActivations {
                 // rows of `per_row` blocks (of `k` quants); each row index is
                 // handed out once, so no two threads write the same row, and
                 // the vectors outlive this call.
-                let (scales, sums, quants) = unsafe {
+                let (scales, sums, offsets, quants) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(rows.scales.add(i * per_row), per_row),
                         std::slice::from_raw_parts_mut(rows.sums.add(i * per_row), per_row),
+                        std::slice::from_raw_parts_mut(rows.offsets.add(i * per_row), per_row),
                         std::slice::from_raw_parts_mut(rows.quants.add(i * k), k),
                     )
                 };
-                quantize_row(&x[i * k..(i + 1) * k], scales, sums, quants);
+                quantize_row(&x[i * k..(i + 1) * k], scales, sums, offsets, quants);
             }
         };
         match pool {

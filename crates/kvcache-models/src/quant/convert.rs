@@ -9,7 +9,7 @@
 //! its dequantized f32 values.
 
 use super::ggml::{dequantize_ggml, f16_at, f16_bits_at, q4k_scale_min, GgmlType};
-use super::{Format, QMatrix, QuantError, BLOCK};
+use super::{Format, QMatrix, QuantError, RowMajor, BLOCK};
 use half::f16;
 
 /// Which weight format a GGUF tensor is converted into.
@@ -62,19 +62,6 @@ fn quantize_q4_block(x: &[f32], nibbles: &mut [u8]) -> Result<(u16, u16), QuantE
     Ok((d, m))
 }
 
-/// An empty matrix of the given format and shape, with storage reserved.
-fn with_capacity(format: Format, rows: usize, cols: usize) -> QMatrix {
-    let blocks = rows * cols / BLOCK;
-    QMatrix {
-        rows,
-        cols,
-        format,
-        scales: Vec::with_capacity(blocks),
-        mins: Vec::with_capacity(if format == Format::Q4 { blocks } else { 0 }),
-        quants: Vec::with_capacity(blocks * format.quant_bytes()),
-    }
-}
-
 impl QMatrix {
     /// Quantizes a row-major `rows x cols` f32 matrix into `format`.
     pub fn quantize(format: Format, rows: usize, cols: usize, values: &[f32]) -> Result<QMatrix, QuantError> {
@@ -91,7 +78,7 @@ impl QMatrix {
                 got: values.len(),
             });
         }
-        let mut w = with_capacity(format, rows, cols);
+        let mut w = RowMajor::with_capacity(format, rows, cols);
         let mut buf = [0u8; 32];
         for x in values.chunks_exact(BLOCK) {
             let qb = &mut buf[..format.quant_bytes()];
@@ -105,7 +92,7 @@ impl QMatrix {
             }
             w.quants.extend_from_slice(qb);
         }
-        Ok(w)
+        Ok(w.interleave())
     }
 
     /// Converts a raw little-endian GGUF tensor of type `ty` and shape
@@ -137,7 +124,7 @@ impl QMatrix {
             (Target::AsStored, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4_K) => Format::Q4,
             (Target::AsStored, _) => Format::Q8,
         };
-        let mut w = with_capacity(format, rows, cols);
+        let mut w = RowMajor::with_capacity(format, rows, cols);
         let blocks = bytes.chunks_exact(ty.block_bytes());
         match (format, ty) {
             (Format::Q8, GgmlType::Q8_0) => blocks.for_each(|b| {
@@ -186,21 +173,23 @@ impl QMatrix {
                 return QMatrix::quantize(format, rows, cols, &values);
             }
         }
-        Ok(w)
+        Ok(w.interleave())
     }
 
     /// Dequantizes to a row-major `rows x cols` f32 matrix (`d * q` or `d * q + m`).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
-        let qb = self.format.quant_bytes();
-        for (blk, q) in self.quants.chunks_exact(qb).enumerate() {
-            let d = f16::from_bits(self.scales[blk]).to_f32();
-            match self.format {
-                Format::Q8 => out.extend(q.iter().map(|&v| d * (v as i8) as f32)),
-                Format::Q4 => {
-                    let m = f16::from_bits(self.mins[blk]).to_f32();
-                    out.extend(q.iter().map(|&v| d * (v & 0x0f) as f32 + m));
-                    out.extend(q.iter().map(|&v| d * (v >> 4) as f32 + m));
+        for j in 0..self.rows {
+            for b in 0..self.blocks_per_row() {
+                let (d, m, q) = self.block(j, b);
+                let d = f16::from_bits(d).to_f32();
+                match self.format {
+                    Format::Q8 => out.extend(q.iter().map(|&v| d * (v as i8) as f32)),
+                    Format::Q4 => {
+                        let m = f16::from_bits(m).to_f32();
+                        out.extend(q[..16].iter().map(|&v| d * (v & 0x0f) as f32 + m));
+                        out.extend(q[..16].iter().map(|&v| d * (v >> 4) as f32 + m));
+                    }
                 }
             }
         }
@@ -213,21 +202,24 @@ impl QMatrix {
             Format::Q8 => GgmlType::Q8_0,
             Format::Q4 => GgmlType::Q4_1,
         };
-        let mut out = Vec::with_capacity(self.weight_bytes());
+        let mut out = Vec::with_capacity(self.rows * self.blocks_per_row() * self.format.block_bytes());
         let qb = self.format.quant_bytes();
-        for (blk, q) in self.quants.chunks_exact(qb).enumerate() {
-            out.extend_from_slice(&self.scales[blk].to_le_bytes());
-            if self.format == Format::Q4 {
-                out.extend_from_slice(&self.mins[blk].to_le_bytes());
+        for j in 0..self.rows {
+            for b in 0..self.blocks_per_row() {
+                let (d, m, q) = self.block(j, b);
+                out.extend_from_slice(&d.to_le_bytes());
+                if self.format == Format::Q4 {
+                    out.extend_from_slice(&m.to_le_bytes());
+                }
+                out.extend_from_slice(&q[..qb]);
             }
-            out.extend_from_slice(q);
         }
         (ty, out)
     }
 }
 
 /// Appends the eight Q4 blocks of one Q4_K super-block to `w`.
-fn push_q4k_super_block(w: &mut QMatrix, b: &[u8]) -> Result<(), QuantError> {
+fn push_q4k_super_block(w: &mut RowMajor, b: &[u8]) -> Result<(), QuantError> {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qs) = (&b[4..16], &b[16..144]);
     for j in 0..8 {

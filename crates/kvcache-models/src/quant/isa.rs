@@ -5,9 +5,9 @@
 pub enum Isa {
     /// Portable scalar code, the reference path.
     Scalar,
-    /// AVX2 + FMA + F16C: `maddubs`/`madd` on 256-bit registers, one block each.
+    /// AVX2 + FMA + F16C: `maddubs`/`madd` on 256-bit registers, eight weight rows each.
     Avx2,
-    /// AVX-512 F/BW/VL + VNNI: `dpbusd` on 512-bit registers, two blocks each.
+    /// AVX-512 F/BW/VL + VNNI: `dpbusd` on 512-bit registers, sixteen weight rows each.
     Avx512,
 }
 

@@ -12,19 +12,21 @@
 //!
 //! # Layout
 //!
-//! A [`QMatrix`] stores its blocks as a *structure of arrays*, each array in
-//! row-major block order: `scales` (f16 bits), `mins` (f16 bits, Q4 only) and
-//! `quants` (32 bytes per Q8 block, 16 per Q4 block). Bytes per value are the
-//! same as ggml's (8.5 bits for Q8, 5 bits for Q4) and a block converts back
-//! to ggml bytes with [`QMatrix::to_ggml_bytes`]. The split keeps the quants
-//! of consecutive blocks contiguous, so a 512-bit register loads two Q8 blocks
-//! (or the nibbles of two Q4 blocks) with one unaligned load, without the
-//! 2-byte scale headers of the interleaved ggml layout in the way, and the Q4
-//! `m` term (a float dot product over blocks) reads `mins` contiguously. Rows
-//! are not interleaved: the kernels instead tile several weight rows and
-//! activation rows per call, which already loads each weight block once per
-//! tile; interleaving would make slicing rows (for a parallel split) awkward
-//! for no measured gain at these sizes.
+//! A [`QMatrix`] interleaves its rows in groups of [`GROUP`] (16), as
+//! llama.cpp repacks its CPU weights: for each group and each block, the
+//! sixteen rows' scales lie side by side (`scales`, f16 bits; `mins` for Q4),
+//! then their quants in 4-byte segments, segment by segment: bytes
+//! `4s..4s + 4` of the block of row 0, of row 1, ... of row 15, then segment
+//! `s + 1`. One 512-bit load then holds four quants of each of sixteen rows,
+//! one `vpdpbusd` against four activations broadcast to every lane adds to
+//! sixteen outputs at once, and the float step (scale, convert, add) is paid
+//! once a block for all sixteen, not once a block for each. A matrix whose
+//! row count is not a multiple of 16 is padded with zero rows, never read
+//! back. A Q8 quant is stored offset by 128 (`q ^ 0x80`, an unsigned byte)
+//! for `vpdpbusd`'s unsigned operand; a Q4 segment holds the nibbles of
+//! elements `4s..4s + 4` (low) and `16 + 4s..` (high). Bytes per value are
+//! ggml's (8.5 bits for Q8, 5 bits for Q4) and a block converts back to ggml
+//! bytes with [`QMatrix::to_ggml_bytes`].
 //!
 //! Activations ([`QActivations`]) are quantized per row and per 32-block to
 //! `i8` with an f32 scale `d = absmax / 127` and the block sum `s = d * sum(q)`.
@@ -32,10 +34,12 @@
 //! # Product
 //!
 //! `y[i][j] = sum_b d_w[j,b] * d_a[i,b] * isum_b + m_w[j,b] * s_a[i,b]`, with
-//! the integer block dot product `isum_b` computed exactly. Within one [`Isa`],
-//! every output value is accumulated with the same operations in the same
-//! order whatever the batch size, tile position and thread split, so results
-//! are bit-identical between a row computed alone and inside any batch.
+//! the integer block dot product `isum_b` computed exactly. Every kernel
+//! accumulates each output block by block in the same fused steps,
+//! `acc = fma(d_w * d_a, isum_b, acc)` then, for Q4, `acc = fma(m_w, s_a,
+//! acc)`, so every instruction set gives the same bits, and none depends on
+//! the batch size, tile position or thread split: a row computed alone equals
+//! the same row inside any batch.
 
 mod activations;
 mod convert;
@@ -58,6 +62,9 @@ use std::fmt;
 
 /// Number of values in one quantization block (weights and activations).
 pub const BLOCK: usize = 32;
+
+/// Weight rows interleaved together (see the module documentation).
+pub const GROUP: usize = 16;
 
 /// Storage format of a [`QMatrix`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -141,18 +148,18 @@ impl fmt::Display for QuantError {
 
 impl std::error::Error for QuantError {}
 
-/// A `rows x cols` weight matrix in 32-value quantized blocks (see the module
-/// documentation for the layout).
+/// A `rows x cols` weight matrix in 32-value quantized blocks, its rows
+/// interleaved in groups of [`GROUP`] (see the module documentation).
 #[derive(Clone, Debug, PartialEq)]
 pub struct QMatrix {
     rows: usize,
     cols: usize,
     format: Format,
-    /// f16 bits of each block's `d`, `rows * cols / 32` entries, row-major.
+    /// f16 bits of each block's `d`, indexed `[group][block][row in group]`.
     scales: Vec<u16>,
-    /// f16 bits of each block's `m` (Q4 only; empty for Q8).
+    /// f16 bits of each block's `m`, as `scales` (Q4 only; empty for Q8).
     mins: Vec<u16>,
-    /// Quants, `format.quant_bytes()` per block, row-major.
+    /// Quants, `[group][block][segment][row in group][4 bytes]`.
     quants: Vec<u8>,
 }
 
@@ -177,8 +184,112 @@ impl QMatrix {
         self.cols / BLOCK
     }
 
-    /// Bytes of weight data (scales, mins and quants) read by one product.
+    /// Groups of [`GROUP`] rows, the last one padded.
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    /// Bytes of weight data (scales, mins and quants) read by one product,
+    /// the padding rows of the last group included.
     pub fn weight_bytes(&self) -> usize {
-        self.rows * self.blocks_per_row() * self.format.block_bytes()
+        self.groups() * GROUP * self.blocks_per_row() * self.format.block_bytes()
+    }
+
+    /// Index of group `g`'s block `b` among all group-blocks: its scales start
+    /// at `16 * index`, its quants at `16 * quant_bytes * index`.
+    #[inline]
+    pub(crate) fn group_block(&self, g: usize, b: usize) -> usize {
+        g * self.blocks_per_row() + b
+    }
+
+    /// Row `j`'s block `b`: its scale, its min (0 for Q8) and its quants as
+    /// ggml stores them (Q8 as `i8` bits, Q4 as 16 nibble bytes).
+    pub(crate) fn block(&self, j: usize, b: usize) -> (u16, u16, [u8; 32]) {
+        let (g, r) = (j / GROUP, j % GROUP);
+        let at = self.group_block(g, b);
+        let qb = self.format.quant_bytes();
+        let base = at * GROUP * qb;
+        let mut q = [0u8; 32];
+        for (s, seg) in q[..qb].chunks_exact_mut(4).enumerate() {
+            let from = base + s * GROUP * 4 + r * 4;
+            seg.copy_from_slice(&self.quants[from..from + 4]);
+        }
+        if self.format == Format::Q8 {
+            q.iter_mut().for_each(|v| *v ^= 0x80);
+        }
+        let min = if self.format == Format::Q4 {
+            self.mins[at * GROUP + r]
+        } else {
+            0
+        };
+        (self.scales[at * GROUP + r], min, q)
+    }
+}
+
+/// Blocks in plain row-major order, as conversions produce them; turned into
+/// a [`QMatrix`] by [`RowMajor::interleave`].
+pub(crate) struct RowMajor {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) format: Format,
+    /// f16 bits of each block's `d`, row-major.
+    pub(crate) scales: Vec<u16>,
+    /// f16 bits of each block's `m` (Q4 only).
+    pub(crate) mins: Vec<u16>,
+    /// Quants as ggml stores them, `format.quant_bytes()` per block.
+    pub(crate) quants: Vec<u8>,
+}
+
+impl RowMajor {
+    /// An empty matrix of the given format and shape, with storage reserved.
+    pub(crate) fn with_capacity(format: Format, rows: usize, cols: usize) -> RowMajor {
+        let blocks = rows * cols / BLOCK;
+        RowMajor {
+            rows,
+            cols,
+            format,
+            scales: Vec::with_capacity(blocks),
+            mins: Vec::with_capacity(if format == Format::Q4 { blocks } else { 0 }),
+            quants: Vec::with_capacity(blocks * format.quant_bytes()),
+        }
+    }
+
+    /// The same blocks, interleaved in groups of [`GROUP`] rows (padding rows
+    /// all zero).
+    pub(crate) fn interleave(self) -> QMatrix {
+        let nb = self.cols / BLOCK;
+        let groups = self.rows.div_ceil(GROUP);
+        let qb = self.format.quant_bytes();
+        let q4 = self.format == Format::Q4;
+        let offset = if q4 { 0 } else { 0x80 };
+        let mut scales = vec![0u16; groups * nb * GROUP];
+        let mut mins = vec![0u16; if q4 { scales.len() } else { 0 }];
+        let mut quants = vec![offset; groups * nb * GROUP * qb];
+        for j in 0..self.rows {
+            let (g, r) = (j / GROUP, j % GROUP);
+            for b in 0..nb {
+                let src = j * nb + b;
+                let at = g * nb + b;
+                scales[at * GROUP + r] = self.scales[src];
+                if q4 {
+                    mins[at * GROUP + r] = self.mins[src];
+                }
+                let block = &self.quants[src * qb..(src + 1) * qb];
+                for (s, seg) in block.chunks_exact(4).enumerate() {
+                    let to = at * GROUP * qb + s * GROUP * 4 + r * 4;
+                    for (t, &v) in seg.iter().enumerate() {
+                        quants[to + t] = v ^ offset;
+                    }
+                }
+            }
+        }
+        QMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            format: self.format,
+            scales,
+            mins,
+            quants,
+        }
     }
 }
