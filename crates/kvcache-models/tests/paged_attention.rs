@@ -413,6 +413,13 @@ fn cases() -> Vec<Case> {
         // Long prefills: more than 16 rows a block and 64 cells a tile.
         let hd = if storage == KvStorage::Q8_0 { 64 } else { 32 };
         cases.push(case(base(2, 200, 48).with_kv_storage(storage), hd, 40));
+        // Model-sized heads: 64 dimensions (the kernel's register-held chunk of
+        // the output), four query heads a key/value head (in pairs).
+        cases.push(Case {
+            heads: 8,
+            head_dim: 64,
+            ..case(base(3, 160, 40).with_kv_storage(storage), 64, 24)
+        });
     }
     cases
 }

@@ -46,20 +46,26 @@ const DOT_QUERIES: usize = 8;
 ///   and values (`[64][head_dim_v]`) of the tile's cells into small f32 buffers,
 ///   decoding as it reads, and gives each row a 64-bit mask of the tile entries
 ///   it sees (its runs merged against the tile's cells).
-/// - Per row and query head, scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no
-///   horizontal sum) when many queries share the tile (a prefill block); when
-///   few do (a decode row's query heads) the keys stay row-major and each score
-///   is a dot product, sparing the transposition. Then scaled, hidden entries
-///   `-inf`; a running maximum, sum and
-///   accumulator are rescaled as the maximum grows, the accumulator takes
-///   `p * v[c]` for each visible cell `c`, and the end divides by the sum.
+/// - Per row, query heads two at a time (the pair shares every key and value
+///   load, and its two chains of multiply-adds keep the FMA units busy),
+///   scores are `s[0..64] += q[d] * kᵀ[d][0..64]` (no horizontal sum) when
+///   many queries share the tile (a prefill block); when few do (a decode
+///   row's query heads) the keys stay row-major and each score is a dot
+///   product, eight cells at a time, sparing the transposition. Keys and
+///   values stored as f32 rows are read in place. Then scaled, hidden entries
+///   `-inf`; a running maximum, sum and accumulator are rescaled as the
+///   maximum grows, the accumulator takes `p * v[c]` for each visible cell
+///   `c` (64 dimensions at a time held in registers), and the end divides by
+///   the sum.
 ///
 /// Cost: per key/value head, the cells of each block's union are read once
 /// and decoded once, and each row pays `g * (head_dim + head_dim_v)` multiply-adds
 /// per cell of the tiles it touches, about what it sees: the pass's range and
 /// other sequences' cells are never read. The inner loops are plain arithmetic
-/// compiled twice, for AVX2 and FMA (chosen at run time) and portably, as
-/// `crate::kernels` does.
+/// compiled three times, chosen at run time: for AVX-512 and for AVX2, both
+/// with fused multiply-adds (the same results, bit for bit; one loop the
+/// compiler left in memory is written with AVX-512 intrinsics), and portably
+/// with separate multiplies and adds, as `crate::kernels` does.
 ///
 /// # Errors
 /// [`ModelError::InvalidArgument`](crate::ModelError::InvalidArgument) when the shapes or types do not fit
@@ -308,7 +314,17 @@ impl Element for bf16 {
     }
 }
 
-impl Plane<'_> {
+impl<'a> Plane<'a> {
+    /// The stored elements, when they are f32 and each cell's head is one
+    /// contiguous row (`(cell, head, 0..dim)` at `at.at(cell, head, 0)..`):
+    /// read in place, with no copy.
+    fn f32_rows(&self) -> Option<&'a [f32]> {
+        match self.data {
+            Data::F32(s) if self.at.dim == 1 => Some(s),
+            _ => None,
+        }
+    }
+
     /// Writes element `(cells[k], head, d)` as f32 to `dst[k * cell_step + d *
     /// dim_step]` for every tile entry `k` and `d < dim`; `row` is scratch of
     /// at least `dim` floats.
@@ -488,42 +504,294 @@ fn run_item(job: &Job<'_>, item: usize) {
         let mut scratch = scratch.borrow_mut();
         #[cfg(target_arch = "x86_64")]
         if kernels::has_avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA, all that `run_item_avx2` needs.
-            unsafe { run_item_avx2(job, item, &mut scratch) };
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F, AVX2 and FMA, all that
+                // `run_item_avx512` needs.
+                unsafe { run_item_avx512(job, item, &mut scratch) };
+            } else {
+                // SAFETY: the CPU has AVX2 and FMA, all that `run_item_avx2` needs.
+                unsafe { run_item_avx2(job, item, &mut scratch) };
+            }
             return;
         }
-        run_item_generic(job, item, &mut scratch);
+        run_item_generic::<false, false>(job, item, &mut scratch);
     });
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_item_avx2(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
-    run_item_generic(job, item, scratch);
+    run_item_generic::<true, false>(job, item, scratch);
+}
+
+/// The same arithmetic as [`run_item_avx2`] (same results, bit for bit), in
+/// 512-bit registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn run_item_avx512(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
+    run_item_generic::<true, true>(job, item, scratch);
+}
+
+/// `a * b + c`, rounded once where the CPU fuses it (`FUSED`: compiled for
+/// FMA, one instruction), else twice.
+#[inline(always)]
+fn mul_add<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FUSED {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
 }
 
 /// Lanes of the reductions (see [`kernels`]): independent partial results the
 /// compiler keeps in one vector register.
 const LANES: usize = 8;
 
-/// `a . b` (equal lengths), in [`LANES`] partial sums.
+/// `q . rows[j]` for each of the `N` rows (each as long as `q`), each in
+/// [`LANES`] partial sums: `N` independent chains of multiply-adds, enough to
+/// keep the FMA units busy where one dot product waits on its own latency.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; LANES];
-    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = a_chunks
-        .remainder()
-        .iter()
-        .zip(b_chunks.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a_chunks.zip(b_chunks) {
-        for l in 0..LANES {
-            lanes[l] += x[l] * y[l];
+fn dots<const FUSED: bool, const N: usize>(q: &[f32], rows: [&[f32]; N]) -> [f32; N] {
+    let mut lanes = [[0f32; LANES]; N];
+    let whole = q.len() / LANES * LANES;
+    for c in (0..whole).step_by(LANES) {
+        let qc: &[f32; LANES] = q[c..c + LANES].try_into().expect("a chunk");
+        for (lane, row) in lanes.iter_mut().zip(&rows) {
+            let kc: &[f32; LANES] = row[c..c + LANES].try_into().expect("a chunk");
+            for l in 0..LANES {
+                lane[l] = mul_add::<FUSED>(qc[l], kc[l], lane[l]);
+            }
         }
     }
-    lanes.iter().sum::<f32>() + tail
+    let mut out = [0f32; N];
+    for ((o, lane), row) in out.iter_mut().zip(&lanes).zip(&rows) {
+        let tail: f32 = q[whole..].iter().zip(&row[whole..]).map(|(x, y)| x * y).sum();
+        *o = lane.iter().sum::<f32>() + tail;
+    }
+    out
 }
+
+/// Scores of one query against a tile of transposed keys (`[hd][TILE]`):
+/// `s[l] = sum_d q[d] * kt[d][l]`, each in order of `d`. The sums live in a
+/// local array indexed by constants only, which the compiler keeps in
+/// registers (indexed from outside, the array went through memory each step).
+#[inline(always)]
+fn scores_transposed<const FUSED: bool>(q: &[f32], kt: &[f32]) -> [f32; TILE] {
+    let mut s = [0f32; TILE];
+    let (rows, _) = kt.as_chunks::<TILE>();
+    for (&qd, k) in q.iter().zip(rows) {
+        for l in 0..TILE {
+            s[l] = mul_add::<FUSED>(qd, k[l], s[l]);
+        }
+    }
+    s
+}
+
+/// Scores of two queries against a tile of transposed keys, as
+/// [`scores_transposed`] gives each.
+#[inline(always)]
+fn scores_transposed2<const FUSED: bool>(q0: &[f32], q1: &[f32], kt: &[f32]) -> ([f32; TILE], [f32; TILE]) {
+    let (mut s0, mut s1) = ([0f32; TILE], [0f32; TILE]);
+    // Whole tile rows, so that no bounds check (a panic path) sits in the loop
+    // and the sums stay in registers from one dimension to the next.
+    let (rows, _) = kt.as_chunks::<TILE>();
+    for ((&a, &b), k) in q0.iter().zip(q1).zip(rows) {
+        for l in 0..TILE {
+            s0[l] = mul_add::<FUSED>(a, k[l], s0[l]);
+            s1[l] = mul_add::<FUSED>(b, k[l], s1[l]);
+        }
+    }
+    (s0, s1)
+}
+
+/// [`scores_transposed2`] (fused), its sums held in registers by hand: the
+/// compiler kept the generic version's two arrays in memory.
+///
+/// # Safety
+/// Needs AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_transposed2_avx512(q0: &[f32], q1: &[f32], kt: &[f32]) -> ([f32; TILE], [f32; TILE]) {
+    use std::arch::x86_64::*;
+    const V: usize = TILE / 16;
+    let (rows, _) = kt.as_chunks::<TILE>();
+    let mut a = [_mm512_setzero_ps(); V];
+    let mut b = [_mm512_setzero_ps(); V];
+    for ((&x, &y), k) in q0.iter().zip(q1).zip(rows) {
+        let (x, y) = (_mm512_set1_ps(x), _mm512_set1_ps(y));
+        for c in 0..V {
+            // SAFETY: `k` holds TILE = 16 * V floats.
+            let kc = unsafe { _mm512_loadu_ps(k.as_ptr().add(16 * c)) };
+            a[c] = _mm512_fmadd_ps(x, kc, a[c]);
+            b[c] = _mm512_fmadd_ps(y, kc, b[c]);
+        }
+    }
+    let (mut s0, mut s1) = ([0f32; TILE], [0f32; TILE]);
+    for c in 0..V {
+        // SAFETY: each array holds TILE = 16 * V floats.
+        unsafe {
+            _mm512_storeu_ps(s0.as_mut_ptr().add(16 * c), a[c]);
+            _mm512_storeu_ps(s1.as_mut_ptr().add(16 * c), b[c]);
+        }
+    }
+    (s0, s1)
+}
+
+/// Scores of one query against the tile's first `t` keys as stored rows
+/// (`key(k)`), eight at a time; entries past `t` are 0 (hidden by every mask).
+#[inline(always)]
+fn scores_dot<'k, const FUSED: bool>(q: &[f32], t: usize, key: impl Fn(usize) -> &'k [f32]) -> [f32; TILE] {
+    let mut s = [0f32; TILE];
+    let mut k = 0;
+    while k + 8 <= t {
+        let rows = std::array::from_fn(|j| key(k + j));
+        s[k..k + 8].copy_from_slice(&dots::<FUSED, 8>(q, rows));
+        k += 8;
+    }
+    while k < t {
+        s[k] = dots::<FUSED, 1>(q, [key(k)])[0];
+        k += 1;
+    }
+    s
+}
+
+/// Turns one query's scaled scores into probabilities under the running
+/// maximum (`bias`: 0 where the row sees the entry, `-inf` elsewhere), adds
+/// them to the running `sum`, and rescales the running output `acc` when the
+/// maximum grows.
+#[inline(always)]
+fn softmax_tile(
+    s: &mut [f32; TILE],
+    bias: &[f32; TILE],
+    scale: f32,
+    max: &mut f32,
+    sum: &mut f32,
+    acc: &mut [f32],
+) {
+    let mut lane_max = [f32::NEG_INFINITY; LANES];
+    for (sc, bc) in s.chunks_exact_mut(LANES).zip(bias.chunks_exact(LANES)) {
+        for l in 0..LANES {
+            sc[l] = sc[l] * scale + bc[l];
+            lane_max[l] = if sc[l] > lane_max[l] { sc[l] } else { lane_max[l] };
+        }
+    }
+    let tile_max = lane_max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let new_max = max.max(tile_max);
+    let mut lane_sum = [0f32; LANES];
+    for sc in s.chunks_exact_mut(LANES) {
+        for l in 0..LANES {
+            sc[l] = kernels::exp(sc[l] - new_max);
+            lane_sum[l] += sc[l];
+        }
+    }
+    let tile_sum: f32 = lane_sum.iter().sum();
+    if new_max > *max {
+        // The running maximum grew: rescale what was summed under it.
+        let factor = kernels::exp(*max - new_max);
+        *sum *= factor;
+        for x in acc.iter_mut() {
+            *x *= factor;
+        }
+        *max = new_max;
+    }
+    *sum += tile_sum;
+}
+
+/// `acc += p[k] * v[k]` for every tile entry `k` in `mask`, value row `k` at
+/// `values[at[k]..]`, cell after cell. Each [`PV_CHUNK`] of the output stays
+/// in registers while every visible cell adds to it.
+#[inline(always)]
+fn accumulate_values<const FUSED: bool>(
+    acc: &mut [f32],
+    p: &[f32; TILE],
+    mask: u64,
+    values: &[f32],
+    at: &[usize; TILE],
+) {
+    for (chunk, out) in acc.chunks_mut(PV_CHUNK).enumerate() {
+        let from = chunk * PV_CHUNK;
+        let len = out.len();
+        let mut bits = mask;
+        if let Ok(out) = <&mut [f32; PV_CHUNK]>::try_from(&mut *out) {
+            let mut local = *out;
+            while bits != 0 {
+                let k = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let v: &[f32; PV_CHUNK] = values[at[k] + from..][..PV_CHUNK].try_into().expect("a chunk");
+                for x in 0..PV_CHUNK {
+                    local[x] = mul_add::<FUSED>(p[k], v[x], local[x]);
+                }
+            }
+            *out = local;
+        } else {
+            while bits != 0 {
+                let k = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                for (x, &v) in out.iter_mut().zip(&values[at[k] + from..][..len]) {
+                    *x = mul_add::<FUSED>(p[k], v, *x);
+                }
+            }
+        }
+    }
+}
+
+/// [`accumulate_values`] for two queries of one row (the same mask): each
+/// value row is loaded once for both, and each output gets the same steps
+/// in the same order as alone.
+#[inline(always)]
+fn accumulate_values2<const FUSED: bool>(
+    acc0: &mut [f32],
+    acc1: &mut [f32],
+    p0: &[f32; TILE],
+    p1: &[f32; TILE],
+    mask: u64,
+    values: &[f32],
+    at: &[usize; TILE],
+) {
+    for (chunk, (out0, out1)) in acc0
+        .chunks_mut(PV_CHUNK)
+        .zip(acc1.chunks_mut(PV_CHUNK))
+        .enumerate()
+    {
+        let from = chunk * PV_CHUNK;
+        let len = out0.len();
+        let mut bits = mask;
+        match (
+            <&mut [f32; PV_CHUNK]>::try_from(&mut *out0),
+            <&mut [f32; PV_CHUNK]>::try_from(&mut *out1),
+        ) {
+            (Ok(out0), Ok(out1)) => {
+                let (mut l0, mut l1) = (*out0, *out1);
+                while bits != 0 {
+                    let k = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let v: &[f32; PV_CHUNK] = values[at[k] + from..][..PV_CHUNK].try_into().expect("a chunk");
+                    for x in 0..PV_CHUNK {
+                        l0[x] = mul_add::<FUSED>(p0[k], v[x], l0[x]);
+                        l1[x] = mul_add::<FUSED>(p1[k], v[x], l1[x]);
+                    }
+                }
+                *out0 = l0;
+                *out1 = l1;
+            }
+            _ => {
+                while bits != 0 {
+                    let k = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let v = &values[at[k] + from..][..len];
+                    for ((x0, x1), &v) in out0.iter_mut().zip(out1.iter_mut()).zip(v) {
+                        *x0 = mul_add::<FUSED>(p0[k], v, *x0);
+                        *x1 = mul_add::<FUSED>(p1[k], v, *x1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Values accumulated per chunk of this many dimensions, the chunk held in
+/// registers while every visible cell of the tile adds to it.
+const PV_CHUNK: usize = 64;
 
 /// `bits` set from `from` for `len` bits (`len >= 1`, `from + len <= 64`).
 #[inline(always)]
@@ -553,7 +821,11 @@ fn row_mask(row: &[CellRun], cursor: &mut usize, segments: &[(usize, u32, u32)])
 }
 
 #[inline(always)]
-fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
+fn run_item_generic<const FUSED: bool, const AVX512: bool>(
+    job: &Job<'_>,
+    item: usize,
+    scratch: &mut Scratch,
+) {
     let (block, head) = (&job.blocks[item / job.kvh], item % job.kvh);
     let (g, hd, hdv) = (job.g, job.hd, job.hdv);
     let rows = block.rows.clone();
@@ -577,6 +849,12 @@ fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
     reset(cursor, nr, 0);
     let mut cells = [0u32; TILE];
     let transposed = nr * g > DOT_QUERIES;
+    // Keys (dot products) and values read in place where they are stored as
+    // f32 rows; otherwise converted into the tile buffers.
+    let keys_in_place = if transposed { None } else { job.keys.f32_rows() };
+    let values_in_place = job.values.f32_rows();
+    let mut key_at = [0usize; TILE];
+    let mut value_at = [0usize; TILE];
     let union = &block.union;
     let (mut ui, mut next) = (0, union.first().map_or(0, |r| r.start));
     loop {
@@ -602,19 +880,48 @@ fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
             break;
         }
         let tile = &cells[..t];
-        if !transposed {
-            job.keys.gather(head, tile, kt, (hd, 1), row_buf);
-        } else {
-            if t < TILE {
-                // Entries past the tile are hidden from every row: zero keys
-                // keep their scores finite (then -inf).
-                for d in 0..hd {
-                    kt[d * TILE + t..(d + 1) * TILE].fill(0.0);
+        let keys: &[f32] = match keys_in_place {
+            Some(stored) => {
+                for (at, &c) in key_at.iter_mut().zip(tile) {
+                    *at = job.keys.at.at(c as usize, head, 0);
                 }
+                stored
             }
-            job.keys.gather(head, tile, kt, (1, TILE), row_buf);
-        }
-        job.values.gather(head, tile, vt, (hdv, 1), row_buf);
+            None if !transposed => {
+                job.keys.gather(head, tile, kt, (hd, 1), row_buf);
+                for (k, at) in key_at.iter_mut().enumerate() {
+                    *at = k * hd;
+                }
+                kt
+            }
+            None => {
+                if t < TILE {
+                    // Entries past the tile are hidden from every row: zero keys
+                    // keep their scores finite (then -inf).
+                    for d in 0..hd {
+                        kt[d * TILE + t..(d + 1) * TILE].fill(0.0);
+                    }
+                }
+                job.keys.gather(head, tile, kt, (1, TILE), row_buf);
+                kt
+            }
+        };
+        let values: &[f32] = match values_in_place {
+            Some(stored) => {
+                for (at, &c) in value_at.iter_mut().zip(tile) {
+                    *at = job.values.at.at(c as usize, head, 0);
+                }
+                stored
+            }
+            None => {
+                job.values.gather(head, tile, vt, (hdv, 1), row_buf);
+                for (k, at) in value_at.iter_mut().enumerate() {
+                    *at = k * hdv;
+                }
+                vt
+            }
+        };
+        let key = |k: usize| &keys[key_at[k]..key_at[k] + hd];
         for (ri, r) in rows.clone().enumerate() {
             let mask = row_mask(job.runs.row(r), &mut cursor[ri], segments);
             if mask == 0 {
@@ -628,60 +935,48 @@ fn run_item_generic(job: &Job<'_>, item: usize, scratch: &mut Scratch) {
                     f32::NEG_INFINITY
                 };
             }
-            for i in 0..g {
-                let qh = &job.q[(r * job.n_heads + head * g + i) * hd..][..hd];
-                let mut s = [0f32; TILE];
-                if transposed {
-                    for (d, &qd) in qh.iter().enumerate() {
-                        let k: &[f32; TILE] = kt[d * TILE..(d + 1) * TILE].try_into().expect("a tile row");
-                        for l in 0..TILE {
-                            s[l] += qd * k[l];
-                        }
+            // Query heads two at a time: the pair shares every key and value
+            // it loads, and its two chains of multiply-adds keep the FMA
+            // units busy where one chain would wait on its own latency.
+            let mut i = 0;
+            while i < g {
+                let pair = i + 1 < g;
+                let query = |i: usize| &job.q[(r * job.n_heads + head * g + i) * hd..][..hd];
+                let (q0, q1) = (query(i), query(if pair { i + 1 } else { i }));
+                let (mut s0, mut s1) = match (transposed, pair) {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `AVX512` is set only in `run_item_avx512`, which
+                    // runs where the CPU has AVX-512F.
+                    (true, true) if AVX512 => unsafe { scores_transposed2_avx512(q0, q1, keys) },
+                    (true, true) => scores_transposed2::<FUSED>(q0, q1, keys),
+                    (true, false) => (scores_transposed::<FUSED>(q0, keys), [0f32; TILE]),
+                    (false, _) => {
+                        let s1 = if pair {
+                            scores_dot::<FUSED>(q1, t, key)
+                        } else {
+                            [0f32; TILE]
+                        };
+                        (scores_dot::<FUSED>(q0, t, key), s1)
                     }
-                } else {
-                    // Entries past the tile keep 0: hidden by the row's mask.
-                    for (k, sk) in s[..t].iter_mut().enumerate() {
-                        *sk = dot(qh, &kt[k * hd..(k + 1) * hd]);
-                    }
-                }
-                let mut lane_max = [f32::NEG_INFINITY; LANES];
-                for (sc, bc) in s.chunks_exact_mut(LANES).zip(bias.chunks_exact(LANES)) {
-                    for l in 0..LANES {
-                        sc[l] = sc[l] * job.scale + bc[l];
-                        lane_max[l] = if sc[l] > lane_max[l] { sc[l] } else { lane_max[l] };
-                    }
-                }
-                let tile_max = lane_max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                };
                 let idx = ri * g + i;
-                let new_max = max[idx].max(tile_max);
-                let mut lane_sum = [0f32; LANES];
-                for sc in s.chunks_exact_mut(LANES) {
-                    for l in 0..LANES {
-                        sc[l] = kernels::exp(sc[l] - new_max);
-                        lane_sum[l] += sc[l];
-                    }
+                let both = &mut acc[idx * hdv..(idx + if pair { 2 } else { 1 }) * hdv];
+                let (a0, a1) = both.split_at_mut(hdv);
+                softmax_tile(&mut s0, &bias, job.scale, &mut max[idx], &mut sum[idx], a0);
+                if pair {
+                    softmax_tile(
+                        &mut s1,
+                        &bias,
+                        job.scale,
+                        &mut max[idx + 1],
+                        &mut sum[idx + 1],
+                        a1,
+                    );
+                    accumulate_values2::<FUSED>(a0, a1, &s0, &s1, mask, values, &value_at);
+                } else {
+                    accumulate_values::<FUSED>(a0, &s0, mask, values, &value_at);
                 }
-                let tile_sum: f32 = lane_sum.iter().sum();
-                let a = &mut acc[idx * hdv..(idx + 1) * hdv];
-                if new_max > max[idx] {
-                    // The running maximum grew: rescale what was summed under it.
-                    let factor = kernels::exp(max[idx] - new_max);
-                    sum[idx] *= factor;
-                    for x in a.iter_mut() {
-                        *x *= factor;
-                    }
-                    max[idx] = new_max;
-                }
-                sum[idx] += tile_sum;
-                let mut bits = mask;
-                while bits != 0 {
-                    let k = bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    let p = s[k];
-                    for (x, &v) in a.iter_mut().zip(&vt[k * hdv..(k + 1) * hdv]) {
-                        *x += p * v;
-                    }
-                }
+                i += if pair { 2 } else { 1 };
             }
         }
     }
