@@ -208,7 +208,12 @@ mod tests {
         for ev in [pass(0, 40), pass(3, 0), pass(2, 17), pass(1, 0), pass(4, 0)] {
             mix.observe(&ev);
         }
-        mix.observe(&Event::Token { id: 0, token: 5 });
+        mix.observe(&Event::Token {
+            id: 0,
+            token: 5,
+            text: String::new(),
+            logprobs: None,
+        });
         assert_eq!(
             mix,
             PassMix {

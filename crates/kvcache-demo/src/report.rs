@@ -55,6 +55,10 @@ pub fn events<'a>(tokenizer: &'a ChatTokenizer, questions: &'a [String]) -> impl
             );
             flush();
         }
+        Event::Failed { id, error } => {
+            println!("  [failed] conversation {id}: {error}");
+            flush();
+        }
         Event::Token { .. } | Event::Pass { .. } => {}
     }
 }

@@ -46,6 +46,7 @@ use kvcache_api::{
 
 use kvcache_models::{argmax, BatchToken, Llama, Model, ModelError, Tokenizer};
 
+use crate::detokenizer::{DecodeError, Detokenizer, Shown};
 use crate::published::PublishedBlocks;
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::{EngineError, Result};
@@ -116,7 +117,8 @@ pub struct Request {
     pub namespace: Namespace,
     /// Texts that end the request once its generated text contains one
     /// (OpenAI's `stop`); matched on the text a user is shown, so they need
-    /// the engine's tokenizer ([`Engine::set_tokenizer`]).
+    /// the engine's tokenizer ([`Engine::set_tokenizer`]). The text of the
+    /// request's [`Event::Token`]s ends right before the first one found.
     pub stop: Vec<String>,
 }
 
@@ -229,6 +231,13 @@ pub enum Event {
         prompt_tokens: usize,
         /// How long it waited in the queue for a slot.
         waited: Duration,
+        /// Prompt tokens taken from cached cells instead of evaluated
+        /// ([`Engine::set_prefix_reuse`]).
+        reused: usize,
+        /// Prompt tokens imported from the prefix store instead of evaluated.
+        restored: usize,
+        /// The store tiers those came from: `(tier, tokens)`, in order.
+        restored_from: Vec<(&'static str, usize)>,
     },
     /// Part of a prompt was evaluated.
     Prefilled {
@@ -245,6 +254,25 @@ pub enum Event {
         id: usize,
         /// The token.
         token: u32,
+        /// The text it adds to the answer ([`crate::detokenizer`]): complete
+        /// characters only (the bytes of one it starts are held until a
+        /// later token completes it), nothing of a stop sequence or after
+        /// it, nothing for control and stop tokens; the last token of a
+        /// request carries what was still held. Empty without the engine's
+        /// tokenizer ([`Engine::set_tokenizer`]).
+        text: String,
+        /// Its log-probabilities, when the request's sampler asked for them
+        /// ([`crate::sampling::SamplingOptions::logprobs`]); never for a
+        /// stop token or a control token, which the text leaves out too.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// A request's text could not be decoded: it was dropped and its cells
+    /// freed.
+    Failed {
+        /// The request's id.
+        id: usize,
+        /// What the tokenizer said.
+        error: DecodeError,
     },
     /// A sequence reached its context and dropped `removed` positions.
     ContextShift {
@@ -321,8 +349,8 @@ struct Slot {
     reused: usize,
     /// Picks the request's tokens; `None` is greedy.
     sampler: Option<Sampler>,
-    /// Bytes of the generated text already searched for stop sequences.
-    stop_scanned: usize,
+    /// The answer's text, with the engine's tokenizer.
+    text: Option<Detokenizer>,
 }
 
 /// A finished sequence whose cells stay in the cache for later requests of
@@ -408,11 +436,8 @@ pub struct Engine<'m, C, M = Llama> {
     store_refused: usize,
     reuse: ReuseStats,
     reuse_prefixes: bool,
-    /// Turns generated tokens into text for stop sequences.
+    /// Turns generated tokens into the answers' text.
     tokenizer: Option<Arc<dyn Tokenizer>>,
-    /// Log-probabilities of the picks whose sampler asked for them, in the
-    /// order of their [`Event::Token`]s ([`Engine::take_logprobs`]).
-    logprobs: Vec<(usize, TokenLogprobs)>,
     /// The model blocks are keyed under (the store's, once one is set).
     fingerprint: Fingerprint,
     /// Ids of queued requests already counted as waiting for a prefix.
@@ -460,7 +485,6 @@ where
             store_refused: 0,
             reuse: ReuseStats::default(),
             reuse_prefixes: false,
-            logprobs: Vec::new(),
             tokenizer: None,
             fingerprint: Fingerprint::default(),
             waiting: Vec::new(),
@@ -468,15 +492,6 @@ where
             published: PublishedBlocks::default(),
             events: None,
         })
-    }
-
-    /// The log-probabilities of the tokens picked since the last call, as
-    /// `(request id, logprobs)` in the order of their [`Event::Token`]s: one
-    /// per token of each request whose sampler asked for them
-    /// ([`crate::sampling::SamplingOptions::logprobs`]), none for the others.
-    /// Taken after [`Engine::step`], they pair with that step's tokens.
-    pub fn take_logprobs(&mut self) -> Vec<(usize, TokenLogprobs)> {
-        std::mem::take(&mut self.logprobs)
     }
 
     /// Reuses prefixes through `store`, waiting at most `deadline` for a
@@ -536,8 +551,9 @@ where
         Ok(())
     }
 
-    /// Turns generated tokens into text with `tokenizer`, so that requests
-    /// can end on stop sequences ([`Request::stop`]).
+    /// Turns generated tokens into text with `tokenizer`: the text of each
+    /// [`Event::Token`], which requests' stop sequences ([`Request::stop`])
+    /// are matched on.
     pub fn set_tokenizer(&mut self, tokenizer: Arc<dyn Tokenizer>) {
         self.tokenizer = Some(tokenizer);
     }
@@ -624,10 +640,11 @@ where
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
-    /// Prompt tokens the running request `id` did not evaluate: taken from
-    /// cached cells, or imported from the prefix store; `None` when it is not
-    /// running.
-    pub fn reused_tokens(&self, id: usize) -> Option<usize> {
+    /// Tokens of the running request `id` in the cache so far: those taken
+    /// from cached cells or imported from the prefix store when it joined
+    /// ([`Event::Joined`] counts them), then those evaluated; `None` when it
+    /// is not running.
+    pub fn cached_tokens(&self, id: usize) -> Option<usize> {
         self.slots
             .iter()
             .flatten()
@@ -693,19 +710,26 @@ where
 
     /// Imports the stored run of `prompt` past `from` into `seq`, which holds
     /// exactly its first `from` tokens, leaving at least the last prompt token
-    /// to evaluate. Returns the tokens imported; any failure imports nothing.
-    fn restore(&mut self, seq: SeqId, namespace: &Namespace, prompt: &[u32], from: usize) -> usize {
+    /// to evaluate. Returns the tokens imported and the tiers that served
+    /// them; any failure imports nothing.
+    fn restore(
+        &mut self,
+        seq: SeqId,
+        namespace: &Namespace,
+        prompt: &[u32],
+        from: usize,
+    ) -> (usize, Vec<(&'static str, usize)>) {
         if self.store.is_none() {
-            return 0;
+            return (0, Vec::new());
         }
         let started = Instant::now();
-        let restored = self.restore_from_store(seq, namespace, prompt, from);
+        let (restored, tiers) = self.restore_from_store(seq, namespace, prompt, from);
         self.reuse.store_restore_time += started.elapsed();
         if restored > 0 {
             self.reuse.store_restores += 1;
             self.reuse.store_restored_tokens += restored;
         }
-        restored
+        (restored, tiers)
     }
 
     /// [`restore`](Self::restore)'s work, untimed.
@@ -715,27 +739,29 @@ where
         namespace: &Namespace,
         prompt: &[u32],
         from: usize,
-    ) -> usize {
-        let Some(client) = &self.store else { return 0 };
+    ) -> (usize, Vec<(&'static str, usize)>) {
+        let Some(client) = &self.store else {
+            return (0, Vec::new());
+        };
         let fetched = match client.restore(namespace, prompt, from) {
             Ok(Some(fetched)) => fetched,
-            Ok(None) => return 0,
+            Ok(None) => return (0, Vec::new()),
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: answer refused, evaluating the whole prompt");
                 self.store_errors += 1;
-                return 0;
+                return (0, Vec::new());
             }
         };
         let state = client.seq_state(fetched.kv);
         match self.cache.import_seq(seq, &state) {
             Ok(()) => {
                 self.restored_tokens += state.kv.tokens();
-                state.kv.tokens()
+                (state.kv.tokens(), fetched.tiers)
             }
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: import refused, evaluating the whole prompt");
                 self.store_errors += 1;
-                0
+                (0, Vec::new())
             }
         }
     }
@@ -962,13 +988,20 @@ where
             }
             // The longer of what memory and the store hold: the store's run
             // past what the cache gave.
-            let restored = self.restore(seq, &namespace, &prompt, reused);
+            let (restored, restored_from) = self.restore(seq, &namespace, &prompt, reused);
             on_event(&Event::Joined {
                 id: req.id,
                 seq,
                 prompt_tokens: req.prompt.len(),
                 waited: submitted.elapsed(),
+                reused,
+                restored,
+                restored_from,
             });
+            let text = self
+                .tokenizer
+                .as_ref()
+                .map(|t| Detokenizer::new(t.clone(), req.stop.clone()));
             self.slots[seq] = Some(Slot {
                 tokens: req.prompt.clone(),
                 req,
@@ -980,7 +1013,7 @@ where
                 restored,
                 reused,
                 sampler,
-                stop_scanned: 0,
+                text,
             });
         }
         Ok(())
@@ -1253,23 +1286,32 @@ where
                 });
             }
             let row = logits.next().expect("one row of logits per pick");
-            let token = match slot.sampler.as_mut() {
-                Some(sampler) => {
-                    let token = sampler.sample(row);
-                    if let Some(lp) = sampler.take_logprobs() {
-                        self.logprobs.push((slot.req.id, lp));
-                    }
-                    token
-                }
-                None => argmax(row),
+            let (token, logprobs) = match slot.sampler.as_mut() {
+                Some(sampler) => (sampler.sample(row), sampler.take_logprobs()),
+                None => (argmax(row), None),
             };
             slot.first_token.get_or_insert_with(|| slot.joined.elapsed());
             slot.generated.push(token);
             slot.tokens.push(token);
             stats.generated_tokens += 1;
+            let stop_token = self.config.stop_tokens.contains(&token);
+            let length = slot.generated.len() == slot.req.max_new_tokens;
+            let shown = match slot.text.as_mut() {
+                Some(text) => text.token(token, stop_token, length, logprobs),
+                None => Ok(Shown::untold(logprobs)),
+            };
+            let Shown { text, stop, logprobs } = match shown {
+                Ok(shown) => shown,
+                Err(error) => {
+                    self.fail(seq, error, on_event)?;
+                    continue;
+                }
+            };
             on_event(&Event::Token {
                 id: slot.req.id,
                 token,
+                text,
+                logprobs,
             });
             if first && self.store.is_some() {
                 // The prompt is evaluated and its first token chosen: the
@@ -1278,11 +1320,9 @@ where
                 let (namespace, prompt) = (slot.req.namespace.clone(), slot.req.prompt.clone());
                 self.store_prompt(seq, &namespace, &prompt);
             }
-            let slot = self.slots[seq].as_ref().expect("planned slots are live");
-            let length = slot.generated.len() == slot.req.max_new_tokens;
-            let reason = if self.config.stop_tokens.contains(&token) {
+            let reason = if stop_token {
                 Some(FinishReason::StopToken)
-            } else if let Some(i) = self.stop_sequence(seq) {
+            } else if let Some(i) = stop {
                 Some(FinishReason::StopSequence(i))
             } else if length {
                 Some(FinishReason::Length)
@@ -1296,31 +1336,15 @@ where
         Ok(())
     }
 
-    /// The first of the request's stop sequences its generated text (as a
-    /// user is shown it: control tokens left out) now contains, searching
-    /// only where the latest token could have completed one.
-    fn stop_sequence(&mut self, seq: SeqId) -> Option<usize> {
-        let slot = self.slots[seq].as_mut().expect("live");
-        if slot.req.stop.is_empty() {
-            return None;
-        }
-        let tokenizer = self.tokenizer.as_ref().expect("checked at submit");
-        let text = tokenizer.decode_text(&slot.generated).ok()?;
-        let longest = slot.req.stop.iter().map(String::len).max().unwrap_or(0);
-        let mut from = slot.stop_scanned.saturating_sub(longest.saturating_sub(1));
-        while !text.is_char_boundary(from) {
-            from -= 1;
-        }
-        let found = slot
-            .req
-            .stop
-            .iter()
-            .enumerate()
-            .filter_map(|(i, stop)| text[from..].find(stop.as_str()).map(|at| (at, i)))
-            .min()
-            .map(|(_, i)| i);
-        slot.stop_scanned = text.len();
-        found
+    /// Drops the request in `seq`, whose text could not be decoded, freeing
+    /// its cells, and says so.
+    fn fail(&mut self, seq: SeqId, error: DecodeError, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
+        let s = self.slots[seq].take().expect("live");
+        tracing::warn!(%error, id = s.req.id, "a request's text could not be decoded: dropped");
+        self.cache.remove(seq, PosRange::from(0..))?;
+        self.release_blocks_of(seq, 0);
+        on_event(&Event::Failed { id: s.req.id, error });
+        Ok(())
     }
 
     /// Ends the request in `seq`: its cells are kept for reuse (when enabled and

@@ -7,7 +7,11 @@
 //! - [`engine`]: greedy generation and continuous batching over a causal
 //!   cache for any [`kvcache_models::Model`], with context shift, a prefix
 //!   store, block retention, KV events and request ends it decides and
-//!   reports ([`engine::FinishReason`]).
+//!   reports ([`engine::FinishReason`]); each token's event carries the text
+//!   it adds to the answer.
+//! - [`detokenizer`]: the answer's text, token by token (an incremental
+//!   detokenizer: linear in the answer's length), cut before its first stop
+//!   sequence, control tokens left out.
 //! - [`sampling`]: temperature, top-k/top-p, seeds and log-probabilities.
 //! - [`chat`]: one live sequence of any [`kvcache_models::LayerModel`] with
 //!   prefix-trie, single-entry or no reuse (`trie_turn`: one turn through the
@@ -23,6 +27,7 @@
 #![deny(missing_docs)]
 
 pub mod chat;
+pub mod detokenizer;
 pub mod engine;
 mod error;
 #[cfg(any(target_os = "macos", kvcache_mlx))]

@@ -1,4 +1,4 @@
-//! Choosing the next token from a row of logits, and stopping on text.
+//! Choosing the next token from a row of logits.
 //!
 //! [`Sampler`] is greedy at temperature 0, else samples from the softmax of
 //! `logits / temperature` restricted to the smallest set of most likely tokens
@@ -15,9 +15,8 @@
 //! the `top` most likely ones ([`Sampler::take_logprobs`]). With none of them
 //! set, the pick is exactly the one without options.
 //!
-//! [`StopText`] watches generated text for stop sequences that may span token
-//! boundaries: it holds back any tail that could still become a stop sequence
-//! and cuts the text right before the first one found.
+//! Stop sequences are matched on the answer's text by the engine's
+//! [`crate::detokenizer`].
 
 use crate::{EngineError, Result};
 use kvcache_models::argmax;
@@ -302,82 +301,6 @@ impl SplitMix64 {
     }
 }
 
-/// What [`StopText::push`] lets out.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StopOutcome {
-    /// Text safe to show: it cannot be part of a stop sequence.
-    pub text: String,
-    /// A stop sequence was found; `text` ends right before it and the
-    /// request should end.
-    pub stopped: bool,
-}
-
-/// Stop sequences matched on generated text, across token boundaries.
-#[derive(Debug, Clone, Default)]
-pub struct StopText {
-    stops: Vec<String>,
-    held: String,
-    stopped: bool,
-}
-
-impl StopText {
-    /// Watches for `stops` (empty strings are ignored).
-    pub fn new(stops: Vec<String>) -> Self {
-        StopText {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
-            held: String::new(),
-            stopped: false,
-        }
-    }
-
-    /// Adds generated `text`; returns what may be shown now.
-    pub fn push(&mut self, text: &str) -> StopOutcome {
-        if self.stopped {
-            return StopOutcome {
-                text: String::new(),
-                stopped: true,
-            };
-        }
-        self.held.push_str(text);
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(at) = first {
-            self.stopped = true;
-            let text = self.held[..at].to_string();
-            self.held.clear();
-            return StopOutcome { text, stopped: true };
-        }
-        // Hold back the longest tail that is a proper prefix of some stop.
-        let hold = self
-            .stops
-            .iter()
-            .map(|s| longest_suffix_prefix(&self.held, s))
-            .max()
-            .unwrap_or(0);
-        let cut = self.held.len() - hold;
-        let text = self.held[..cut].to_string();
-        self.held.drain(..cut);
-        StopOutcome { text, stopped: false }
-    }
-
-    /// The text still held back, once generation ended without a stop.
-    pub fn finish(&mut self) -> String {
-        std::mem::take(&mut self.held)
-    }
-}
-
-/// Length of the longest suffix of `text` that is a proper prefix of `stop`,
-/// cut on character boundaries.
-fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
-    let longest = (stop.len() - 1).min(text.len());
-    (1..=longest)
-        .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n)
-                && stop.as_bytes().starts_with(&text.as_bytes()[text.len() - n..])
-        })
-        .unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -535,37 +458,5 @@ mod tests {
         ] {
             assert!(Sampler::new(p).is_err(), "{p:?}");
         }
-    }
-
-    #[test]
-    fn stop_sequence_across_pieces() {
-        let mut stop = StopText::new(vec!["END".into(), "".into()]);
-        assert_eq!(stop.push("hello E").text, "hello ");
-        let out = stop.push("N");
-        assert_eq!(
-            out,
-            StopOutcome {
-                text: String::new(),
-                stopped: false
-            }
-        );
-        let out = stop.push("D and more");
-        assert_eq!(
-            out,
-            StopOutcome {
-                text: String::new(),
-                stopped: true
-            }
-        );
-        assert_eq!(stop.push("x").text, "");
-    }
-
-    #[test]
-    fn held_text_is_released_when_it_cannot_stop() {
-        let mut stop = StopText::new(vec!["ab".into()]);
-        assert_eq!(stop.push("xa").text, "x");
-        assert_eq!(stop.push("c").text, "ac");
-        assert_eq!(stop.push("é a").text, "é ");
-        assert_eq!(stop.finish(), "a");
     }
 }

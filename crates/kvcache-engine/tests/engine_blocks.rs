@@ -210,7 +210,7 @@ fn a_request_cancelled_mid_prefill_indexes_nothing() {
     let mut stats = Stats::default();
     engine.step(&mut stats, &mut |_| {}).unwrap();
     engine.step(&mut stats, &mut |_| {}).unwrap();
-    assert_eq!(engine.reused_tokens(0), Some(16), "two chunks evaluated");
+    assert_eq!(engine.cached_tokens(0), Some(16), "two chunks evaluated");
     assert!(engine.cancel(0).unwrap());
     assert_eq!(engine.indexed_blocks(), (0, 0));
     assert_eq!(engine.cache().used_cells(), 0);

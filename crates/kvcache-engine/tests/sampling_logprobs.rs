@@ -1,6 +1,6 @@
 //! The engine hands out the log-probabilities of the picks whose sampler
-//! asked for them (`Engine::take_logprobs`), one per token event of those
-//! requests and in their order, none for the others; asking changes no
+//! asked for them on their token events (`Event::Token::logprobs`), one per
+//! token event of those requests, none for the others; asking changes no
 //! greedy pick, and `logit_bias` steers the engine's picks.
 
 use candle_core::{Device, Tensor};
@@ -34,7 +34,7 @@ fn prompt(id: usize) -> Vec<u32> {
 }
 
 /// Runs requests 0 (with `options`), 1 and 2 (plain greedy) to the end:
-/// each request's tokens, and the logprobs taken after every step.
+/// each request's tokens, and the logprobs their events carried.
 fn run(model: &Llama, options: SamplingOptions) -> (Vec<Vec<u32>>, Vec<(usize, TokenLogprobs)>) {
     let asked = options.logprobs.is_some();
     let mut engine = engine(model);
@@ -52,14 +52,21 @@ fn run(model: &Llama, options: SamplingOptions) -> (Vec<Vec<u32>>, Vec<(usize, T
     let mut stats = Default::default();
     loop {
         let mut step_tokens = Vec::new();
+        let mut taken = Vec::new();
         let more = engine
             .step(&mut stats, &mut |e| {
-                if let Event::Token { id, token } = e {
+                if let Event::Token {
+                    id,
+                    token,
+                    logprobs: lp,
+                    ..
+                } = e
+                {
                     step_tokens.push((*id, *token));
+                    taken.extend(lp.clone().map(|lp| (*id, lp)));
                 }
             })
             .unwrap();
-        let taken = engine.take_logprobs();
         // This step's logprobs are exactly this step's tokens of request 0.
         let of_zero: Vec<(usize, u32)> = step_tokens.iter().copied().filter(|t| t.0 == 0).collect();
         let want = if asked { of_zero } else { Vec::new() };

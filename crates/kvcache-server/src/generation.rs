@@ -1,16 +1,14 @@
 //! One request's way through the server: its options checked and turned
-//! into a [`Job`], then its tokens turned back into text pieces (whole UTF-8
-//! characters only, the end-of-sequence token left out, stop sequences cut).
+//! into a [`Job`], then the engine's events for it turned into pieces of the
+//! answer. The text is the engine's (whole UTF-8 characters, control tokens
+//! left out, stop sequences cut): the server renders what it is told.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 
 use kvcache_api::Namespace;
-use kvcache_engine::engine::FinishReason;
-use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams, StopText, TokenLogprobs};
-use kvcache_models::Tokenizer;
+use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams, TokenLogprobs};
 use tokio::sync::mpsc;
 
 use crate::access::AccessRecord;
@@ -285,22 +283,15 @@ pub enum Piece {
 pub struct Generation {
     events: Option<mpsc::UnboundedReceiver<JobEvent>>,
     state: AppState,
-    tokenizer: Arc<dyn Tokenizer>,
     prompt_tokens: usize,
-    /// Generated tokens, end-of-sequence excluded.
-    tokens: Vec<u32>,
+    /// Tokens generated so far, those the text leaves out too.
     completion_tokens: usize,
-    /// Bytes of the decoded text already handed to the stop filter.
-    decoded: usize,
-    stop: StopText,
     started: Instant,
     cached_tokens: usize,
     pending: VecDeque<Piece>,
     ended: bool,
-    /// Log-probabilities not yet handed out with a piece.
+    /// Log-probabilities of tokens whose text has not come yet.
     logprobs: Vec<TokenLogprobs>,
-    /// The ids that end the turn (the engine ends the request on them).
-    end_of_turn: Vec<u32>,
     /// Where the access log line learns the request's counts.
     record: AccessRecord,
 }
@@ -336,18 +327,13 @@ impl Generation {
         let generation = Generation {
             events: Some(rx),
             state: state.clone(),
-            tokenizer: state.tokenizer.clone(),
             prompt_tokens: checked.prompt.len(),
-            tokens: Vec::new(),
             completion_tokens: 0,
-            decoded: 0,
-            stop: StopText::new(checked.stops.clone()),
             started,
             cached_tokens: 0,
             pending: VecDeque::new(),
             ended: false,
             logprobs: Vec::new(),
-            end_of_turn: state.tokenizer.end_of_turn_ids(),
             record,
         };
         let sampler = Sampler::with_options(checked.sampling, checked.options)
@@ -393,20 +379,8 @@ impl Generation {
                     self.cached_tokens = cached_tokens;
                     self.state.metrics.observe_queue_wait(waited);
                 }
-                Some(JobEvent::Token { token, logprobs }) => self.token(token, logprobs),
-                Some(JobEvent::Finished {
-                    cached_tokens,
-                    reason,
-                }) => {
-                    self.cached_tokens = cached_tokens;
-                    if matches!(reason, FinishReason::StopSequence(_)) {
-                        // The engine matched the stop on the whole text,
-                        // which may end in a character still incomplete
-                        // here: hand the filter what it has not seen.
-                        self.push_text(true);
-                    }
-                    self.end(reason.openai());
-                }
+                Some(JobEvent::Token { text, logprobs }) => self.token(text, logprobs),
+                Some(JobEvent::Finished { reason }) => self.end(reason.openai()),
                 Some(JobEvent::Failed(message)) => {
                     self.ended = true;
                     return Some(Err(ApiError::internal(message)));
@@ -415,10 +389,10 @@ impl Generation {
         }
     }
 
-    fn token(&mut self, token: u32, logprobs: Option<TokenLogprobs>) {
-        if self.ended {
-            return;
-        }
+    /// A generated token: counted, and its text queued with the
+    /// log-probabilities of the tokens that made it (a token whose text is
+    /// held back hands its log-probabilities on to the next piece).
+    fn token(&mut self, text: String, logprobs: Option<TokenLogprobs>) {
         if self.completion_tokens == 0 {
             let ttft = self.started.elapsed();
             self.state.metrics.observe_ttft(ttft);
@@ -426,57 +400,23 @@ impl Generation {
         }
         self.completion_tokens += 1;
         self.record.generated(self.completion_tokens);
-        if self.end_of_turn.contains(&token) {
-            // The engine ends the request on it and says so next.
-            return;
-        }
         self.logprobs.extend(logprobs);
-        self.tokens.push(token);
-        self.push_text(false);
-    }
-
-    /// Hands the text decoded since the last call to the stop filter and
-    /// queues what it lets through; `force` takes a trailing incomplete
-    /// character too. A stop sequence found ends the answer: the engine has
-    /// ended the request on the same token (keeping its prefix for reuse)
-    /// and its end, which follows, finds the answer over.
-    fn push_text(&mut self, force: bool) {
-        let Some(new) = self.new_text(force) else { return };
-        let out = self.stop.push(&new);
-        if !out.text.is_empty() {
+        if !text.is_empty() {
             let logprobs = std::mem::take(&mut self.logprobs);
-            self.pending.push_back(Piece::Text(out.text, logprobs));
-        }
-        if out.stopped && !self.ended {
-            self.end("stop");
+            self.pending.push_back(Piece::Text(text, logprobs));
         }
     }
 
-    /// Ends the answer: the text held back for stop sequences (unless one
-    /// was found) and the log-probabilities not yet handed out, then the end.
+    /// Ends the answer: the log-probabilities not yet handed out, then the end.
     fn end(&mut self, finish_reason: &'static str) {
-        let rest = self.stop.finish();
-        if !rest.is_empty() || !self.logprobs.is_empty() {
+        if !self.logprobs.is_empty() {
             let logprobs = std::mem::take(&mut self.logprobs);
-            self.pending.push_back(Piece::Text(rest, logprobs));
+            self.pending.push_back(Piece::Text(String::new(), logprobs));
         }
         self.ended = true;
         let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
         self.record.finished(&usage, finish_reason);
         self.pending.push_back(Piece::End { finish_reason, usage });
-    }
-
-    /// Text decoded since the last call, or `None` while the tokens end in
-    /// an incomplete UTF-8 character (unless `force`).
-    fn new_text(&mut self, force: bool) -> Option<String> {
-        // Control tokens never reach the client's text.
-        let text = self.tokenizer.decode_text(&self.tokens).ok()?;
-        if !force && text.ends_with('\u{fffd}') {
-            return None;
-        }
-        let new = text.get(self.decoded..)?.to_string();
-        self.decoded = text.len();
-        Some(new)
     }
 }
 

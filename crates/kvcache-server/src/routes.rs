@@ -479,10 +479,10 @@ impl Header {
 /// Log-probabilities as the API of `kind` writes them, token by token as a
 /// stream hands them out.
 ///
-/// They add up to the answer's text: a control token the text leaves out
-/// (`<|im_start|>` forced by a bias; the end-of-turn token never has an
-/// entry) is left out here too, so the tokens' bytes, joined, are the text's
-/// bytes. A token that is not whole UTF-8 on its own (part of a character
+/// They add up to the answer's text: the engine gives no log-probabilities
+/// for a token the text leaves out (a control token such as `<|im_start|>`
+/// forced by a bias, the end-of-turn token), so the tokens' bytes, joined,
+/// are the text's bytes. A token that is not whole UTF-8 on its own (part of a character
 /// split across tokens) is written as OpenAI writes it: in completions'
 /// `tokens` and `top_logprobs` as `bytes:` and its bytes escaped (`\xf0\x9f`;
 /// printable ASCII as itself), in chat's `token` as the escaped bytes, its
@@ -566,17 +566,8 @@ impl Logprobs {
         (text, bytes)
     }
 
-    /// Whether `id` is a control token, which the answer's text leaves out.
-    fn is_control(&self, id: u32) -> bool {
-        self.tokenizer
-            .decode_text(&[id])
-            .is_ok_and(|text| text.is_empty())
-            && !self.tokenizer.token_bytes(id).is_empty()
-    }
-
     /// The `logprobs` of a choice holding the tokens of `lps`.
     fn render(&mut self, lps: &[TokenLogprobs]) -> Value {
-        let lps: Vec<&TokenLogprobs> = lps.iter().filter(|lp| !self.is_control(lp.token)).collect();
         match self.kind {
             Kind::Chat => {
                 let content: Vec<Value> = lps

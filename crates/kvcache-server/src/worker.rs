@@ -3,8 +3,11 @@
 //!
 //! Requests arrive over a channel ([`Worker::submit`]) and join between
 //! forward passes; each pass decodes one token for every running request.
-//! Tokens go back over the request's own channel. The engine decides how a
-//! request ends (a stop token, a stop sequence, `max_tokens`) and says why;
+//! The engine's events go back over the request's own channel as they come:
+//! its reuse counts when it joins, each token's text and log-probabilities
+//! (the engine owns the answer's text: stop sequences cut, control tokens
+//! left out), its end. The engine decides how a request ends (a stop token,
+//! a stop sequence, `max_tokens`) and says why;
 //! a request whose receiver is gone (its client disconnected) is cancelled
 //! and its cells freed before the next pass. Finished sequences stay in the
 //! cache for prefix reuse within their namespace (the cache salt) and age out
@@ -34,22 +37,23 @@ use crate::config::ServerConfig;
 pub enum JobEvent {
     /// The request holds a sequence now.
     Started {
-        /// Prompt tokens taken from cached cells instead of evaluated.
+        /// Prompt tokens not evaluated: taken from cached cells or imported
+        /// from the prefix store.
         cached_tokens: usize,
         /// How long it waited in the engine's queue for a sequence.
         waited: Duration,
     },
     /// A generated token.
     Token {
-        /// The token.
-        token: u32,
-        /// Its log-probabilities, when the request asked for them.
+        /// The text it adds to the answer (see [`Event::Token`]).
+        text: String,
+        /// Its log-probabilities, when the request asked for them (never for
+        /// a token the text leaves out).
         logprobs: Option<TokenLogprobs>,
     },
-    /// The request finished on its own (end of sequence or `max_tokens`).
+    /// The request finished on its own (a stop token, a stop sequence or
+    /// `max_tokens`).
     Finished {
-        /// Prompt tokens taken from cached cells instead of evaluated.
-        cached_tokens: usize,
         /// Why the engine ended it.
         reason: FinishReason,
     },
@@ -138,7 +142,8 @@ impl Worker {
     /// Loads the model of `file` (its header names the architecture: `llama`
     /// or `gemma3`) on a new thread and starts the engine loop there; returns
     /// once the model is loaded. `tokenizer` is the model's: its end-of-turn
-    /// tokens end a request, and its text is what stop sequences match.
+    /// tokens end a request, and the engine turns the tokens into the
+    /// answers' text with it.
     pub fn start(
         file: ModelFile,
         tokenizer: Arc<dyn Tokenizer>,
@@ -403,59 +408,55 @@ fn serve<M: Model>(
             engine.cancel(id)?;
             jobs.remove(&id);
         }
+        // Each event goes to its request as it comes; a request whose
+        // receiver is gone is cancelled after the pass.
         let mut closed = Vec::new();
-        let mut joined = Vec::new();
-        // Tokens and ends in order, sent once the pass is over and the
-        // tokens' log-probabilities can go with them.
-        let mut outgoing: Vec<(usize, JobEvent)> = Vec::new();
-        let result = engine.step(&mut stats, &mut |event| match event {
-            Event::Joined { id, waited, .. } => joined.push((*id, *waited)),
-            Event::Token { id, token } => outgoing.push((
-                *id,
-                JobEvent::Token {
-                    token: *token,
-                    logprobs: None,
-                },
-            )),
-            Event::Finished(f) => {
-                outgoing.push((
-                    f.id,
-                    JobEvent::Finished {
-                        cached_tokens: f.reused + f.restored,
-                        reason: f.reason.clone(),
-                    },
-                ));
-            }
-            _ => {}
-        });
-        let mut logprobs: std::collections::HashMap<usize, std::collections::VecDeque<TokenLogprobs>> =
-            Default::default();
-        for (id, lp) in engine.take_logprobs() {
-            logprobs.entry(id).or_default().push_back(lp);
-        }
-        // Requests that took a sequence in this pass, before their tokens
-        // (and their end: one that finishes in its first pass is still told
-        // how long it waited; its end carries its cached tokens).
-        for (id, waited) in joined {
-            if let Some(tx) = jobs.get(&id) {
-                let _ = tx.send(JobEvent::Started {
-                    cached_tokens: engine.reused_tokens(id).unwrap_or(0),
+        let result = engine.step(&mut stats, &mut |event| {
+            let (id, message) = match event {
+                Event::Joined {
+                    id,
                     waited,
-                });
-            }
-        }
-        for (id, mut event) in outgoing {
-            if let JobEvent::Token { logprobs: lp, .. } = &mut event {
-                *lp = logprobs.get_mut(&id).and_then(|q| q.pop_front());
-                if let Some(tx) = jobs.get(&id) {
-                    if tx.send(event).is_err() {
-                        closed.push(id);
+                    reused,
+                    restored,
+                    ..
+                } => (
+                    *id,
+                    JobEvent::Started {
+                        cached_tokens: reused + restored,
+                        waited: *waited,
+                    },
+                ),
+                Event::Token {
+                    id, text, logprobs, ..
+                } => (
+                    *id,
+                    JobEvent::Token {
+                        text: text.clone(),
+                        logprobs: logprobs.clone(),
+                    },
+                ),
+                Event::Finished(f) => {
+                    if let Some(tx) = jobs.remove(&f.id) {
+                        let _ = tx.send(JobEvent::Finished {
+                            reason: f.reason.clone(),
+                        });
                     }
+                    return;
                 }
-            } else if let Some(tx) = jobs.remove(&id) {
-                let _ = tx.send(event);
+                Event::Failed { id, error } => {
+                    if let Some(tx) = jobs.remove(id) {
+                        let _ = tx.send(JobEvent::Failed(error.to_string()));
+                    }
+                    return;
+                }
+                Event::Prefilled { .. } | Event::ContextShift { .. } | Event::Pass { .. } => return,
+            };
+            if let Some(tx) = jobs.get(&id) {
+                if tx.send(message).is_err() {
+                    closed.push(id);
+                }
             }
-        }
+        });
         if let Err(error) = result {
             // A failed pass leaves the requests in it in an unknown state:
             // fail them all and start over with an empty engine state.
