@@ -121,14 +121,21 @@ fn a_stop_sequence_ends_the_request_on_the_token_that_completes_it() {
     engine.cache().check();
 }
 
+/// The free run, the index of its first token that is also its fourth, and
+/// an engine that stops on that token with request 0 of the prompt queued.
+fn ending_on_a_token(model: &Llama) -> (Vec<u32>, usize, Engine<'_, CausalKvCache>) {
+    let free = free_run(model);
+    let token = free[3];
+    let first = free.iter().position(|&t| t == token).unwrap();
+    let mut engine = engine(model, vec![token]);
+    engine.submit(Request::new(0, PROMPT.to_vec(), 16)).unwrap();
+    (free, first, engine)
+}
+
 #[test]
 fn a_stop_token_or_the_length_ends_the_request() {
     let model = model();
-    let free = free_run(&model);
-    let token = free[3];
-    let first = free.iter().position(|&t| t == token).unwrap();
-    let mut engine = engine(&model, vec![token]);
-    engine.submit(Request::new(0, PROMPT.to_vec(), 16)).unwrap();
+    let (free, first, mut engine) = ending_on_a_token(&model);
     let done = run(&mut engine);
     assert_eq!(done.reason, FinishReason::StopToken);
     assert_eq!(done.generated, free[..=first]);
@@ -239,11 +246,7 @@ fn the_token_events_carry_the_answer_and_a_split_stop_is_cut_once() {
 #[test]
 fn a_stop_token_adds_no_text_and_joined_counts_the_reuse() {
     let model = model();
-    let free = free_run(&model);
-    let token = free[3];
-    let first = free.iter().position(|&t| t == token).unwrap();
-    let mut engine = engine(&model, vec![token]);
-    engine.submit(Request::new(0, PROMPT.to_vec(), 16)).unwrap();
+    let (free, first, mut engine) = ending_on_a_token(&model);
     let events = events_of(&mut engine, 0);
     // The stop token is a letter here, yet its text never shows.
     assert_eq!(
