@@ -8,7 +8,7 @@ use candle_core::quantized::QTensor;
 use candle_core::Tensor;
 
 use crate::kernels::{self, Activation};
-use crate::weights::{Linear, WeightSource, WeightSpec};
+use crate::weights::{forward_shared, Linear, WeightSource, WeightSpec};
 use crate::{ModelError, Result};
 
 /// What a layer loop asks of the attention: `attend(layer, q, keys, values)`
@@ -96,9 +96,10 @@ impl Qkv {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let n = h.dim(0)?;
         let [q, k, v] = &self.0;
-        let q = q.forward(h)?.reshape((n, heads, head_dim))?;
-        let k = k.forward(h)?.reshape((n, kv_heads, head_dim))?;
-        let v = v.forward(h)?.reshape((n, kv_heads, head_dim))?;
+        let [q, k, v] = forward_shared([q, k, v], h)?;
+        let q = q.reshape((n, heads, head_dim))?;
+        let k = k.reshape((n, kv_heads, head_dim))?;
+        let v = v.reshape((n, kv_heads, head_dim))?;
         Ok((q, k, v))
     }
 }
@@ -121,7 +122,7 @@ impl FeedForward {
     /// `h: [n, dim]` to `[n, dim]`, the gate through `activation`.
     pub(crate) fn forward(&self, h: &Tensor, activation: Activation) -> Result<Tensor> {
         let [gate, up, down] = &self.0;
-        let (g, u) = (gate.forward(h)?, up.forward(h)?);
+        let [g, u] = forward_shared([gate, up], h)?;
         down.forward(&kernels::gated(&g, &u, activation)?)
     }
 }

@@ -223,12 +223,45 @@ impl Linear {
     }
 }
 
-/// `x: [n, in]` (f32 on the CPU) times a packed `w` (`[out, in]`): `x`'s rows
-/// quantized one by one, then [`QMatrix::matmul_on`] candle's barrier pool.
-fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
+/// `x: [n, in]` through each of `linears` (sharing their input: a layer's
+/// query, key and value projections, its gate and up): where all are packed,
+/// `x` is quantized once and the products run in one parallel section
+/// ([`QMatrix::matmul_many_on`]); otherwise one [`Linear::forward`] each.
+pub(crate) fn forward_shared<const N: usize>(linears: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+    let packed: Option<Vec<&QMatrix>> = linears
+        .iter()
+        .map(|l| match l {
+            Linear::Packed(w) => Some(&**w),
+            _ => None,
+        })
+        .collect();
+    let Some(ws) = packed else {
+        let mut out = Vec::with_capacity(N);
+        for l in linears {
+            out.push(l.forward(x)?);
+        }
+        return Ok(out.try_into().expect("one output per matrix"));
+    };
+    let (n, x, acts) = quantized_rows(x, &ws)?;
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows()]).collect();
+    {
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+        QMatrix::matmul_many_on(&ws, &acts, default_isa(), &mut slices, &CandlePool)
+            .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;
+    }
+    let mut tensors = Vec::with_capacity(N);
+    for (out, w) in outs.into_iter().zip(&ws) {
+        tensors.push(Tensor::from_vec(out, (n, w.rows()), x.device())?);
+    }
+    Ok(tensors.try_into().expect("one output per matrix"))
+}
+
+/// `x: [n, in]` (f32 on the CPU, checked against every matrix of `ws`) as
+/// contiguous f32 and its rows quantized on candle's barrier pool.
+fn quantized_rows(x: &Tensor, ws: &[&QMatrix]) -> Result<(usize, Tensor, QActivations)> {
     use candle_core::Storage;
     let (n, k) = x.dims2()?;
-    if k != w.cols() || !x.device().is_cpu() {
+    if let Some(w) = ws.iter().find(|w| k != w.cols() || !x.device().is_cpu()) {
         return Err(ModelError::InvalidArgument(format!(
             "a [{n}, {k}] input on {:?} for a [{}, {}] matrix held on the CPU",
             x.device(),
@@ -246,6 +279,13 @@ fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
         QActivations::quantize_on(n, k, values, &CandlePool)
             .map_err(|e| ModelError::InvalidArgument(e.to_string()))?
     };
+    Ok((n, x, acts))
+}
+
+/// `x: [n, in]` (f32 on the CPU) times a packed `w` (`[out, in]`): `x`'s rows
+/// quantized one by one, then [`QMatrix::matmul_on`] candle's barrier pool.
+fn packed_forward(w: &QMatrix, x: &Tensor) -> Result<Tensor> {
+    let (n, x, acts) = quantized_rows(x, &[w])?;
     let mut out = vec![0f32; n * w.rows()];
     w.matmul_on(&acts, default_isa(), &mut out, &CandlePool)
         .map_err(|e| ModelError::InvalidArgument(e.to_string()))?;

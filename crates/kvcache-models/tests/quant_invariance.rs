@@ -141,3 +141,37 @@ fn activations_quantized_on_a_pool_equal_row_by_row() {
         assert_eq!(row.scale(0, 7), alone.scale(i, 7));
     }
 }
+
+/// Matrices multiplied together in one parallel section give each one's
+/// own product, bit for bit.
+#[test]
+fn products_sharing_their_input_equal_each_alone() {
+    let mut rng = Rng::new(5);
+    let (m, k) = (11, 96);
+    let shapes = [(67, Format::Q8), (16, Format::Q4), (5, Format::Q8)];
+    let ws: Vec<QMatrix> = shapes
+        .iter()
+        .map(|&(rows, f)| QMatrix::quantize(f, rows, k, &rng.vec(rows * k, 0.05)).unwrap())
+        .collect();
+    let a = QActivations::quantize(m, k, &rng.vec(m * k, 1.0)).unwrap();
+    for isa in Isa::available() {
+        for threads in [1, 2, 3] {
+            let pool = pool(threads);
+            let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; m * w.rows()]).collect();
+            {
+                let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+                let refs: Vec<&QMatrix> = ws.iter().collect();
+                pool.install(|| {
+                    QMatrix::matmul_many_on(&refs, &a, isa, &mut slices, &kvcache_models::quant::Rayon)
+                        .unwrap()
+                });
+            }
+            for (w, got) in ws.iter().zip(&outs) {
+                let mut alone = vec![0f32; m * w.rows()];
+                w.matmul_range_isa(&a, isa, 0..w.rows(), &mut alone).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&alone), "{isa:?}, {threads} threads");
+            }
+        }
+    }
+}

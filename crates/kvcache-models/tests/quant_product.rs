@@ -151,3 +151,36 @@ fn isa_names_and_detection() {
         assert_eq!(Isa::detect(), best);
     }
 }
+
+/// Activations quantized block by block as the plain formula says: `d =
+/// absmax / 127`, `q = round_ties_even(clamp(v / d))`, `s = d * sum(q)`;
+/// rows with zeros, ties and values far apart in size.
+#[test]
+fn activations_quantize_to_the_plain_formula() {
+    let mut rng = Rng::new(91);
+    let k = 96;
+    let mut x = rng.vec(5 * k, 3.0);
+    x[k..2 * k].fill(0.0); // an all-zero row: d = 0, every q = 0
+    for (i, v) in x[2 * k..3 * k].iter_mut().enumerate() {
+        // Exact halves after scaling: absmax 127 gives d = 1.
+        *v = if i % 32 == 0 { 127.0 } else { (i % 7) as f32 - 3.5 };
+    }
+    x[3 * k] = 1e6; // one huge value: the rest of its block rounds to 0
+    let a = QActivations::quantize(5, k, &x).unwrap();
+    for i in 0..5 {
+        for b in 0..k / 32 {
+            let block = &x[i * k + 32 * b..i * k + 32 * b + 32];
+            let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = absmax / 127.0;
+            let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+            let want: Vec<i8> = block
+                .iter()
+                .map(|&v| (v * id).clamp(-127.0, 127.0).round_ties_even() as i8)
+                .collect();
+            assert_eq!(a.block_quants(i, b), &want[..], "row {i} block {b}");
+            assert_eq!(a.scale(i, b).to_bits(), d.to_bits(), "row {i} block {b}");
+            let sum: i32 = want.iter().map(|&q| q as i32).sum();
+            assert_eq!(a.block_sum(i, b).to_bits(), (d * sum as f32).to_bits());
+        }
+    }
+}

@@ -22,29 +22,88 @@ unsafe impl Send for RowsOut {}
 unsafe impl Sync for RowsOut {}
 
 /// One row's blocks: `d = absmax / 127`, each value's `q` rounded to the
-/// nearest integer (ties to even, by adding and taking away 1.5 * 2^23:
-/// plain f32 arithmetic the compiler vectorizes, where `round` is a call per
-/// value), `s = d * sum(q)` and the offset `-128 * sum(q)`.
+/// nearest integer (ties to even, by adding 1.5 * 2^23, whose float then holds
+/// `q` in its low mantissa bits), `s = d * sum(q)` and the offset
+/// `-128 * sum(q)`. Plain arithmetic written for the compiler to vectorize (a
+/// maximum over sixteen lanes, integer quants from the float's bits, no
+/// `round` call or saturating cast per value), and compiled for the widest
+/// instructions the CPU has: the same operations, so the same bits, on each.
 fn quantize_row(x: &[f32], scales: &mut [f32], sums: &mut [f32], offsets: &mut [i32], quants: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has the features `quantize_row_avx512` enables.
+            return unsafe { quantize_row_avx512(x, scales, sums, offsets, quants) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, all `quantize_row_avx2` enables.
+            return unsafe { quantize_row_avx2(x, scales, sums, offsets, quants) };
+        }
+    }
+    quantize_row_generic(x, scales, sums, offsets, quants);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quantize_row_avx512(
+    x: &[f32],
+    scales: &mut [f32],
+    sums: &mut [f32],
+    offsets: &mut [i32],
+    quants: &mut [i8],
+) {
+    quantize_row_generic(x, scales, sums, offsets, quants);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_avx2(
+    x: &[f32],
+    scales: &mut [f32],
+    sums: &mut [f32],
+    offsets: &mut [i32],
+    quants: &mut [i8],
+) {
+    quantize_row_generic(x, scales, sums, offsets, quants);
+}
+
+#[inline(always)]
+fn quantize_row_generic(
+    x: &[f32],
+    scales: &mut [f32],
+    sums: &mut [f32],
+    offsets: &mut [i32],
+    quants: &mut [i8],
+) {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-    for ((((xb, qb), d_out), s_out), o_out) in x
-        .chunks_exact(BLOCK)
-        .zip(quants.chunks_exact_mut(BLOCK))
+    const LANES: usize = 16;
+    let (blocks, _) = x.as_chunks::<BLOCK>();
+    let (quant_blocks, _) = quants.as_chunks_mut::<BLOCK>();
+    for ((((xb, qb), d_out), s_out), o_out) in blocks
+        .iter()
+        .zip(quant_blocks)
         .zip(scales.iter_mut())
         .zip(sums.iter_mut())
         .zip(offsets.iter_mut())
     {
-        let absmax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        // The largest magnitude (a NaN never wins a comparison: ignored, as
+        // `f32::max` ignores it).
+        let mut lanes = [0f32; LANES];
+        for half in xb.chunks_exact(LANES) {
+            for l in 0..LANES {
+                let v = half[l].abs();
+                lanes[l] = if v > lanes[l] { v } else { lanes[l] };
+            }
+        }
+        let absmax = lanes.iter().fold(0f32, |a, &v| if v > a { v } else { a });
         let d = absmax / 127.0;
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
-        let mut rounded = [0f32; BLOCK];
-        for (r, &v) in rounded.iter_mut().zip(xb) {
-            *r = ((v * id).clamp(-127.0, 127.0) + MAGIC) - MAGIC;
-        }
         let mut sum = 0i32;
-        for (q, &r) in qb.iter_mut().zip(&rounded) {
-            *q = r as i8;
-            sum += r as i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            let shifted = (v * id).clamp(-127.0, 127.0) + MAGIC;
+            let i = shifted.to_bits() as i32 - MAGIC.to_bits() as i32;
+            *q = i as i8;
+            sum += i;
         }
         *d_out = d;
         *s_out = d * sum as f32;

@@ -118,47 +118,8 @@ impl Spread for Rayon {
     }
 }
 
-/// Runs kernel `k` over weight rows `cols`, spread over `pool` if given,
-/// otherwise on the calling thread. Parallel chunks are whole groups, so no
-/// two tasks write the same column.
-fn drive<K: GroupKernel>(
-    k: &K,
-    w: &QMatrix,
-    m: usize,
-    cols: Range<usize>,
-    out: OutPtr,
-    pool: Option<&dyn Spread>,
-) {
-    let group_bytes = GROUP * w.blocks_per_row() * w.format.block_bytes();
-    let first = cols.start / GROUP;
-    let groups = cols.end.div_ceil(GROUP) - first;
-    let threads = pool.map_or(1, |p| p.threads());
-    let pool = match pool {
-        Some(pool) if threads > 1 && groups > 1 => pool,
-        _ => return walk(k, m, cols, group_bytes, out),
-    };
-    // About four chunks per thread for balance.
-    let per = groups.div_ceil(4 * threads);
-    let chunks = groups.div_ceil(per);
-    pool.spread(chunks, &|range| {
-        for c in range {
-            let g0 = first + c * per;
-            let start = (g0 * GROUP).max(cols.start);
-            let end = ((g0 + per) * GROUP).min(cols.end);
-            walk(k, m, start..end, group_bytes, out);
-        }
-    });
-}
-
-/// Checks shapes and ISA, then dispatches to the kernel of `isa`.
-fn product(
-    w: &QMatrix,
-    a: &QActivations,
-    isa: Isa,
-    cols: Range<usize>,
-    out: &mut [f32],
-    pool: Option<&dyn Spread>,
-) -> Result<(), QuantError> {
+/// Checks that `w` and `a` can be multiplied into `out` with `isa`.
+fn check(w: &QMatrix, a: &QActivations, isa: Isa, out: &[f32]) -> Result<(), QuantError> {
     if a.cols() != w.cols {
         return Err(QuantError::InnerMismatch {
             weight_cols: w.cols,
@@ -172,6 +133,84 @@ fn product(
             got: out.len(),
         });
     }
+    if !isa.is_available() {
+        return Err(QuantError::IsaUnavailable(isa));
+    }
+    Ok(())
+}
+
+/// Computes weight rows `cols` of `w` against every row of `a` on the calling
+/// thread, with the kernel of `isa` (checked available).
+fn walk_with(w: &QMatrix, a: &QActivations, isa: Isa, cols: Range<usize>, out: OutPtr) {
+    let group_bytes = GROUP * w.blocks_per_row() * w.format.block_bytes();
+    let m = a.rows();
+    match isa {
+        Isa::Scalar => walk(&super::scalar::ScalarGroups::new(w, a), m, cols, group_bytes, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            let k = super::x86_avx2::Avx2Groups::new(w, a).expect("checked available");
+            walk(&k, m, cols, group_bytes, out);
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            let k = super::x86_avx512::Avx512Groups::new(w, a).expect("checked available");
+            walk(&k, m, cols, group_bytes, out);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("checked available"),
+    }
+}
+
+/// One product of a (possibly shared) parallel section: weight rows `cols`
+/// of `w` into `out`.
+struct Part<'a> {
+    w: &'a QMatrix,
+    cols: Range<usize>,
+    out: OutPtr,
+}
+
+/// Computes every part, spread over `pool` if given (in chunks of whole
+/// groups, about four per thread, so no two tasks write the same column),
+/// otherwise on the calling thread.
+fn drive(parts: &[Part<'_>], a: &QActivations, isa: Isa, pool: Option<&dyn Spread>) {
+    let threads = pool.map_or(1, |p| p.threads());
+    let groups = |p: &Part<'_>| p.cols.end.div_ceil(GROUP) - p.cols.start / GROUP;
+    let total: usize = parts.iter().map(groups).sum();
+    let pool = match pool {
+        Some(pool) if threads > 1 && total > 1 => pool,
+        _ => {
+            for p in parts {
+                walk_with(p.w, a, isa, p.cols.clone(), p.out);
+            }
+            return;
+        }
+    };
+    let per = total.div_ceil(4 * threads);
+    // (part, first group, end group) of each chunk.
+    let mut chunks = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        let (first, end) = (p.cols.start / GROUP, p.cols.end.div_ceil(GROUP));
+        chunks.extend((first..end).step_by(per).map(|g0| (i, g0, (g0 + per).min(end))));
+    }
+    pool.spread(chunks.len(), &|range| {
+        for &(i, g0, g1) in &chunks[range] {
+            let p = &parts[i];
+            let cols = (g0 * GROUP).max(p.cols.start)..(g1 * GROUP).min(p.cols.end);
+            walk_with(p.w, a, isa, cols, p.out);
+        }
+    });
+}
+
+/// Checks shapes and ISA, then runs one product.
+fn product(
+    w: &QMatrix,
+    a: &QActivations,
+    isa: Isa,
+    cols: Range<usize>,
+    out: &mut [f32],
+    pool: Option<&dyn Spread>,
+) -> Result<(), QuantError> {
+    check(w, a, isa, out)?;
     assert!(
         cols.start <= cols.end && cols.end <= w.rows,
         "column range out of bounds"
@@ -179,26 +218,11 @@ fn product(
     if cols.is_empty() {
         return Ok(());
     }
-    let m = a.rows();
     let out = OutPtr {
         ptr: out.as_mut_ptr(),
         ld: w.rows,
     };
-    match isa {
-        Isa::Scalar => drive(&super::scalar::ScalarGroups::new(w, a), w, m, cols, out, pool),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            let k = super::x86_avx2::Avx2Groups::new(w, a).ok_or(QuantError::IsaUnavailable(isa))?;
-            drive(&k, w, m, cols, out, pool);
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            let k = super::x86_avx512::Avx512Groups::new(w, a).ok_or(QuantError::IsaUnavailable(isa))?;
-            drive(&k, w, m, cols, out, pool);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => return Err(QuantError::IsaUnavailable(isa)),
-    }
+    drive(&[Part { w, cols, out }], a, isa, pool);
     Ok(())
 }
 
@@ -250,6 +274,35 @@ impl QMatrix {
         pool: &dyn Spread,
     ) -> Result<(), QuantError> {
         product(self, acts, isa, 0..self.rows, out, Some(pool))
+    }
+
+    /// `outs[i] = acts @ ws[i]^T` for matrices that share their input (a
+    /// layer's query, key and value projections; its gate and up), in one
+    /// parallel section on `pool`: one wake-up of the pool's threads, not
+    /// one per matrix. Each output is what [`QMatrix::matmul_on`] gives.
+    pub fn matmul_many_on(
+        ws: &[&QMatrix],
+        acts: &QActivations,
+        isa: Isa,
+        outs: &mut [&mut [f32]],
+        pool: &dyn Spread,
+    ) -> Result<(), QuantError> {
+        assert_eq!(ws.len(), outs.len(), "one output per matrix");
+        let mut parts = Vec::with_capacity(ws.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            check(w, acts, isa, out)?;
+            let out = OutPtr {
+                ptr: out.as_mut_ptr(),
+                ld: w.rows,
+            };
+            parts.push(Part {
+                w,
+                cols: 0..w.rows,
+                out,
+            });
+        }
+        drive(&parts, acts, isa, Some(pool));
+        Ok(())
     }
 
     /// [`QMatrix::matmul_into_isa`] with the default instruction set.
