@@ -145,7 +145,12 @@ fn mismatched_shapes_are_errors() {
 fn isa_names_and_detection() {
     assert_eq!(Isa::from_name("AVX512"), Some(Isa::Avx512));
     assert_eq!(Isa::from_name("scalar"), Some(Isa::Scalar));
-    assert_eq!(Isa::from_name("neon"), None);
+    assert_eq!(Isa::from_name("Neon"), Some(Isa::Neon));
+    assert_eq!(Isa::from_name("sve"), None);
+    // Each ISA exists on its own architecture only.
+    let available = Isa::available();
+    assert_eq!(available.contains(&Isa::Neon), cfg!(target_arch = "aarch64"));
+    assert!(!cfg!(target_arch = "aarch64") || !available.contains(&Isa::Avx2));
     let best = *Isa::available().last().unwrap();
     if std::env::var(kvcache_models::quant::ISA_ENV).is_err() {
         assert_eq!(Isa::detect(), best);

@@ -9,9 +9,12 @@ pub enum Isa {
     Avx2,
     /// AVX-512 F/BW/VL + VNNI: `dpbusd` on 512-bit registers, sixteen weight rows each.
     Avx512,
+    /// Arm NEON (every AArch64 CPU): widening `i8` multiplies and pairwise
+    /// adds on 128-bit registers, four weight rows each.
+    Neon,
 }
 
-/// Environment variable forcing an instruction set (`scalar`, `avx2`, `avx512`).
+/// Environment variable forcing an instruction set (`scalar`, `avx2`, `avx512`, `neon`).
 pub const ISA_ENV: &str = "KVCACHE_QUANT_ISA";
 
 impl Isa {
@@ -33,25 +36,28 @@ impl Isa {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
             _ => false,
         }
     }
 
     /// All instruction sets available on this CPU, scalar first, best last.
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon]
             .into_iter()
             .filter(|isa| isa.is_available())
             .collect()
     }
 
-    /// Parses `scalar`, `avx2` or `avx512` (case-insensitive).
+    /// Parses `scalar`, `avx2`, `avx512` or `neon` (case-insensitive).
     pub fn from_name(name: &str) -> Option<Isa> {
         match name.trim().to_ascii_lowercase().as_str() {
             "scalar" => Some(Isa::Scalar),
             "avx2" => Some(Isa::Avx2),
             "avx512" => Some(Isa::Avx512),
+            "neon" => Some(Isa::Neon),
             _ => None,
         }
     }

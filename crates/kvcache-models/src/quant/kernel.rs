@@ -156,7 +156,12 @@ fn walk_with(w: &QMatrix, a: &QActivations, isa: Isa, cols: Range<usize>, out: O
             let k = super::x86_avx512::Avx512Groups::new(w, a).expect("checked available");
             walk(&k, m, cols, group_bytes, out);
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => {
+            let k = super::arm_neon::NeonGroups::new(w, a).expect("checked available");
+            walk(&k, m, cols, group_bytes, out);
+        }
+        #[allow(unreachable_patterns)]
         _ => unreachable!("checked available"),
     }
 }

@@ -42,6 +42,8 @@
 //! the same row inside any batch.
 
 mod activations;
+#[cfg(target_arch = "aarch64")]
+mod arm_neon;
 mod convert;
 mod ggml;
 mod isa;
