@@ -41,6 +41,8 @@ Commands:
                        on 127.0.0.1:8080 unless told `--host H --port P`
   test-metal [ARGS]    kvcache-causal's tests on the Metal device (macOS)
   test-cuda [ARGS]     kvcache-causal's tests and the models' CUDA kernel on a GPU (needs nvcc)
+  test-neon [ARGS]     the quantized kernels' tests on AArch64 (NEON): native on Arm, else
+                       cross-built and run under qemu-user (installed when root)
   cuda-bundle          without a GPU: nvcc 13.0 from PyPI (cached), then the CUDA tests
                        and benches built and packed into target/cuda-bundle/ with the
                        run.sh that runs them on a GPU machine without Rust
@@ -88,6 +90,7 @@ fn run(command: &str, args: &[String]) -> Result<()> {
         "serve" => tasks::serve,
         "test-metal" => tasks::test_metal,
         "test-cuda" => tasks::test_cuda,
+        "test-neon" => tasks::test_neon,
         "cuda-bundle" => cuda::bundle,
         other => bail!("unknown command `{other}`; run `cargo xtask help`"),
     };

@@ -51,6 +51,34 @@ pub fn ensure() -> Result<()> {
     Ok(())
 }
 
+/// Installs `packages` (Debian, as root) unless they are all there already;
+/// `why` names the task that needs them.
+pub fn ensure_extra(why: &str, packages: &[&str]) -> Result<()> {
+    if !shell::on_path("dpkg-query") {
+        bail!("{why} needs the Debian packages {}; install their equivalents with your system's package manager", packages.join(" "));
+    }
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|name| !dpkg_installed(name))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let list = missing.join(" ");
+    if !is_root() {
+        bail!("{why} needs Debian packages; install them with: sudo apt-get install -y {list}");
+    }
+    println!("{why}: installing {list}");
+    shell::run(Command::new("apt-get").arg("update"))?;
+    shell::run(
+        Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(&missing),
+    )
+}
+
 fn missing_packages() -> Vec<&'static str> {
     let mut missing: Vec<&str> = REQUIRED
         .into_iter()

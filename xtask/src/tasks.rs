@@ -1,6 +1,9 @@
 //! The commands that run cargo on the main workspace. Each is one function:
 //! prepare what it needs, then run cargo with the prepared flags.
 
+use std::process::Command;
+
+use crate::cargo::Cargo;
 use crate::error::{bail, Result};
 use crate::layout::Layout;
 use crate::prepare::{prepare, prepare_model_only, Model};
@@ -131,7 +134,56 @@ pub fn test_cuda(layout: &Layout, args: &[String]) -> Result<()> {
     // The models' CUDA paged-attention kernel against the dense reference.
     let mut cargo = prepare_model_only(layout)?;
     cargo.set_env("KVCACHE_DEVICE", "cuda");
-    let mut run = strings(&["test", "-p", "kvcache-models", "--features", "cuda", "--test", "paged_attention"]);
+    let mut run = strings(&[
+        "test",
+        "-p",
+        "kvcache-models",
+        "--features",
+        "cuda",
+        "--test",
+        "paged_attention",
+    ]);
+    run.extend_from_slice(args);
+    cargo.run(&run)
+}
+
+/// The quantized kernels' tests on AArch64, where the NEON kernels run: native
+/// on an Arm machine; elsewhere cross-built and run under qemu's user-mode
+/// emulator (Debian's `qemu-user` and `gcc-aarch64-linux-gnu`, installed when
+/// run as root), which checks that they give the scalar kernel's bits but
+/// says nothing of their speed.
+pub fn test_neon(layout: &Layout, args: &[String]) -> Result<()> {
+    const TARGET: &str = "aarch64-unknown-linux-gnu";
+    let tests = [
+        "--test",
+        "quant_product",
+        "--test",
+        "quant_invariance",
+        "--test",
+        "quant_conversions",
+    ];
+    let mut cargo = Cargo::plain(&layout.root);
+    let mut run = strings(&["test", "--release", "-p", "kvcache-models"]);
+    run.extend(strings(&tests));
+    if std::env::consts::ARCH != "aarch64" {
+        crate::system_packages::ensure_extra(
+            "test-neon",
+            &["qemu-user", "gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"],
+        )?;
+        shell::run(Command::new("rustup").args(["target", "add", TARGET]))?;
+        cargo.set_env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+            "aarch64-linux-gnu-gcc",
+        );
+        cargo.set_env("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc");
+        cargo.set_env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER",
+            "qemu-aarch64 -L /usr/aarch64-linux-gnu",
+        );
+        let target_dir = layout.root.join("target").join("aarch64");
+        run.extend(strings(&["--target", TARGET, "--target-dir"]));
+        run.push(target_dir.to_string_lossy().into_owned());
+    }
     run.extend_from_slice(args);
     cargo.run(&run)
 }
