@@ -29,18 +29,7 @@ pub fn ensure() -> Result<()> {
         println!("{STEP}: already done ({})", REQUIRED.join(" "));
         return Ok(());
     }
-    let list = missing.join(" ");
-    if !is_root() {
-        bail!("missing Debian packages; install them with: sudo apt-get install -y {list}");
-    }
-    println!("{STEP}: installing {list}");
-    shell::run(Command::new("apt-get").arg("update"))?;
-    shell::run(
-        Command::new("apt-get")
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .args(["install", "-y", "--no-install-recommends"])
-            .args(&missing),
-    )?;
+    install(STEP, &missing)?;
     let still = missing_packages();
     if !still.is_empty() {
         bail!(
@@ -65,9 +54,14 @@ pub fn ensure_extra(why: &str, packages: &[&str]) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
+    install(why, &missing)
+}
+
+/// `apt-get install`s `missing` as root, or says how to.
+fn install(why: &str, missing: &[&str]) -> Result<()> {
     let list = missing.join(" ");
     if !is_root() {
-        bail!("{why} needs Debian packages; install them with: sudo apt-get install -y {list}");
+        bail!("{why}: missing Debian packages; install them with: sudo apt-get install -y {list}");
     }
     println!("{why}: installing {list}");
     shell::run(Command::new("apt-get").arg("update"))?;
@@ -75,7 +69,7 @@ pub fn ensure_extra(why: &str, packages: &[&str]) -> Result<()> {
         Command::new("apt-get")
             .env("DEBIAN_FRONTEND", "noninteractive")
             .args(["install", "-y", "--no-install-recommends"])
-            .args(&missing),
+            .args(missing),
     )
 }
 
