@@ -59,6 +59,7 @@ impl From<ModelError> for EngineError {
             ModelError::Cache(e) => EngineError::Cache(e),
             ModelError::Io { path, source } => EngineError::Io { path, source },
             ModelError::Format(e) => EngineError::Format(e),
+            e @ ModelError::UnknownArchitecture { .. } => EngineError::Format(e.to_string()),
             ModelError::Tokenizer(e) => EngineError::Tokenizer(e),
             ModelError::InvalidArgument(e) => EngineError::InvalidArgument(e),
         }

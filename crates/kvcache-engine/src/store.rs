@@ -2,35 +2,21 @@
 //! and values, and opening the tiers a caller names (host memory always, then a
 //! directory and Redis).
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvcache_api::{Fingerprint, KvLayout};
 use kvcache_store::{DiskTier, MemoryTier, RedisConfig, RedisTier, StoreConfig, Tier, TieredStore};
-use sha2::{Digest, Sha256};
 
-use crate::{EngineError, Result};
+use crate::Result;
 use kvcache_models::{Model, WeightMode};
 
-/// The fingerprint of the model in `path` loaded with `weights`: SHA-256 of the
-/// GGUF file's bytes and of the weight mode (dequantized and quantized weights
-/// give different keys and values, so their prefixes must not mix).
+/// The fingerprint of the model in `path` loaded with `weights`
+/// ([`kvcache_models::loader::fingerprint`]: SHA-256 of the GGUF file's bytes
+/// and of the weight mode, so that dequantized and quantized weights never
+/// mix their prefixes).
 pub fn model_fingerprint(path: &Path, weights: WeightMode) -> Result<Fingerprint> {
-    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
-    let mut hasher = Sha256::new();
-    // The domain tag keys every stored block: changing it orphans stored data.
-    hasher.update(b"kvcache-engine GGUF model file\0");
-    hasher.update(format!("{weights:?}\0").as_bytes());
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buffer).map_err(|e| EngineError::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buffer[..n]);
-    }
-    Ok(Fingerprint(hasher.finalize().into()))
+    Ok(kvcache_models::loader::fingerprint(path, weights)?)
 }
 
 /// The keys and values the candle layer caches hold for `model`: every layer,

@@ -28,6 +28,15 @@ pub enum ModelError {
     /// The model file lacks something or holds something unexpected.
     #[error("bad model file: {0}")]
     Format(String),
+    /// The file's header names an architecture the loader does not build
+    /// (`crate::loader`: `llama`, `gemma3`), or none.
+    #[error("{path}: architecture {} is not one this build loads (llama, gemma3)", found.as_deref().map_or("(none)".to_string(), |a| format!("{a:?}")))]
+    UnknownArchitecture {
+        /// The file.
+        path: String,
+        /// What `general.architecture` says, if anything.
+        found: Option<String>,
+    },
     /// Building or running the tokenizer failed.
     #[error("tokenizer error: {0}")]
     Tokenizer(String),

@@ -32,6 +32,9 @@
 //!   ChatML.
 //! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): both
 //!   models on mlx-rs arrays through `kvcache_mlx`'s layer caches.
+//! - [`loader`]: the one way programs get a model: a GGUF opened once, its
+//!   architecture read, the model and tokenizer built on the caller's device
+//!   with the caller's [`WeightMode`], with its name and store fingerprint.
 //! - [`paths`]: where the model files and fixtures are; [`threads`]: candle's
 //!   CPU threads set for a small machine (programs call
 //!   [`threads::tune_cpu_threads`] first thing).
@@ -48,6 +51,7 @@ pub mod gemma;
 mod gguf;
 mod kernels;
 pub mod llama;
+pub mod loader;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
 pub mod model;

@@ -15,14 +15,15 @@
 use std::path::PathBuf;
 
 use kvcache_models::gemma::tokenizer::gemma_chat;
-use kvcache_models::gemma::{gemma_path_for_tests, GemmaFile, GemmaTokenizer, TokenKind};
+use kvcache_models::gemma::{GemmaFile, GemmaTokenizer, TokenKind};
 use kvcache_models::tokenizer::{chatml, Message, Role};
-use kvcache_models::{paths, ChatTokenizer, ModelError, ModelFile, Tokenizer};
+use kvcache_models::{ChatTokenizer, ModelError, ModelFile, Tokenizer};
+use kvcache_testkit::models::{model_file, TestModel};
 use serde_json::Value;
 
 fn gemma() -> Option<GemmaTokenizer> {
     Some(
-        GemmaFile::open(gemma_path_for_tests()?)
+        GemmaFile::open(model_file(TestModel::Gemma3)?)
             .unwrap()
             .tokenizer()
             .unwrap(),
@@ -31,7 +32,7 @@ fn gemma() -> Option<GemmaTokenizer> {
 
 fn smollm2() -> Option<ChatTokenizer> {
     Some(
-        ModelFile::open(paths::model_path_for_tests()?)
+        ModelFile::open(model_file(TestModel::SmolLM2)?)
             .unwrap()
             .tokenizer()
             .unwrap(),

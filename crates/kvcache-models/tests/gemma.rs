@@ -13,14 +13,13 @@ use candle_core::{DType, Device, IndexOp, Tensor, D};
 use gemma_common::testing::Trace;
 use gemma_common::{conversation, Pair};
 use kvcache_api::CausalConfig;
-use kvcache_models::gemma::{
-    gemma_path_for_tests, Activation, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer, TokenKind,
-};
+use kvcache_models::gemma::{Activation, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer, TokenKind};
 use kvcache_models::{paths, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 
 fn file() -> Option<&'static GemmaFile> {
     static FILE: OnceLock<Option<GemmaFile>> = OnceLock::new();
-    FILE.get_or_init(|| gemma_path_for_tests().map(|p| GemmaFile::open(p).unwrap()))
+    FILE.get_or_init(|| model_file(TestModel::Gemma3).map(|p| GemmaFile::open(p).unwrap()))
         .as_ref()
 }
 
