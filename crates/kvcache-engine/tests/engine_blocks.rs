@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use common::engine_run::drain;
 use kvcache_api::{CausalConfig, KeyShift, Namespace};
 use kvcache_causal::CausalKvCache;
-use kvcache_engine::engine::{greedy, Engine, EngineConfig, Request, Stats};
+use kvcache_engine::engine::{greedy, Engine, EngineConfig, Request};
 use kvcache_models::{Llama, LlamaConfig, WeightMode};
 
 const BLOCK: usize = 4;
@@ -207,9 +207,8 @@ fn a_request_cancelled_mid_prefill_indexes_nothing() {
     let mut engine = engine(&model, 2, 64, 8);
     let long = Request::new(0, conversation(3, 40), 4);
     engine.submit(long.clone()).unwrap();
-    let mut stats = Stats::default();
-    engine.step(&mut stats, &mut |_| {}).unwrap();
-    engine.step(&mut stats, &mut |_| {}).unwrap();
+    engine.step(&mut |_| {}).unwrap();
+    engine.step(&mut |_| {}).unwrap();
     assert_eq!(engine.cached_tokens(0), Some(16), "two chunks evaluated");
     assert!(engine.cancel(0).unwrap());
     assert_eq!(engine.indexed_blocks(), (0, 0));

@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor};
 use kvcache_api::{CausalConfig, KeyShift};
 use kvcache_causal::CausalKvCache;
-use kvcache_engine::engine::{Engine, EngineConfig, Event, Request, Stats};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, Request};
 use kvcache_models::{Llama, LlamaConfig};
 
 #[test]
@@ -26,16 +26,15 @@ fn prompt_chunks_go_to_the_longest_waiting_request_first() {
     // X takes sequence 0 and leaves after one pass; A takes sequence 1.
     engine.submit(Request::new(0, vec![1, 2], 1)).unwrap();
     engine.submit(Request::new(1, long(3), 2)).unwrap();
-    let mut stats = Stats::default();
     let mut events = Vec::new();
-    engine.step(&mut stats, &mut |e| events.push(e.clone())).unwrap();
+    engine.step(&mut |e| events.push(e.clone())).unwrap();
     assert!(events
         .iter()
         .any(|e| matches!(e, Event::Finished(f) if f.id == 0)));
     // B joins sequence 0, below A's; A has waited longer and gets the pass.
     engine.submit(Request::new(2, long(5), 2)).unwrap();
     events.clear();
-    engine.step(&mut stats, &mut |e| events.push(e.clone())).unwrap();
+    engine.step(&mut |e| events.push(e.clone())).unwrap();
     assert!(events
         .iter()
         .any(|e| matches!(e, Event::Joined { id: 2, seq: 0, .. })));

@@ -368,7 +368,6 @@ fn finished_sequences_are_reused_within_their_namespace_only() {
     let a = Request::new(3, [&system[..], &[7]].concat(), 6);
     let b = Request::new(4, [&system[..], &[8, 9]].concat(), 2);
     engine.submit(a.clone()).unwrap();
-    let mut stats = kvcache_engine::engine::Stats::default();
     let mut finished = Vec::new();
     let mut collect = |e: &Event| {
         if let Event::Finished(f) = e {
@@ -376,10 +375,10 @@ fn finished_sequences_are_reused_within_their_namespace_only() {
         }
     };
     for _ in 0..5 {
-        engine.step(&mut stats, &mut collect).unwrap();
+        engine.step(&mut collect).unwrap();
     }
     engine.submit(b.clone()).unwrap();
-    while engine.step(&mut stats, &mut collect).unwrap() {}
+    while engine.step(&mut collect).unwrap() {}
     finished.sort_by_key(|f| f.id);
     assert!(finished[1].reused >= system.len(), "{}", finished[1].reused);
     assert_eq!(finished[0].generated, alone(&model, &a));
@@ -419,15 +418,14 @@ fn idle_sequences_make_room_and_cancelled_requests_free_their_cells() {
     let long = Request::new(7, prompt(3), 20);
     engine.submit(long.clone()).unwrap();
     engine.submit(Request::new(8, prompt(4), 20)).unwrap();
-    let mut stats = kvcache_engine::engine::Stats::default();
-    engine.step(&mut stats, &mut |_| {}).unwrap();
+    engine.step(&mut |_| {}).unwrap();
     assert!(engine.cancel(7).unwrap());
     assert!(engine.cancel(8).unwrap());
     assert!(!engine.cancel(8).unwrap());
     assert_eq!((engine.active(), engine.queued()), (0, 0));
     assert!(engine.cache().used_cells() <= before, "cells freed");
     assert_eq!(engine.reuse_stats().cancelled, 2);
-    assert!(!engine.step(&mut stats, &mut |_| {}).unwrap());
+    assert!(!engine.step(&mut |_| {}).unwrap());
     engine.cache().check();
 }
 

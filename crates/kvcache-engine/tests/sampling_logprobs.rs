@@ -49,12 +49,11 @@ fn run(model: &Llama, options: SamplingOptions) -> (Vec<Vec<u32>>, Vec<(usize, T
         .unwrap();
     let mut tokens = vec![Vec::new(); 3];
     let mut logprobs = Vec::new();
-    let mut stats = Default::default();
     loop {
         let mut step_tokens = Vec::new();
         let mut taken = Vec::new();
         let more = engine
-            .step(&mut stats, &mut |e| {
+            .step(&mut |e| {
                 if let Event::Token {
                     id,
                     token,

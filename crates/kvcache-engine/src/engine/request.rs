@@ -1,0 +1,166 @@
+//! What a request is and what happens to it: the request a caller submits,
+//! the events the engine reports while it runs, and how it ends.
+
+use std::time::Duration;
+
+use kvcache_api::{Namespace, Pos, SeqId};
+
+use crate::detokenizer::DecodeError;
+use crate::sampling::TokenLogprobs;
+
+/// A generation request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Caller's id, echoed in events.
+    pub id: usize,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_new_tokens: usize,
+    /// The tenant's namespace: prefixes are reused within it only.
+    pub namespace: Namespace,
+    /// Texts that end the request once its generated text contains one
+    /// (OpenAI's `stop`); matched on the text a user is shown, so they need
+    /// the engine's tokenizer ([`Engine::set_tokenizer`]). The text of the
+    /// request's [`Event::Token`]s ends right before the first one found.
+    pub stop: Vec<String>,
+}
+
+impl Request {
+    /// A request in the shared namespace, without stop sequences.
+    pub fn new(id: usize, prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        Request {
+            id,
+            prompt,
+            max_new_tokens,
+            namespace: Namespace::shared(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It generated one of [`EngineConfig::stop_tokens`] (the model ended its
+    /// turn), the last of its generated tokens.
+    StopToken,
+    /// Its text came to contain `Request::stop[index]`.
+    StopSequence(usize),
+    /// It generated `max_new_tokens`.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it: `stop` or `length`.
+    pub fn openai(&self) -> &'static str {
+        match self {
+            FinishReason::StopToken | FinishReason::StopSequence(_) => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    /// The request's id.
+    pub id: usize,
+    /// The sequence slot it ran in.
+    pub seq: SeqId,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub generated: Vec<u32>,
+    /// From joining to the first generated token.
+    pub time_to_first_token: Duration,
+    /// From joining to the last token.
+    pub total: Duration,
+    /// Context shifts the sequence went through.
+    pub context_shifts: usize,
+    /// Prompt tokens imported from the prefix store instead of evaluated.
+    pub restored: usize,
+    /// Prompt tokens taken from another sequence's cells instead of evaluated
+    /// ([`Engine::set_prefix_reuse`]).
+    pub reused: usize,
+    /// Why it ended.
+    pub reason: FinishReason,
+}
+
+/// What happened during [`Engine::run`], in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A request took a free sequence slot.
+    Joined {
+        /// The request's id.
+        id: usize,
+        /// Its slot.
+        seq: SeqId,
+        /// Prompt length.
+        prompt_tokens: usize,
+        /// How long it waited in the queue for a slot.
+        waited: Duration,
+        /// Prompt tokens taken from cached cells instead of evaluated
+        /// ([`Engine::set_prefix_reuse`]).
+        reused: usize,
+        /// Prompt tokens imported from the prefix store instead of evaluated.
+        restored: usize,
+        /// The store tiers those came from: `(tier, tokens)`, in order.
+        restored_from: Vec<(&'static str, usize)>,
+    },
+    /// Part of a prompt was evaluated.
+    Prefilled {
+        /// The request's id.
+        id: usize,
+        /// Prompt tokens evaluated so far.
+        done: usize,
+        /// Prompt length.
+        total: usize,
+    },
+    /// A token was generated.
+    Token {
+        /// The request's id.
+        id: usize,
+        /// The token.
+        token: u32,
+        /// The text it adds to the answer ([`crate::detokenizer`]): complete
+        /// characters only (the bytes of one it starts are held until a
+        /// later token completes it), nothing of a stop sequence or after
+        /// it, nothing for control and stop tokens; the last token of a
+        /// request carries what was still held. Empty without the engine's
+        /// tokenizer ([`Engine::set_tokenizer`]).
+        text: String,
+        /// Its log-probabilities, when the request's sampler asked for them
+        /// ([`crate::sampling::SamplingOptions::logprobs`]); never for a
+        /// stop token or a control token, which the text leaves out too.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// A request's text could not be decoded: it was dropped and its cells
+    /// freed.
+    Failed {
+        /// The request's id.
+        id: usize,
+        /// What the tokenizer said.
+        error: DecodeError,
+    },
+    /// A sequence reached its context and dropped `removed` positions.
+    ContextShift {
+        /// The request's id.
+        id: usize,
+        /// Its slot.
+        seq: SeqId,
+        /// The removed positions; later ones moved down by its length.
+        removed: std::ops::Range<Pos>,
+    },
+    /// A request finished and left its slot.
+    Finished(Finished),
+    /// One forward pass ran.
+    Pass {
+        /// Decode tokens in the pass.
+        decode: usize,
+        /// Prefill tokens in the pass.
+        prefill: usize,
+        /// Its duration.
+        elapsed: Duration,
+    },
+}
