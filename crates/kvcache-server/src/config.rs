@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use kvcache_engine::store::StoreOptions;
 use kvcache_models::attention::AttentionPath;
+use kvcache_models::loader::DeviceSpec;
 use kvcache_models::WeightMode;
 
 /// How the server sizes its engine and guards its queue.
@@ -21,6 +22,9 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// How the model's attention reads the cache (paged by default).
     pub attention: AttentionPath,
+    /// Where the model and its cache live (`--device`: the CPU by default;
+    /// the packed weight modes run on the CPU only).
+    pub device: DeviceSpec,
     /// How the model's weights are held and multiplied (the store's
     /// fingerprint includes it).
     pub weights: WeightMode,
@@ -135,6 +139,7 @@ impl Default for ServerConfig {
             max_batch: 256,
             prefill_chunk: 128,
             attention: AttentionPath::Paged,
+            device: DeviceSpec::Cpu,
             weights: WeightMode::FASTEST,
             window_memory: 1024,
             block_tokens: Some(16),

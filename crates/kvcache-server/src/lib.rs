@@ -36,8 +36,8 @@ pub mod worker;
 
 use std::sync::Arc;
 
-use kvcache_models::gemma::GemmaFile;
-use kvcache_models::{ModelFile, Tokenizer};
+use kvcache_models::loader::ModelSource;
+use kvcache_models::Tokenizer;
 
 pub use config::ServerConfig;
 pub use error::ApiError;
@@ -67,16 +67,16 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// Opens the model at `path` (a Llama such as SmolLM2, or Gemma 3: the
-    /// file's header says which), loads it on the engine thread and returns
-    /// the state the routes serve from.
-    pub fn load(path: &std::path::Path, config: ServerConfig) -> kvcache_engine::Result<AppState> {
-        let file = ModelFile::open(path)?;
-        let tokenizer: Arc<dyn Tokenizer> = match file.architecture() {
-            Some("gemma3") => Arc::new(GemmaFile::open(path)?.tokenizer()?),
-            _ => Arc::new(file.tokenizer()?),
-        };
-        let worker = Worker::start(file, tokenizer.clone(), &config)?;
+    /// Loads the model of `source` (a Llama such as SmolLM2, or Gemma 3: the
+    /// loader read which from the header) on `config.device` with
+    /// `config.weights`, starts the engine thread over it and returns the
+    /// state the routes serve from. A device this build or machine lacks, or
+    /// weights it cannot hold, fail here, before any weight is read.
+    pub fn load(source: ModelSource, config: ServerConfig) -> kvcache_engine::Result<AppState> {
+        let device = config.device.open()?;
+        let loaded = source.load(&device, config.weights, &mut |_| {})?;
+        let tokenizer = loaded.tokenizer();
+        let worker = Worker::start(loaded, &config)?;
         Ok(AppState {
             worker,
             tokenizer,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvcache_engine::store::StoreOptions;
 use kvcache_models::attention::AttentionPath;
+use kvcache_models::loader::{self, DeviceSpec};
 use kvcache_models::WeightMode;
 use kvcache_server::config::ApiKey;
 use kvcache_server::{router, AppState, ServerConfig};
@@ -57,6 +58,12 @@ struct Args {
     /// reference, for comparison).
     #[arg(long, value_enum, default_value_t = AttentionArg::Paged)]
     attention: AttentionArg,
+    /// Where the model and its cache run: `cpu`, `cuda` (the first GPU) or
+    /// `cuda:N` (a build with `--features cuda`; with the f32 or candle
+    /// weights, the packed ones run on the CPU only). A device this build or
+    /// machine lacks stops the server at start.
+    #[arg(long, value_name = "DEVICE", default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
     /// How the weights are held and multiplied: `gguf` (the file's own 4- and
     /// 8-bit blocks, multiplied against activations quantized per row, as
     /// llama.cpp does; the fastest), `q8` or `q4` (every matrix in 8- or
@@ -273,6 +280,9 @@ fn seconds(flag: &str, value: f64, zero_ok: bool) -> Result<Duration, String> {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    // The device and the weights it can hold are checked first: a GPU that
+    // is not there stops the server before anything is read.
+    args.weights.check_device(&args.device.open()?)?;
     let model = match args.model.as_str() {
         "smollm2" => kvcache_models::paths::model_path()
             .ok_or("no model: pass --model FILE, set KVCACHE_MODEL, or run `cargo xtask prepare --model`")?,
@@ -308,11 +318,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err("an API key must be non-empty and hold no whitespace".into());
     }
-    let header = kvcache_models::ModelFile::open(&model)?;
-    let default_name = match header.architecture() {
-        Some("gemma3") => "gemma-3-270m",
-        _ => "SmolLM2-135M-Instruct",
-    };
+    let source = loader::open(&model)?;
+    let default_name = source.architecture().default_name();
     let config = ServerConfig {
         model_name: args
             .served_model_name
@@ -325,6 +332,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         window_memory: args.window_memory,
         block_tokens: (args.block_tokens > 0).then_some(args.block_tokens),
         kv_events: args.kv_events.clone(),
+        device: args.device,
         weights: args.weights,
         attention: match args.attention {
             AttentionArg::Paged => AttentionPath::Paged,
@@ -372,7 +380,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         keep_alive_timeout: config.keep_alive_timeout,
         max_connections: config.max_connections,
     };
-    let state = AppState::load(&model, config)?;
+    let state = AppState::load(source, config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -19,14 +19,13 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
 use kvcache_api::{CacheError, CausalCache, CausalConfig, Fingerprint, Namespace};
-use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats, Stats};
 use kvcache_engine::sampling::{Sampler, TokenLogprobs};
 use kvcache_engine::{store, EngineError};
 use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
-use kvcache_models::gemma::GemmaFile;
-use kvcache_models::{CellUse, Model, ModelFile, Tokenizer};
+use kvcache_models::loader::{Loaded, LoadedModel};
+use kvcache_models::{CellUse, Model, Tokenizer};
 use kvcache_store::{StoreConfig, StoreStats, TieredStore};
 use tokio::sync::mpsc;
 
@@ -139,16 +138,12 @@ impl std::fmt::Debug for CommandBox {
 }
 
 impl Worker {
-    /// Loads the model of `file` (its header names the architecture: `llama`
-    /// or `gemma3`) on a new thread and starts the engine loop there; returns
-    /// once the model is loaded. `tokenizer` is the model's: its end-of-turn
-    /// tokens end a request, and the engine turns the tokens into the
-    /// answers' text with it.
-    pub fn start(
-        file: ModelFile,
-        tokenizer: Arc<dyn Tokenizer>,
-        config: &ServerConfig,
-    ) -> kvcache_engine::Result<Worker> {
+    /// Starts the engine loop over `loaded` (the loader's model, on the
+    /// device and with the weights the caller chose) on a new thread; returns
+    /// once the engine is ready. The model's tokenizer ends a request at its
+    /// end-of-turn tokens, and the engine turns the tokens into the answers'
+    /// text with it.
+    pub fn start(loaded: Loaded, config: &ServerConfig) -> kvcache_engine::Result<Worker> {
         let (tx, rx) = std_mpsc::channel::<CommandBox>();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let gauges = Arc::new(Mutex::new(Gauges::default()));
@@ -156,6 +151,13 @@ impl Worker {
         let config = config.clone();
         let running = Arc::new(AtomicBool::new(true));
         let guard = Running(running.clone());
+        // The store's entries belong to this model file and weight mode only.
+        let fingerprint = if config.store.dir.is_none() && config.store.redis.is_none() {
+            None
+        } else {
+            Some(loaded.fingerprint()?)
+        };
+        let tokenizer = loaded.tokenizer();
         std::thread::Builder::new()
             .name("kvcache-engine".into())
             .spawn(move || {
@@ -167,17 +169,9 @@ impl Worker {
                     gauges: &thread_gauges,
                     ready: ready_tx,
                 };
-                match file.architecture() {
-                    Some("gemma3") => {
-                        let loaded = GemmaFile::open(file.path())
-                            .and_then(|gemma| gemma.load(&Device::Cpu, config.weights, &mut |_| {}));
-                        setup.run(loaded.map_err(Into::into), &file)
-                    }
-                    _ => setup.run(
-                        file.load(&Device::Cpu, config.weights, &mut |_| {})
-                            .map_err(Into::into),
-                        &file,
-                    ),
+                match loaded.model {
+                    LoadedModel::Llama { model, .. } => setup.run(model, fingerprint),
+                    LoadedModel::Gemma { model, .. } => setup.run(model, fingerprint),
                 }
             })
             .map_err(|e| kvcache_engine::EngineError::io("kvcache-engine thread", e))?;
@@ -241,22 +235,12 @@ struct EngineSetup<'a> {
 }
 
 impl EngineSetup<'_> {
-    /// Builds the engine over the loaded `model` and serves until every
+    /// Builds the engine over `model` (its prefix store keyed by
+    /// `fingerprint`, when there is one) and serves until every
     /// [`Worker`] handle is dropped; tells [`Worker::start`] when it is
     /// ready, or why it could not start.
-    fn run<M: Model>(self, model: kvcache_engine::Result<M>, file: &ModelFile) {
-        let built = model.and_then(|mut model| {
-            model.set_attention(self.config.attention);
-            let fingerprint = store_fingerprint(file, self.config)?;
-            Ok((model, fingerprint))
-        });
-        let (model, fingerprint) = match built {
-            Ok(built) => built,
-            Err(e) => {
-                let _ = self.ready.send(Err(e));
-                return;
-            }
-        };
+    fn run<M: Model>(self, mut model: M, fingerprint: Option<Fingerprint>) {
+        model.set_attention(self.config.attention);
         let built = build_engine(&model, self.config, self.tokenizer, fingerprint).and_then(|mut engine| {
             let store = open_store(&model, self.config, fingerprint, &mut engine)?;
             Ok((engine, store))
@@ -287,7 +271,7 @@ fn build_engine<'m, M: Model>(
     fingerprint: Option<Fingerprint>,
 ) -> kvcache_engine::Result<Engine<'m, M::Cache, M>> {
     let cache_config = CausalConfig::new(config.max_sequences, config.context, config.max_batch);
-    let mut cache = model.new_cache(&cache_config, config.window_memory, &Device::Cpu)?;
+    let mut cache = model.new_cache(&cache_config, config.window_memory, model.device())?;
     if let Some(fingerprint) = fingerprint {
         cache.set_fingerprint(fingerprint);
     }
@@ -322,15 +306,6 @@ fn build_engine<'m, M: Model>(
 /// How long a joining request waits for the store before evaluating its
 /// whole prompt.
 const STORE_DEADLINE: Duration = Duration::from_millis(250);
-
-/// The model's fingerprint when `config` names a prefix store (a tier beside
-/// host memory); `None` without one.
-fn store_fingerprint(file: &ModelFile, config: &ServerConfig) -> kvcache_engine::Result<Option<Fingerprint>> {
-    if config.store.dir.is_none() && config.store.redis.is_none() {
-        return Ok(None);
-    }
-    store::model_fingerprint(file.path(), config.weights).map(Some)
-}
 
 /// Opens the prefix store of the model `fingerprint` names and links `engine`
 /// to it (nothing without a fingerprint: no store configured). A cache that
@@ -367,6 +342,7 @@ fn serve<M: Model>(
     gauges: &Mutex<Gauges>,
 ) -> kvcache_engine::Result<()> {
     let mut jobs: std::collections::HashMap<usize, mpsc::UnboundedSender<JobEvent>> = Default::default();
+    let mut stats = Stats::default();
     let mut last_sweep = Instant::now();
     loop {
         // Wait for work when there is none; otherwise take what has arrived.
@@ -410,7 +386,7 @@ fn serve<M: Model>(
         // Each event goes to its request as it comes; a request whose
         // receiver is gone is cancelled after the pass.
         let mut closed = Vec::new();
-        let result = engine.step(&mut |event| {
+        let result = engine.step(&mut stats, &mut |event| {
             let (id, message) = match event {
                 Event::Joined {
                     id,
@@ -484,8 +460,8 @@ fn serve<M: Model>(
             idle: engine.idle_sequences(),
             blocks: engine.indexed_blocks(),
             reuse: engine.reuse_stats(),
-            generated_tokens: engine.stats().generated_tokens,
-            passes: engine.stats().passes,
+            generated_tokens: stats.generated_tokens,
+            passes: stats.passes,
         };
     }
 }
