@@ -15,15 +15,16 @@ mod report;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use clap::Parser;
 use kvcache_bench::replica::{self, ReplicaOptions};
 use kvcache_engine::store::StoreOptions;
 use kvcache_engine::{EngineError, Result};
-use kvcache_models::{gemma, paths, ChatTokenizer, Llama, ModelFile, WeightMode};
+use kvcache_models::loader::{self, Architecture, LoadedModel, ModelSource};
+use kvcache_models::{gemma, paths, ChatTokenizer, Llama, LlamaConfig, WeightMode};
 
 use crate::cli::{Backend, Cli, DeviceName, Mode, ModelChoice, Part};
 use crate::replicas::Replicas;
@@ -55,7 +56,8 @@ fn run(cli: &Cli) -> Result<()> {
     let path = model_path(cli)?;
     let weights = cli.model.weights;
     let mode = cli.mode();
-    if is_gemma(&path)? {
+    let source = loader::open(&path)?;
+    if source.architecture() == Architecture::Gemma3 {
         if mode != Mode::Demo || mlx {
             return Err(EngineError::InvalidArgument(
                 "Gemma 3 runs the demo's windowed parts on candle; the benchmarks, --replica and \
@@ -72,7 +74,7 @@ fn run(cli: &Cli) -> Result<()> {
         Mode::StoreBench => return benchmarks::store(&replicas(&path, cli)?.setup(), cli),
         Mode::E1 | Mode::E2 | Mode::Demo => {}
     }
-    let (model, tokenizer) = load(&path, &device, weights)?;
+    let (model, tokenizer) = load(source, &device, weights)?;
     if mlx && mode != Mode::Demo {
         println!("note: --backend mlx applies to the chat demo; the benchmarks measure the candle engine");
     }
@@ -142,15 +144,6 @@ fn model_path(cli: &Cli) -> Result<PathBuf> {
     }
 }
 
-/// Whether the GGUF at `path` holds a Gemma 3 model (its header's architecture).
-fn is_gemma(path: &Path) -> Result<bool> {
-    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
-    let content = gguf_file::Content::read(&mut file)
-        .map_err(|e| EngineError::Format(format!("{}: {e}", path.display())))?;
-    let architecture = content.metadata.get("general.architecture");
-    Ok(architecture.and_then(|a| a.to_string().ok()).map(String::as_str) == Some("gemma3"))
-}
-
 fn device(name: DeviceName) -> Result<Device> {
     match name {
         DeviceName::Cpu => Ok(Device::Cpu),
@@ -164,20 +157,28 @@ fn device(name: DeviceName) -> Result<Device> {
     }
 }
 
-fn load(path: &Path, device: &Device, weights: WeightMode) -> Result<(Llama, ChatTokenizer)> {
+/// The Llama of `source` (the loader's) and its tokenizer, saying what it
+/// loads.
+fn load(source: ModelSource, device: &Device, weights: WeightMode) -> Result<(Llama, Arc<ChatTokenizer>)> {
     let t0 = Instant::now();
-    let file = ModelFile::open(path)?;
-    let c = file.config()?;
-    println!("model: {} ({} tensors)", path.display(), file.tensor_count());
+    let c = LlamaConfig::from_gguf_metadata(source.gguf().metadata())?;
+    println!(
+        "model: {} ({} tensors)",
+        source.path().display(),
+        source.gguf().tensor_count()
+    );
     println!(
         "config: {} layers, dim {}, {} heads / {} KV heads of {}, FFN {}, vocab {}, rope base {}",
         c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size, c.rope_base
     );
     let (bar, mut on_load) = progress::loading(&format!("loading weights ({weights})"));
-    let model = file.load(device, weights, &mut on_load);
+    let loaded = source.load(device, weights, &mut on_load);
     bar.finish_and_clear();
-    let model = model?;
-    let tokenizer = file.tokenizer()?;
+    let LoadedModel::Llama { model, tokenizer } = loaded?.model else {
+        return Err(EngineError::InvalidArgument(
+            "the benchmarks and the chat demo run on a Llama".into(),
+        ));
+    };
     println!(
         "loaded model ({weights} weights) and tokenizer ({} tokens) in {:.2} s",
         tokenizer.vocab_size(),
