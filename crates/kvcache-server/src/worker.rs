@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use kvcache_api::{CacheError, CausalCache, CausalConfig, Fingerprint, Namespace};
-use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats, Stats};
+use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats};
 use kvcache_engine::sampling::{Sampler, TokenLogprobs};
 use kvcache_engine::{store, EngineError};
 use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
@@ -342,7 +342,6 @@ fn serve<M: Model>(
     gauges: &Mutex<Gauges>,
 ) -> kvcache_engine::Result<()> {
     let mut jobs: std::collections::HashMap<usize, mpsc::UnboundedSender<JobEvent>> = Default::default();
-    let mut stats = Stats::default();
     let mut last_sweep = Instant::now();
     loop {
         // Wait for work when there is none; otherwise take what has arrived.
@@ -386,7 +385,7 @@ fn serve<M: Model>(
         // Each event goes to its request as it comes; a request whose
         // receiver is gone is cancelled after the pass.
         let mut closed = Vec::new();
-        let result = engine.step(&mut stats, &mut |event| {
+        let result = engine.step(&mut |event| {
             let (id, message) = match event {
                 Event::Joined {
                     id,
@@ -460,8 +459,8 @@ fn serve<M: Model>(
             idle: engine.idle_sequences(),
             blocks: engine.indexed_blocks(),
             reuse: engine.reuse_stats(),
-            generated_tokens: stats.generated_tokens,
-            passes: stats.passes,
+            generated_tokens: engine.stats().generated_tokens,
+            passes: engine.stats().passes,
         };
     }
 }
