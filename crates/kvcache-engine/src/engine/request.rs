@@ -21,7 +21,7 @@ pub struct Request {
     pub namespace: Namespace,
     /// Texts that end the request once its generated text contains one
     /// (OpenAI's `stop`); matched on the text a user is shown, so they need
-    /// the engine's tokenizer ([`Engine::set_tokenizer`]). The text of the
+    /// the engine's tokenizer ([`Engine::set_tokenizer`](super::Engine::set_tokenizer)). The text of the
     /// request's [`Event::Token`]s ends right before the first one found.
     pub stop: Vec<String>,
 }
@@ -42,7 +42,7 @@ impl Request {
 /// Why a request ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinishReason {
-    /// It generated one of [`EngineConfig::stop_tokens`] (the model ended its
+    /// It generated one of [`EngineConfig::stop_tokens`](super::EngineConfig::stop_tokens) (the model ended its
     /// turn), the last of its generated tokens.
     StopToken,
     /// Its text came to contain `Request::stop[index]`.
@@ -81,13 +81,13 @@ pub struct Finished {
     /// Prompt tokens imported from the prefix store instead of evaluated.
     pub restored: usize,
     /// Prompt tokens taken from another sequence's cells instead of evaluated
-    /// ([`Engine::set_prefix_reuse`]).
+    /// ([`Engine::set_prefix_reuse`](super::Engine::set_prefix_reuse)).
     pub reused: usize,
     /// Why it ended.
     pub reason: FinishReason,
 }
 
-/// What happened during [`Engine::run`], in order.
+/// What happened during [`Engine::run`](super::Engine::run), in order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A request took a free sequence slot.
@@ -101,7 +101,7 @@ pub enum Event {
         /// How long it waited in the queue for a slot.
         waited: Duration,
         /// Prompt tokens taken from cached cells instead of evaluated
-        /// ([`Engine::set_prefix_reuse`]).
+        /// ([`Engine::set_prefix_reuse`](super::Engine::set_prefix_reuse)).
         reused: usize,
         /// Prompt tokens imported from the prefix store instead of evaluated.
         restored: usize,
@@ -128,7 +128,7 @@ pub enum Event {
         /// later token completes it), nothing of a stop sequence or after
         /// it, nothing for control and stop tokens; the last token of a
         /// request carries what was still held. Empty without the engine's
-        /// tokenizer ([`Engine::set_tokenizer`]).
+        /// tokenizer ([`Engine::set_tokenizer`](super::Engine::set_tokenizer)).
         text: String,
         /// Its log-probabilities, when the request's sampler asked for them
         /// ([`crate::sampling::SamplingOptions::logprobs`]); never for a
