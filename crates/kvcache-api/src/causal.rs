@@ -2,8 +2,10 @@
 //! driven once per forward pass (the design of Ollama's ggml runner).
 
 use std::ops::{Range, RangeFrom, RangeFull};
+use std::time::Duration;
 
-use crate::block_key::BlockKey;
+use crate::block_key::{BlockKey, Scope};
+use crate::retention::{BlockChain, BlockChange, Prefix};
 use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqState};
 
 /// Whether a forward pass computes or only sizes the graph.
@@ -219,15 +221,15 @@ pub trait CausalCache {
 
     /// Whether the cache keeps blocks of finished sequences for later ones
     /// ([`retain_blocks`](Self::retain_blocks)): a prefix cache by block,
-    /// independent of sequence ids. The default: no, and the block methods
-    /// below refuse or find nothing.
+    /// independent of sequence ids, that evicts its least recently used
+    /// blocks itself when a pass needs their cells. The default: no, and the
+    /// block methods below refuse or find nothing.
     fn indexes_blocks(&self) -> bool {
         false
     }
 
     /// The indexed blocks that follow `parent` ([`BlockKey::ROOT`] for a
-    /// prompt's first block) with their lengths: where a lookup goes next
-    /// ([`BlockTokens::longest_prefix`](crate::retention::BlockTokens::longest_prefix)).
+    /// prompt's first block) with their lengths.
     fn block_children(&self, parent: &BlockKey) -> Vec<(BlockKey, usize)> {
         let _ = parent;
         Vec::new()
@@ -239,15 +241,23 @@ pub trait CausalCache {
         false
     }
 
-    /// Indexes the cells holding `seq`'s positions block by block, so they
-    /// outlive the sequence until evicted: `blocks[i] = (key, len)` covers the
-    /// `len` positions after those of `blocks[..i]`, from position 0 (the keys
-    /// chained over the tokens, [`block_chain`](crate::retention::block_chain)).
-    /// Blocks already indexed are only marked used. Returns the indices of the
-    /// blocks newly indexed. Every position must be held by `seq`; on error
-    /// nothing changes.
-    fn retain_blocks(&mut self, seq: SeqId, blocks: &[(BlockKey, usize)]) -> Result<Vec<usize>> {
-        let _ = (seq, blocks);
+    /// The longest prefix of `tokens`, at most `limit` of them, held in
+    /// indexed blocks of `scope`: down the chain of blocks whose tokens the
+    /// prompt repeats, then as far into one more block as the prompt follows
+    /// it. Changes nothing (an adoption marks the blocks used).
+    fn longest_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> Prefix {
+        let _ = (scope, tokens, limit);
+        Prefix::default()
+    }
+
+    /// Indexes the cells holding `seq`'s positions as the blocks of `chain`
+    /// (consecutive from position 0), with their tokens, so they outlive the
+    /// sequence until evicted. Blocks already indexed are only marked used.
+    /// Returns the indices of the blocks newly indexed. Every position must
+    /// be held by `seq` and every key must be the one its scope, parent and
+    /// tokens hash to ([`BlockChain::keys_match`]); on error nothing changes.
+    fn retain_blocks(&mut self, seq: SeqId, chain: &BlockChain) -> Result<Vec<usize>> {
+        let _ = (seq, chain);
         Err(crate::CacheError::NotSupported("block retention".into()))
     }
 
@@ -255,7 +265,7 @@ pub trait CausalCache {
     /// indexed chain `blocks` (the first at position 0, each following the
     /// previous; `len` within the last block, which may be adopted in part)
     /// in their cells, with no copy ([`copy_prefix`](Self::copy_prefix)'s
-    /// semantics). On error nothing changes.
+    /// semantics), and marks them used. On error nothing changes.
     fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
         let _ = (seq, blocks, len);
         Err(crate::CacheError::NotSupported("block retention".into()))
@@ -268,10 +278,17 @@ pub trait CausalCache {
         Vec::new()
     }
 
+    /// Forgets the blocks not stored or adopted for `age` (and every block
+    /// below them); returns the keys forgotten.
+    fn forget_blocks_unused_for(&mut self, age: Duration) -> Vec<BlockKey> {
+        let _ = age;
+        Vec::new()
+    }
+
     /// Evicts indexed blocks, least recently used first (leaves before their
     /// parents, and only blocks whose eviction frees a cell), until `cells`
     /// cells are free or nothing more can be freed. Returns the evicted keys
-    /// in order.
+    /// in order. A pass that needs cells evicts this way by itself.
     fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
         let _ = cells;
         Vec::new()
@@ -288,9 +305,11 @@ pub trait CausalCache {
         (0, 0)
     }
 
-    /// Blocks the cache forgot on its own since the last call (a shifting
-    /// removal moved their cells), for whoever reports the index's changes.
-    fn take_dropped_blocks(&mut self) -> Vec<BlockKey> {
+    /// What the index stored and removed since the last call, in order,
+    /// whatever caused it (a retention, an eviction by a pass, a shifting
+    /// removal that moved a block's cells, an explicit forget): the one
+    /// journal a driver reports to a router from.
+    fn drain_block_changes(&mut self) -> Vec<BlockChange> {
         Vec::new()
     }
 

@@ -74,6 +74,7 @@
 use std::sync::Mutex;
 
 use crate::host::Namespace;
+use crate::retention::BlockChange;
 
 /// Where a block lives, sent as vLLM's `medium` string.
 ///
@@ -172,6 +173,148 @@ impl KvEvent {
             block_size,
             medium,
             namespace: namespace.clone(),
+        }
+    }
+}
+
+/// The one way events are put together: every producer (the engine's block
+/// index, its idle sequences, the prefix trie) adds what changed and hands
+/// the batch to its sink, so runs of stored blocks are merged, parents named
+/// and partial blocks left out the same way everywhere.
+///
+/// ```
+/// use kvcache_api::events::{EventBatch, KvEvent, Medium};
+/// use kvcache_api::Namespace;
+///
+/// let mut batch = EventBatch::new(2, Medium::Device);
+/// let ns = Namespace::shared();
+/// batch.stored(&[7, 8], 0, &[1, 2, 3, 4], &ns);
+/// batch.stored(&[7, 8, 9], 2, &[1, 2, 3, 4, 5, 6], &ns); // continues the run
+/// batch.removed(9);
+/// batch.removed(8);
+/// let events = batch.into_events();
+/// assert_eq!(events.len(), 2);
+/// let KvEvent::BlockStored { block_hashes, parent_block_hash, .. } = &events[0] else { panic!() };
+/// assert_eq!((block_hashes.as_slice(), *parent_block_hash), (&[7, 8, 9][..], None));
+/// assert_eq!(events[1], KvEvent::BlockRemoved { block_hashes: vec![9, 8], medium: Medium::Device });
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventBatch {
+    block_size: usize,
+    medium: Medium,
+    events: Vec<KvEvent>,
+}
+
+impl EventBatch {
+    /// An empty batch of blocks of `block_size` tokens kept in `medium`.
+    pub fn new(block_size: usize, medium: Medium) -> Self {
+        EventBatch {
+            block_size,
+            medium,
+            events: Vec::new(),
+        }
+    }
+
+    /// Tokens per reported block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks `names[first..]` of one chain stored ([`KvEvent::stored_run`]'s
+    /// arguments); merged into the batch's last event when that stored the
+    /// blocks just before them in the same namespace.
+    pub fn stored(&mut self, names: &[u64], first: usize, tokens: &[u32], namespace: &Namespace) {
+        if first >= names.len() {
+            return;
+        }
+        if let Some(KvEvent::BlockStored {
+            block_hashes,
+            token_ids,
+            namespace: last_namespace,
+            ..
+        }) = self.events.last_mut()
+        {
+            if first > 0 && block_hashes.last() == Some(&names[first - 1]) && last_namespace == namespace {
+                block_hashes.extend_from_slice(&names[first..]);
+                token_ids.extend_from_slice(&tokens[first * self.block_size..names.len() * self.block_size]);
+                return;
+            }
+        }
+        self.events.push(KvEvent::stored_run(
+            names,
+            first,
+            tokens,
+            self.block_size,
+            self.medium,
+            namespace,
+        ));
+    }
+
+    /// Block `name` removed; merged into the batch's last event when that
+    /// removed blocks too.
+    pub fn removed(&mut self, name: u64) {
+        if let Some(KvEvent::BlockRemoved { block_hashes, .. }) = self.events.last_mut() {
+            block_hashes.push(name);
+            return;
+        }
+        self.events.push(KvEvent::BlockRemoved {
+            block_hashes: vec![name],
+            medium: self.medium,
+        });
+    }
+
+    /// Every block gone.
+    pub fn cleared(&mut self) {
+        self.events.push(KvEvent::AllBlocksCleared);
+    }
+
+    /// A block index's changes ([`BlockChange`], in order): its full blocks
+    /// of [`block_size`](Self::block_size) tokens stored and removed, its
+    /// shorter tails left out (a router counts whole blocks; a tail is
+    /// always a leaf, so no full block follows one).
+    pub fn block_changes(&mut self, changes: &[BlockChange]) {
+        for change in changes {
+            match change {
+                BlockChange::Stored {
+                    key,
+                    parent,
+                    tokens,
+                    namespace,
+                } if tokens.len() == self.block_size => {
+                    let name = block_hash(&key.0);
+                    match parent.is_root() {
+                        true => self.stored(&[name], 0, tokens, namespace),
+                        false => {
+                            // The run is [parent, this]; its tokens are the
+                            // parent's (unused) and this block's.
+                            let mut run = vec![0; self.block_size];
+                            run.extend_from_slice(tokens);
+                            self.stored(&[block_hash(&parent.0), name], 1, &run, namespace);
+                        }
+                    }
+                }
+                BlockChange::Removed { key, len } if *len == self.block_size => {
+                    self.removed(block_hash(&key.0))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Whether nothing was added.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// The events, in order.
+    pub fn into_events(self) -> Vec<KvEvent> {
+        self.events
+    }
+
+    /// Hands the events to `sink` as one batch, unless there are none.
+    pub fn publish(self, sink: &dyn KvEventSink) {
+        if !self.events.is_empty() {
+            sink.publish(self.events);
         }
     }
 }

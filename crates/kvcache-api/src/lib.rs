@@ -53,7 +53,7 @@ pub use batch::{Batch, Pos, SeqId};
 pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
 pub use config::{CausalConfig, DType, KvStorage, Placement, SlidingWindow, VLayout};
 pub use error::{CacheError, Result};
-pub use events::{EventLog, KvEvent, KvEventSink, Medium};
+pub use events::{EventBatch, EventLog, KvEvent, KvEventSink, Medium};
 pub use host::{
     Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
     PrefixStore, SeqState, Submitted,
@@ -62,4 +62,4 @@ pub use mixed::MixedLayer;
 pub use paged::{CellRun, PagedKv, RowRuns, StoredKv};
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};
-pub use store_client::{StoreClient, WriteBack};
+pub use store_client::{StoreClient, StoreCounters, WriteBack};

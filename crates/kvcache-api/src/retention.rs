@@ -1,21 +1,20 @@
-//! Block retention seen from the driver: the chain a finished sequence is kept
-//! as, and the longest indexed prefix of a new prompt, for any cache that
-//! [indexes blocks](crate::CausalCache::indexes_blocks).
+//! Block retention, the words a driver and a cache that
+//! [indexes blocks](crate::CausalCache::indexes_blocks) share: the chain a
+//! finished sequence is kept as, the longest kept prefix of a new prompt, and
+//! the journal of what the index stored and removed.
 //!
 //! A sequence is kept as its full blocks of `block_tokens` tokens, then its
 //! *tail* (the last, shorter block), each keyed by [`BlockKey`] over every
 //! token from position 0 ([`crate::block_key`]), so a prefix is found again
 //! whatever sequence id computed it, and never across scopes (model and
 //! namespace enter every key). A tail is always a leaf: a sequence that adopts
-//! one and goes on is kept as its own full blocks. The driver keeps each
-//! kept block's tokens ([`BlockTokens`]), so a prompt that parts from a kept
-//! one inside a block still reuses every token before the parting.
-
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+//! one and goes on is kept as its own full blocks. The cache's index keeps
+//! each block's tokens, so a prompt that parts from a kept one inside a block
+//! still reuses every token before the parting, and no key can name tokens
+//! other than its own.
 
 use crate::block_key::{BlockKey, KeyChain, Scope};
-use crate::CausalCache;
+use crate::{Fingerprint, Namespace};
 
 /// The chain `tokens` is retained as: `(key, len)` per full block of
 /// `block_tokens`, then the tail if any.
@@ -41,9 +40,119 @@ pub fn block_chain(scope: Scope<'_>, block_tokens: usize, tokens: &[u32]) -> Vec
     out
 }
 
-/// The longest prefix a lookup found: the chain to
-/// [`adopt_blocks`](CausalCache::adopt_blocks) and how many of its positions
-/// match (its last block possibly in part).
+/// A sequence's tokens as the chain of blocks it is retained as
+/// ([`CausalCache::retain_blocks`](crate::CausalCache::retain_blocks)): the
+/// scope its keys are hashed in, the keys with their lengths, and the tokens
+/// they cover from position 0.
+///
+/// ```
+/// use kvcache_api::retention::BlockChain;
+/// use kvcache_api::{Fingerprint, Namespace};
+///
+/// let chain = BlockChain::new(Fingerprint([1; 32]), Namespace::shared(), 4, &[5; 10]);
+/// assert_eq!(chain.blocks().len(), 3);
+/// assert_eq!(chain.block_tokens(2), &[5, 5]);
+/// assert!(chain.keys_match());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockChain {
+    fingerprint: Fingerprint,
+    namespace: Namespace,
+    blocks: Vec<(BlockKey, usize)>,
+    /// Where each block's tokens start in `tokens`.
+    starts: Vec<usize>,
+    tokens: Vec<u32>,
+}
+
+impl BlockChain {
+    /// The chain `tokens` is kept as in blocks of `block_tokens` under the
+    /// model `fingerprint` and `namespace` ([`block_chain`]).
+    pub fn new(fingerprint: Fingerprint, namespace: Namespace, block_tokens: usize, tokens: &[u32]) -> Self {
+        let blocks = block_chain(Scope::new(&fingerprint, &namespace), block_tokens, tokens);
+        Self::from_parts(fingerprint, namespace, blocks, tokens.to_vec())
+    }
+
+    /// A chain from its parts as given, for a caller that computed the keys
+    /// itself (a test building a wrong one): `blocks[i] = (key, len)` covers
+    /// the `len` tokens after those of `blocks[..i]`. The lengths may add up
+    /// to more tokens than `tokens` has; [`keys_match`](Self::keys_match)
+    /// then fails.
+    pub fn from_parts(
+        fingerprint: Fingerprint,
+        namespace: Namespace,
+        blocks: Vec<(BlockKey, usize)>,
+        tokens: Vec<u32>,
+    ) -> Self {
+        let starts = blocks
+            .iter()
+            .scan(0, |start, &(_, len)| {
+                let here = *start;
+                *start += len;
+                Some(here)
+            })
+            .collect();
+        BlockChain {
+            fingerprint,
+            namespace,
+            blocks,
+            starts,
+            tokens,
+        }
+    }
+
+    /// The model the keys belong to.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The namespace the keys belong to.
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    /// The scope every key is hashed in.
+    pub fn scope(&self) -> Scope<'_> {
+        Scope::new(&self.fingerprint, &self.namespace)
+    }
+
+    /// `(key, len)` per block, from position 0.
+    pub fn blocks(&self) -> &[(BlockKey, usize)] {
+        &self.blocks
+    }
+
+    /// The tokens the chain covers.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The tokens of block `i` (fewer than its length, or none, when the
+    /// chain claims more tokens than it has).
+    pub fn block_tokens(&self, i: usize) -> &[u32] {
+        let start = self.starts[i].min(self.tokens.len());
+        let end = (self.starts[i] + self.blocks[i].1).min(self.tokens.len());
+        &self.tokens[start..end]
+    }
+
+    /// Whether every block has its tokens, none is empty, and each key is
+    /// the one its scope, parent and tokens hash to.
+    pub fn keys_match(&self) -> bool {
+        let scope = self.scope();
+        let mut parent = BlockKey::ROOT;
+        for (i, &(key, len)) in self.blocks.iter().enumerate() {
+            let tokens = self.block_tokens(i);
+            if len == 0 || tokens.len() != len || BlockKey::new(&scope, &parent, tokens) != key {
+                return false;
+            }
+            parent = key;
+        }
+        true
+    }
+}
+
+/// The longest prefix a lookup found
+/// ([`CausalCache::longest_prefix`](crate::CausalCache::longest_prefix)): the
+/// chain to [`adopt_blocks`](crate::CausalCache::adopt_blocks) and how many
+/// of its positions match (its last block possibly in part).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Prefix {
     /// The chain, from the prompt's first block.
@@ -52,115 +161,31 @@ pub struct Prefix {
     pub len: usize,
 }
 
-/// The tokens of each block a cache indexes and when it was last used, kept
-/// by whoever drives the cache: the cache knows positions and keys, the
-/// driver knows tokens. Lets a lookup match a block in part (a prompt that
-/// parts from a kept one mid-block reuses every token up to the parting),
-/// and ages blocks by time.
-#[derive(Debug, Clone, Default)]
-pub struct BlockTokens {
-    blocks: HashMap<BlockKey, (Vec<u32>, Instant)>,
-}
-
-impl BlockTokens {
-    /// Blocks recorded.
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
-
-    /// The tokens of block `key`, if recorded.
-    pub fn tokens(&self, key: &BlockKey) -> Option<&[u32]> {
-        self.blocks.get(key).map(|(tokens, _)| tokens.as_slice())
-    }
-
-    /// Records the blocks `new` (indices into `chain`, which covers `tokens`
-    /// from position 0) and marks the whole chain used now.
-    pub fn record(&mut self, chain: &[(BlockKey, usize)], tokens: &[u32], new: &[usize]) {
-        let now = Instant::now();
-        let mut start = 0;
-        for (i, &(key, len)) in chain.iter().enumerate() {
-            if new.contains(&i) {
-                self.blocks
-                    .insert(key, (tokens[start..start + len].to_vec(), now));
-            } else if let Some(entry) = self.blocks.get_mut(&key) {
-                entry.1 = now;
-            }
-            start += len;
-        }
-    }
-
-    /// Marks `keys` used now.
-    pub fn touch(&mut self, keys: &[BlockKey]) {
-        let now = Instant::now();
-        for key in keys {
-            if let Some(entry) = self.blocks.get_mut(key) {
-                entry.1 = now;
-            }
-        }
-    }
-
-    /// Forgets `keys` (evicted or forgotten by the cache).
-    pub fn forget(&mut self, keys: &[BlockKey]) {
-        for key in keys {
-            self.blocks.remove(key);
-        }
-    }
-
-    /// The blocks not used for `age`. A parent is used whenever its
-    /// children are, so the set holds every block below each of its blocks.
-    pub fn unused_for(&self, age: Duration) -> Vec<BlockKey> {
-        self.blocks
-            .iter()
-            .filter(|(_, (_, used))| used.elapsed() >= age)
-            .map(|(key, _)| *key)
-            .collect()
-    }
-
-    /// The longest prefix of `tokens`, at most `limit` of them, that `cache`
-    /// holds in blocks of `scope`: down the chain of blocks whose tokens the
-    /// prompt repeats, then as far into one more block as the prompt follows
-    /// it. A block counts only when its key is the one `scope` gives its
-    /// tokens, so no lookup crosses models or namespaces.
-    pub fn longest_prefix<C: CausalCache + ?Sized>(
-        &self,
-        cache: &C,
-        scope: Scope<'_>,
-        tokens: &[u32],
-        limit: usize,
-    ) -> Prefix {
-        let limit = limit.min(tokens.len());
-        let mut found = Prefix::default();
-        let mut parent = BlockKey::ROOT;
-        while found.len < limit {
-            let rest = &tokens[found.len..limit];
-            let mut candidates: Vec<(usize, BlockKey, &[u32])> = cache
-                .block_children(&parent)
-                .into_iter()
-                .filter_map(|(key, _)| {
-                    let held = &self.blocks.get(&key)?.0;
-                    let matched = held.iter().zip(rest).take_while(|(a, b)| a == b).count();
-                    (matched > 0).then_some((matched, key, held.as_slice()))
-                })
-                .collect();
-            candidates.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-            let Some(&(matched, key, held)) = candidates
-                .iter()
-                .find(|(_, key, held)| BlockKey::new(&scope, &parent, held) == *key)
-            else {
-                break;
-            };
-            found.keys.push(key);
-            found.len += matched;
-            if matched < held.len() {
-                break;
-            }
-            parent = key;
-        }
-        found
-    }
+/// One change to a block index, in the order it happened, for whoever
+/// reports the index to a router ([`crate::events::EventBatch::block_changes`])
+/// or mirrors it. Replaying a cache's changes from its creation gives exactly
+/// its index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockChange {
+    /// Block `key` was indexed after `parent` ([`BlockKey::ROOT`] for a first
+    /// block) holding `tokens`.
+    Stored {
+        /// The block.
+        key: BlockKey,
+        /// The block it follows.
+        parent: BlockKey,
+        /// Its tokens.
+        tokens: Vec<u32>,
+        /// The namespace its key was hashed in.
+        namespace: Namespace,
+    },
+    /// Block `key` of `len` tokens left the index (evicted, aged out,
+    /// forgotten, cleared, or moved by a shifting removal). A block leaves
+    /// only after every block below it.
+    Removed {
+        /// The block.
+        key: BlockKey,
+        /// Its length in tokens.
+        len: usize,
+    },
 }

@@ -3,9 +3,10 @@
 //!
 //! See [`StoreClient`] for the rules it keeps.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::host::{Fetched, Fingerprint, HostKv, HostState, KvLayout, Namespace, PrefixStore, SeqState};
 use crate::{CacheError, Result, Submitted};
@@ -34,6 +35,13 @@ use crate::{CacheError, Result, Submitted};
 /// - **The model** ([`StoreClient::fingerprint`]): what a store holds belongs
 ///   to one model; [`StoreClient::seq_state`] makes an imported sequence of
 ///   it.
+///
+/// - **The counters** ([`StoreClient::counters`]): one set for every driver,
+///   kept by the client. What the client sees itself (reads and their time,
+///   answers that do not fit, what the store took of each write) it counts;
+///   what only the reader knows it reports ([`StoreClient::record_restored`],
+///   [`StoreClient::record_rejected`], [`StoreClient::record_write_failed`]).
+///   Clones share them.
 ///
 /// Plain Rust, no tensors, no I/O of its own: every read is bounded by the
 /// client's deadline, every write returns at once.
@@ -73,6 +81,38 @@ use crate::{CacheError, Result, Submitted};
 pub struct StoreClient {
     store: Arc<dyn PrefixStore>,
     deadline: Duration,
+    counters: Arc<Mutex<StoreCounters>>,
+}
+
+/// What a [`StoreClient`] and the drivers reading through it did, since the
+/// client was made.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreCounters {
+    /// Restores the reader took (at least one token, every layer).
+    pub restores: u64,
+    /// Prompt tokens those restores gave.
+    pub restored_tokens: u64,
+    /// Of those, the tokens each of the store's tiers served, by tier name.
+    pub tier_tokens: BTreeMap<&'static str, u64>,
+    /// Whole layer states loaded by those restores (one per layer that
+    /// cannot cut its state into rows).
+    pub states_loaded: u64,
+    /// Time spent asking the store (rows and states), answered or not.
+    pub restore_time: Duration,
+    /// Answers that did not fit, or that the reader could not take: the
+    /// prompt was evaluated instead.
+    pub rejected: u64,
+    /// Write-backs the store queued.
+    pub writes: u64,
+    /// Prompt tokens those write-backs held.
+    pub written_tokens: u64,
+    /// Whole layer states the store queued.
+    pub states_written: u64,
+    /// Writes the store did not take (its queue full, or the input
+    /// refused): those prompts are not stored.
+    pub refused: u64,
+    /// Write-backs whose rows could not be read as the store's model.
+    pub write_errors: u64,
 }
 
 /// What [`StoreClient::write_back`] did.
@@ -114,7 +154,45 @@ impl WriteBack {
 impl StoreClient {
     /// A client of `store` whose reads wait at most `deadline`.
     pub fn new(store: Arc<dyn PrefixStore>, deadline: Duration) -> Self {
-        StoreClient { store, deadline }
+        StoreClient {
+            store,
+            deadline,
+            counters: Arc::default(),
+        }
+    }
+
+    /// The counters of every read and write through this client and its
+    /// clones.
+    pub fn counters(&self) -> StoreCounters {
+        self.count(|c| c.clone())
+    }
+
+    /// The reader took a restore: `tokens` prompt tokens (served by
+    /// `tiers`), `states` of its layers loaded from whole states.
+    pub fn record_restored(&self, tokens: usize, tiers: &[(&'static str, usize)], states: usize) {
+        self.count(|c| {
+            c.restores += 1;
+            c.restored_tokens += tokens as u64;
+            c.states_loaded += states as u64;
+            for &(tier, tokens) in tiers {
+                *c.tier_tokens.entry(tier).or_default() += tokens as u64;
+            }
+        })
+    }
+
+    /// The reader could not take an answer ([`restore`](Self::restore)'s
+    /// rows, or the states beside them): it evaluates the prompt instead.
+    pub fn record_rejected(&self) {
+        self.count(|c| c.rejected += 1)
+    }
+
+    /// A write-back's rows could not be read as the store's model.
+    pub fn record_write_failed(&self) {
+        self.count(|c| c.write_errors += 1)
+    }
+
+    fn count<T>(&self, f: impl FnOnce(&mut StoreCounters) -> T) -> T {
+        f(&mut self.counters.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The store.
@@ -162,7 +240,19 @@ impl StoreClient {
     /// [`InvalidState`](CacheError::InvalidState) error naming it; an empty
     /// prompt is an [`InvalidArgument`](CacheError::InvalidArgument) error.
     /// The store is not asked then.
+    /// Counts its time, and an answer that does not fit as
+    /// [`rejected`](StoreCounters::rejected).
     pub fn restore(&self, namespace: &Namespace, prompt: &[u32], from: usize) -> Result<Option<Fetched>> {
+        let started = Instant::now();
+        let answer = self.ask(namespace, prompt, from);
+        self.count(|c| {
+            c.restore_time += started.elapsed();
+            c.rejected += u64::from(answer.is_err());
+        });
+        answer
+    }
+
+    fn ask(&self, namespace: &Namespace, prompt: &[u32], from: usize) -> Result<Option<Fetched>> {
         if prompt.is_empty() {
             return Err(CacheError::InvalidArgument(
                 "an empty prompt: nothing to restore".into(),
@@ -205,7 +295,10 @@ impl StoreClient {
         namespace: &Namespace,
         prefix: &[u32],
     ) -> Result<Option<Vec<(usize, HostState)>>> {
-        let Some(mut states) = self.store.fetch_states(namespace, prefix, self.deadline) else {
+        let started = Instant::now();
+        let answer = self.store.fetch_states(namespace, prefix, self.deadline);
+        self.count(|c| c.restore_time += started.elapsed());
+        let Some(mut states) = answer else {
             return Ok(None);
         };
         states.sort_by_key(|(layer, _)| *layer);
@@ -265,6 +358,13 @@ impl StoreClient {
             .into());
         }
         let outcome = self.store.submit(namespace, prompt, kv);
+        self.count(|c| match outcome.is_queued() {
+            true => {
+                c.writes += 1;
+                c.written_tokens += range.len() as u64;
+            }
+            false => c.refused += 1,
+        });
         Ok(WriteBack::Sent { range, outcome })
     }
 
@@ -291,7 +391,13 @@ impl StoreClient {
                 .check()
                 .map_err(|e| CacheError::InvalidArgument(format!("the state of layer {layer}: {e}")))?;
         }
-        Ok(self.store.submit_states(namespace, prompt, states))
+        let count = states.len() as u64;
+        let outcome = self.store.submit_states(namespace, prompt, states);
+        self.count(|c| match outcome.is_queued() {
+            true => c.states_written += count,
+            false => c.refused += 1,
+        });
+        Ok(outcome)
     }
 
     /// Why `states` do not all stand at `prefix.len()` on distinct layers of

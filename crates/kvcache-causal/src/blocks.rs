@@ -15,14 +15,23 @@
 //! (a child is useless without its parent), least recently used first, and
 //! only those whose eviction frees a cell.
 //!
+//! The index is the one owner of everything about its blocks (vLLM's block
+//! pool): their cells, their tokens, one recency clock, the longest-prefix
+//! lookup, and the journal of what it stored and removed
+//! ([`BlockIndex::drain_changes`]), written where the change is made so no
+//! caller can forget to report one.
+//!
 //! Invariants ([`BlockIndex::check`]): every parent is indexed and ends where
 //! its children start; each parent's list of children is exactly the blocks
-//! naming it.
+//! naming it; every block holds as many tokens as cells, and its key is the
+//! one its scope, parent and tokens hash to (no block's tokens can go stale).
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
-use kvcache_api::block_key::BlockKey;
-use kvcache_api::Pos;
+use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::retention::{BlockChange, Prefix};
+use kvcache_api::{Fingerprint, Namespace, Pos};
 
 /// One indexed block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,8 +42,41 @@ pub(crate) struct Block {
     pub start: Pos,
     /// The cell of each position `start..start + cells.len()`.
     pub cells: Vec<u32>,
-    /// The index's clock when it was last stored or adopted.
-    last_used: u64,
+    /// The token at each of those positions.
+    pub tokens: Vec<u32>,
+    /// The model and namespace its key was hashed under.
+    pub fingerprint: Fingerprint,
+    /// See `fingerprint`.
+    pub namespace: Namespace,
+    /// When it was last stored or adopted.
+    used: Used,
+}
+
+/// A block's last use: the index's tick (orders uses, ties impossible) and
+/// the time (ages blocks), always set together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Used {
+    tick: u64,
+    at: Instant,
+}
+
+/// What [`BlockIndex::insert`] indexes.
+#[derive(Debug, Clone)]
+pub(crate) struct NewBlock {
+    /// The block's key.
+    pub key: BlockKey,
+    /// The block before it.
+    pub parent: BlockKey,
+    /// Its first position.
+    pub start: Pos,
+    /// The cell of each position.
+    pub cells: Vec<u32>,
+    /// The token of each position.
+    pub tokens: Vec<u32>,
+    /// The scope its key was hashed in.
+    pub fingerprint: Fingerprint,
+    /// See `fingerprint`.
+    pub namespace: Namespace,
 }
 
 impl Block {
@@ -53,6 +95,8 @@ pub(crate) struct BlockIndex {
     /// Cells pinned by blocks, counted with multiplicity.
     cells: usize,
     clock: u64,
+    /// Changes since the last [`BlockIndex::drain_changes`].
+    journal: Vec<BlockChange>,
 }
 
 impl BlockIndex {
@@ -80,10 +124,20 @@ impl BlockIndex {
         self.children.contains_key(key)
     }
 
-    /// Indexes `key` after `parent` (indexed, or the root) at `start` in
-    /// `cells`. The caller pins the cells.
-    pub fn insert(&mut self, key: BlockKey, parent: BlockKey, start: Pos, cells: Vec<u32>) {
+    /// Indexes `new.key` after `new.parent` (indexed, or the root) at
+    /// `new.start`, and journals it. The caller pins the cells.
+    pub fn insert(&mut self, new: NewBlock) {
+        let NewBlock {
+            key,
+            parent,
+            start,
+            cells,
+            tokens,
+            fingerprint,
+            namespace,
+        } = new;
         assert!(!cells.is_empty(), "an empty block");
+        assert_eq!(cells.len(), tokens.len(), "block {key:?}: a token per cell");
         assert!(!self.blocks.contains_key(&key), "block {key:?} indexed twice");
         if !parent.is_root() {
             let p = self.blocks.get(&parent).expect("the parent is indexed");
@@ -97,35 +151,110 @@ impl BlockIndex {
         }
         self.children.entry(parent).or_default().push(key);
         self.cells += cells.len();
-        self.clock += 1;
+        let used = self.tick();
+        self.journal.push(BlockChange::Stored {
+            key,
+            parent,
+            tokens: tokens.clone(),
+            namespace: namespace.clone(),
+        });
         self.blocks.insert(
             key,
             Block {
                 parent,
                 start,
                 cells,
-                last_used: self.clock,
+                tokens,
+                fingerprint,
+                namespace,
+                used,
             },
         );
     }
 
+    fn tick(&mut self) -> Used {
+        self.clock += 1;
+        Used {
+            tick: self.clock,
+            at: Instant::now(),
+        }
+    }
+
     /// Marks `keys` used now.
     pub fn touch(&mut self, keys: &[BlockKey]) {
-        self.clock += 1;
+        let used = self.tick();
         for key in keys {
             if let Some(b) = self.blocks.get_mut(key) {
-                b.last_used = self.clock;
+                b.used = used;
             }
         }
     }
 
-    /// The least recently used leaf for which `frees` holds.
-    pub fn lru_leaf(&self, mut frees: impl FnMut(&Block) -> bool) -> Option<BlockKey> {
+    /// The least recently used leaf for which `frees` holds, where the
+    /// blocks in `gone` count as removed already (a plan of evictions).
+    pub fn lru_leaf(&self, gone: &[BlockKey], mut frees: impl FnMut(&Block) -> bool) -> Option<BlockKey> {
+        let is_leaf = |key: &BlockKey| {
+            self.children(key).iter().all(|child| gone.contains(child)) && !gone.contains(key)
+        };
         self.blocks
             .iter()
-            .filter(|(key, b)| !self.has_children(key) && frees(b))
-            .min_by_key(|(key, b)| (b.last_used, **key))
+            .filter(|(key, b)| is_leaf(key) && frees(b))
+            .min_by_key(|(key, b)| (b.used.tick, **key))
             .map(|(key, _)| *key)
+    }
+
+    /// The blocks not used for `age` (each with every block below it, as a
+    /// parent is used whenever its children are).
+    pub fn unused_for(&self, age: Duration) -> Vec<BlockKey> {
+        let mut old: Vec<(u64, BlockKey)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.used.at.elapsed() >= age)
+            .map(|(key, b)| (b.used.tick, *key))
+            .collect();
+        old.sort_unstable();
+        old.into_iter().map(|(_, key)| key).collect()
+    }
+
+    /// The longest prefix of `tokens`, at most `limit` of them, held in
+    /// blocks of `scope`: down the chain of blocks whose tokens the prompt
+    /// repeats, then as far into one more block as the prompt follows it.
+    /// Among children matching equally far, the one indexed first.
+    pub fn longest_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> Prefix {
+        let limit = limit.min(tokens.len());
+        let mut found = Prefix::default();
+        let mut parent = BlockKey::ROOT;
+        while found.len < limit {
+            let rest = &tokens[found.len..limit];
+            let best = self
+                .children(&parent)
+                .iter()
+                .filter_map(|key| {
+                    let b = &self.blocks[key];
+                    let in_scope = b.fingerprint == *scope.fingerprint && b.namespace == *scope.namespace;
+                    let matched = b.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                    (in_scope && matched > 0).then_some((matched, key, b.tokens.len()))
+                })
+                .fold(None, |best: Option<(usize, &BlockKey, usize)>, c| match best {
+                    Some(b) if b.0 >= c.0 => Some(b),
+                    _ => Some(c),
+                });
+            let Some((matched, &key, len)) = best else {
+                break;
+            };
+            found.keys.push(key);
+            found.len += matched;
+            if matched < len {
+                break;
+            }
+            parent = key;
+        }
+        found
+    }
+
+    /// Changes since the last call, in order.
+    pub fn drain_changes(&mut self) -> Vec<BlockChange> {
+        std::mem::take(&mut self.journal)
     }
 
     /// Removes the leaf `key`; returns it (the caller unpins its cells).
@@ -141,6 +270,10 @@ impl BlockIndex {
             self.children.remove(&block.parent);
         }
         self.cells -= block.cells.len();
+        self.journal.push(BlockChange::Removed {
+            key: *key,
+            len: block.cells.len(),
+        });
         block
     }
 
@@ -171,13 +304,20 @@ impl BlockIndex {
         }
     }
 
-    /// Forgets every block; returns their keys (the caller unpins every cell).
-    pub fn clear(&mut self) -> Vec<BlockKey> {
-        let keys = self.blocks.keys().copied().collect();
-        self.blocks.clear();
-        self.children.clear();
-        self.cells = 0;
-        keys
+    /// Forgets every block, leaves first; returns the blocks (the caller
+    /// unpins every cell).
+    pub fn clear(&mut self) -> Vec<(BlockKey, Block)> {
+        let mut order: Vec<BlockKey> = Vec::with_capacity(self.blocks.len());
+        for root in self.children(&BlockKey::ROOT).to_vec() {
+            order.extend(self.subtree_leaves_first(&root));
+        }
+        order
+            .into_iter()
+            .map(|key| {
+                let block = self.remove_leaf(&key);
+                (key, block)
+            })
+            .collect()
     }
 
     /// Bytes of heap memory held.
@@ -198,6 +338,12 @@ impl BlockIndex {
         let mut cells = 0;
         for (key, b) in &self.blocks {
             assert!(!b.cells.is_empty(), "block {key:?} is empty");
+            assert_eq!(b.tokens.len(), b.cells.len(), "block {key:?}: a token per cell");
+            assert_eq!(
+                BlockKey::new(&Scope::new(&b.fingerprint, &b.namespace), &b.parent, &b.tokens),
+                *key,
+                "block {key:?} holds tokens its key does not name"
+            );
             if b.parent.is_root() {
                 assert_eq!(b.start, 0, "first block {key:?} starts at {}", b.start);
             } else {
@@ -239,29 +385,45 @@ impl BlockIndex {
 mod tests {
     use super::*;
 
-    fn key(n: u8) -> BlockKey {
-        BlockKey([n; 32])
+    /// Indexes a block of `tokens` after `parent` at `start` (cells named
+    /// after the positions); returns its key.
+    fn add(index: &mut BlockIndex, parent: BlockKey, start: Pos, tokens: &[u32]) -> BlockKey {
+        let (fingerprint, namespace) = (Fingerprint([7; 32]), Namespace::shared());
+        let key = BlockKey::new(&Scope::new(&fingerprint, &namespace), &parent, tokens);
+        let cells = (0..tokens.len() as u32).map(|k| start as u32 + k).collect();
+        index.insert(NewBlock {
+            key,
+            parent,
+            start,
+            cells,
+            tokens: tokens.to_vec(),
+            fingerprint,
+            namespace,
+        });
+        key
     }
 
     #[test]
     fn leaves_go_first_least_recently_used_first() {
         let mut index = BlockIndex::default();
-        index.insert(key(1), BlockKey::ROOT, 0, vec![0, 1]);
-        index.insert(key(2), key(1), 2, vec![2, 3]);
-        index.insert(key(3), key(1), 2, vec![4]);
+        let k1 = add(&mut index, BlockKey::ROOT, 0, &[1, 2]);
+        let k2 = add(&mut index, k1, 2, &[3, 4]);
+        let k3 = add(&mut index, k1, 2, &[5]);
         index.check();
-        assert_eq!(index.children(&key(1)), [key(2), key(3)]);
-        // Key 2 is older than key 3, and key 1 has children.
-        assert_eq!(index.lru_leaf(|_| true), Some(key(2)));
-        index.touch(&[key(1), key(2)]);
-        assert_eq!(index.lru_leaf(|_| true), Some(key(3)));
-        index.remove_leaf(&key(3));
+        assert_eq!(index.children(&k1), [k2, k3]);
+        // k2 is older than k3, and k1 has children.
+        assert_eq!(index.lru_leaf(&[], |_| true), Some(k2));
+        // Planned away, k2 and k3 leave k1 a leaf.
+        assert_eq!(index.lru_leaf(&[k2, k3], |_| true), Some(k1));
+        index.touch(&[k1, k2]);
+        assert_eq!(index.lru_leaf(&[], |_| true), Some(k3));
+        index.remove_leaf(&k3);
         index.check();
-        assert_eq!(index.children(&key(1)), [key(2)]);
-        index.remove_leaf(&key(2));
-        assert_eq!(index.lru_leaf(|_| true), Some(key(1)));
-        assert_eq!(index.subtree_leaves_first(&key(1)), vec![key(1)]);
-        index.remove_leaf(&key(1));
+        assert_eq!(index.children(&k1), [k2]);
+        index.remove_leaf(&k2);
+        assert_eq!(index.lru_leaf(&[], |_| true), Some(k1));
+        assert_eq!(index.subtree_leaves_first(&k1), vec![k1]);
+        index.remove_leaf(&k1);
         index.check();
         assert_eq!((index.len(), index.cells()), (0, 0));
     }
@@ -269,14 +431,65 @@ mod tests {
     #[test]
     fn a_subtree_lists_leaves_before_their_parents() {
         let mut index = BlockIndex::default();
-        index.insert(key(1), BlockKey::ROOT, 0, vec![0]);
-        index.insert(key(2), key(1), 1, vec![1]);
-        index.insert(key(3), key(2), 2, vec![2]);
-        let order = index.subtree_leaves_first(&key(1));
-        assert_eq!(order, vec![key(3), key(2), key(1)]);
+        let k1 = add(&mut index, BlockKey::ROOT, 0, &[1]);
+        let k2 = add(&mut index, k1, 1, &[2]);
+        let k3 = add(&mut index, k2, 2, &[3]);
+        let order = index.subtree_leaves_first(&k1);
+        assert_eq!(order, vec![k3, k2, k1]);
         for k in &order {
             index.remove_leaf(k);
             index.check();
         }
+    }
+
+    #[test]
+    fn the_journal_replays_to_the_index() {
+        let mut index = BlockIndex::default();
+        let k1 = add(&mut index, BlockKey::ROOT, 0, &[1, 2]);
+        let k2 = add(&mut index, k1, 2, &[3, 4]);
+        let k3 = add(&mut index, k1, 2, &[3, 9]);
+        index.remove_leaf(&k2);
+        let changes = index.drain_changes();
+        assert_eq!(changes.len(), 4);
+        assert_eq!(changes[3], BlockChange::Removed { key: k2, len: 2 });
+        assert!(index.drain_changes().is_empty());
+        let cleared = index.clear();
+        let keys: Vec<BlockKey> = cleared.iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, vec![k3, k1], "leaves first");
+        assert_eq!(
+            index.drain_changes(),
+            vec![
+                BlockChange::Removed { key: k3, len: 2 },
+                BlockChange::Removed { key: k1, len: 2 }
+            ]
+        );
+    }
+
+    #[test]
+    fn a_lookup_follows_the_prompt_into_a_block_and_stays_in_its_scope() {
+        let mut index = BlockIndex::default();
+        let k1 = add(&mut index, BlockKey::ROOT, 0, &[1, 2]);
+        let k2 = add(&mut index, k1, 2, &[3, 4]);
+        let (fp, ns) = (Fingerprint([7; 32]), Namespace::shared());
+        let scope = Scope::new(&fp, &ns);
+        let found = index.longest_prefix(scope, &[1, 2, 3, 5, 6], 5);
+        assert_eq!(
+            found,
+            Prefix {
+                keys: vec![k1, k2],
+                len: 3
+            }
+        );
+        assert_eq!(index.longest_prefix(scope, &[1, 2, 3, 4, 5], 3).len, 3, "limit");
+        let other = Namespace::new("tenant").unwrap();
+        assert_eq!(
+            index.longest_prefix(Scope::new(&fp, &other), &[1, 2, 3], 3),
+            Prefix::default()
+        );
+        let other_model = Fingerprint([8; 32]);
+        assert_eq!(
+            index.longest_prefix(Scope::new(&other_model, &ns), &[1, 2], 2),
+            Prefix::default()
+        );
     }
 }

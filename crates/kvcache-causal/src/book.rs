@@ -87,6 +87,9 @@ struct Scratch {
     keep: Vec<Pos>,
     /// Mask row spans.
     spans: Vec<(u32, u32)>,
+    /// Blocks the validated pass evicts to make room, least recently used
+    /// first.
+    evict: Vec<BlockKey>,
 }
 
 /// A validated shifting removal: the chunks of cells whose keys must be re-rotated.
@@ -133,9 +136,6 @@ pub(crate) struct Book {
     reservations: Reservations,
     /// Cells kept by block for later sequences.
     blocks: BlockIndex,
-    /// Blocks the cache forgot on its own (a shifting removal moved their
-    /// cells), until [`Book::take_dropped_blocks`].
-    dropped_blocks: Vec<BlockKey>,
     pass: Pass,
     scratch: Scratch,
 }
@@ -155,7 +155,6 @@ impl Book {
             cells: Cells::new(cells, config.max_sequences),
             reservations: Reservations::new(config.max_sequences),
             blocks: BlockIndex::default(),
-            dropped_blocks: Vec::new(),
             // Room for a few runs per row from the start, so that a pass's runs
             // grow only when the cells are fragmented more than ever before.
             pass: Pass {
@@ -195,9 +194,12 @@ impl Book {
         Ok(())
     }
 
-    /// Validates a forward pass over `batch`; changes nothing. On success,
-    /// [`Book::commit_forward`] with the same batch and mode cannot fail.
+    /// Validates a forward pass over `batch`; changes nothing (it plans the
+    /// evictions of kept blocks the pass needs, if those make room). On
+    /// success, [`Book::commit_forward`] with the same batch and mode cannot
+    /// fail.
     pub(crate) fn prepare_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Result<()> {
+        self.scratch.evict.clear();
         if batch.len() > self.config.max_batch {
             return Err(CacheError::InvalidBatch(format!(
                 "{} tokens exceed the cache's max batch of {}",
@@ -232,7 +234,17 @@ impl Book {
             &mut self.scratch.keep,
         );
         self.forget_lowest(batch);
-        let free = self.cells.occupancy().free() + window::cells_freed(&self.cells, &self.scratch.keep);
+        let trimmed = window::cells_freed(&self.cells, &self.scratch.keep);
+        let free = self.cells.occupancy().free() + trimmed;
+        if free < batch.len() && self.blocks.len() > 0 {
+            // Kept blocks give way to the pass, least recently used first,
+            // if together they can.
+            let (plan, enough) = self.eviction_plan(batch.len() - trimmed);
+            if enough {
+                self.scratch.evict = plan;
+                return Ok(());
+            }
+        }
         if free < batch.len() {
             return Err(CacheError::Full {
                 cells: self.cells.len(),
@@ -256,7 +268,8 @@ impl Book {
         }
     }
 
-    /// Starts the pass [`Book::prepare_forward`] validated: trims windows, places
+    /// Starts the pass [`Book::prepare_forward`] validated: evicts the blocks it
+    /// planned to, trims windows, places
     /// the tokens (compacting when needed) and fixes the cell range. Returns the
     /// compaction moves the stored tensors must apply, in order.
     pub(crate) fn commit_forward(&mut self, batch: &Batch, mode: ForwardMode) -> Vec<Move> {
@@ -273,6 +286,9 @@ impl Book {
             pass.range = 0..self.cells.len();
             self.plan_runs();
             return Vec::new();
+        }
+        for key in std::mem::take(&mut self.scratch.evict) {
+            self.drop_block(&key);
         }
         self.note_lowest(batch);
         window::keep_lines(
@@ -519,7 +535,6 @@ impl Book {
     pub(crate) fn commit_remove(&mut self, plan: &RemovePlan) {
         for key in &plan.unindex {
             self.drop_block(key);
-            self.dropped_blocks.push(*key);
         }
         self.cells.remove(plan.seq, plan.start, plan.end);
         self.reservations.drop_seq(plan.seq);

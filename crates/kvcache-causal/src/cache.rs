@@ -2,9 +2,11 @@
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use kvcache_api::block_key::BlockKey;
+use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::retention::{BlockChain, BlockChange, Prefix};
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, PagedKv, Pos,
     PosRange, Result, SeqId, SeqState,
@@ -731,10 +733,14 @@ impl CausalCache for CausalKvCache {
         self.book.holds_block(key)
     }
 
+    fn longest_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> Prefix {
+        self.book.longest_prefix(scope, tokens, limit)
+    }
+
     /// Bookkeeping only: the cells stay where they are, pinned.
-    fn retain_blocks(&mut self, seq: SeqId, blocks: &[(BlockKey, usize)]) -> Result<Vec<usize>> {
-        let plan = self.book.prepare_retain(seq, blocks)?;
-        Ok(self.book.commit_retain(blocks, plan))
+    fn retain_blocks(&mut self, seq: SeqId, chain: &BlockChain) -> Result<Vec<usize>> {
+        let plan = self.book.prepare_retain(seq, chain)?;
+        Ok(self.book.commit_retain(chain, plan))
     }
 
     /// Bookkeeping only, like `copy_prefix`; ends any pass in progress.
@@ -746,6 +752,10 @@ impl CausalCache for CausalKvCache {
 
     fn forget_blocks(&mut self, keys: &[BlockKey]) -> Vec<BlockKey> {
         self.book.forget_blocks(keys)
+    }
+
+    fn forget_blocks_unused_for(&mut self, age: Duration) -> Vec<BlockKey> {
+        self.book.forget_blocks_unused_for(age)
     }
 
     fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
@@ -760,8 +770,8 @@ impl CausalCache for CausalKvCache {
         self.book.indexed_blocks()
     }
 
-    fn take_dropped_blocks(&mut self) -> Vec<BlockKey> {
-        self.book.take_dropped_blocks()
+    fn drain_block_changes(&mut self) -> Vec<BlockChange> {
+        self.book.drain_block_changes()
     }
 
     fn export_seq(&self, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqState> {

@@ -183,11 +183,6 @@ impl Cells {
         self.pinned > 0
     }
 
-    /// Whether unpinning `cell` once would free it.
-    pub(crate) fn frees_on_unpin(&self, cell: usize) -> bool {
-        self.pins[cell] == 1 && self.seqs.count(cell) == 0
-    }
-
     /// Keeps the used `cell` for one more block.
     pub(crate) fn pin(&mut self, cell: usize) {
         assert!(self.occupancy.is_used(cell), "pinning free cell {cell}");

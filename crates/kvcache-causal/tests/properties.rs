@@ -7,13 +7,21 @@
 //! switch branches mid-schedule. Transfers export a range of one sequence and
 //! import it into another (`export_seq` / `import_seq`). Block retention keeps a
 //! sequence's blocks (`retain_blocks`), adopts a chain into an emptied sequence
-//! (`adopt_blocks`) and evicts least recently used blocks (`evict_blocks`),
-//! against the model's own index.
+//! (`adopt_blocks`), evicts least recently used blocks (`evict_blocks`, and a
+//! pass that lacks cells by itself) and ages them out
+//! (`forget_blocks_unused_for`), against the model's own index; after
+//! every step the index's journal (`drain_block_changes`), replayed, equals
+//! the model's index, blocks' tokens included, and routers fed the KV events
+//! built from it hold exactly its full blocks.
 
 mod common;
 
 use candle_core::Tensor;
+use std::collections::{BTreeMap, BTreeSet};
+
 use kvcache_api::block_key::BlockKey;
+use kvcache_api::events::{block_hash, EventBatch, KvEvent, Medium};
+use kvcache_api::retention::{BlockChain, BlockChange};
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, DType, ForwardMode, Placement, Pos, PosRange, SeqId,
     SlidingWindow, VLayout,
@@ -129,6 +137,8 @@ enum Op {
     Evict { short: u8 },
     /// clear_blocks().
     ClearBlocks,
+    /// forget_blocks_unused_for(zero: every block; else a century: none).
+    Age { all: bool },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -151,6 +161,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(|pick| Op::Forget { pick }),
         1 => (0..8u8).prop_map(|short| Op::Evict { short }),
         1 => Just(Op::ClearBlocks),
+        1 => any::<bool>().prop_map(|all| Op::Age { all }),
         1 => prop_oneof![Just(Op::Checkpoint), Just(Op::Rollback)],
         2 => (0..4usize, 0..4usize, prop_oneof![2 => Just(0u8), 2 => Just(1), 1 => Just(2)], any::<u8>(), 1..=8u8)
             .prop_map(|(src, dst, mode, start, len)| Op::Transfer { src, dst, mode, start, len }),
@@ -180,6 +191,68 @@ struct Run {
     /// Token ids of imported entries, counting down from `u64::MAX` (the model's
     /// own ids count up).
     next_import_id: u64,
+    /// The block index as its journal tells it.
+    journal: Journal,
+}
+
+/// What a router knows of the block index from its journal alone: every
+/// block replayed with its parent and tokens, and per block size (1..=4, the
+/// sizes `Op::Retain` keeps), the full blocks its KV events name.
+#[derive(Debug, Clone, Default)]
+struct Journal {
+    blocks: BTreeMap<BlockKey, (BlockKey, Vec<u32>)>,
+    routers: [BTreeSet<u64>; 4],
+}
+
+impl Journal {
+    /// Replays `changes`, through the events builder for each router.
+    fn replay(&mut self, changes: &[BlockChange]) {
+        for change in changes {
+            match change {
+                BlockChange::Stored {
+                    key, parent, tokens, ..
+                } => {
+                    assert!(
+                        parent.is_root() || self.blocks.contains_key(parent),
+                        "block {key:?} stored before its parent"
+                    );
+                    let old = self.blocks.insert(*key, (*parent, tokens.clone()));
+                    assert!(old.is_none(), "block {key:?} stored twice");
+                }
+                BlockChange::Removed { key, len } => {
+                    let (_, tokens) = self.blocks.remove(key).expect("a removed block was stored");
+                    assert_eq!(tokens.len(), *len, "block {key:?} removed with another length");
+                    assert!(
+                        self.blocks.values().all(|(parent, _)| parent != key),
+                        "block {key:?} removed before its children"
+                    );
+                }
+            }
+        }
+        for (size, router) in self.routers.iter_mut().enumerate() {
+            let mut batch = EventBatch::new(size + 1, Medium::Device);
+            batch.block_changes(changes);
+            for event in batch.into_events() {
+                match event {
+                    KvEvent::BlockStored {
+                        block_hashes,
+                        token_ids,
+                        block_size,
+                        ..
+                    } => {
+                        assert_eq!(token_ids.len(), block_hashes.len() * block_size);
+                        router.extend(block_hashes);
+                    }
+                    KvEvent::BlockRemoved { block_hashes, .. } => {
+                        for name in block_hashes {
+                            assert!(router.remove(&name), "block {name:x} removed, never stored");
+                        }
+                    }
+                    KvEvent::AllBlocksCleared => router.clear(),
+                }
+            }
+        }
+    }
 }
 
 /// A copy of the cache and everything the run knows about it.
@@ -188,6 +261,7 @@ struct Checkpoint {
     model: Reference,
     pass: Option<Vec<(SeqId, Pos)>>,
     stored: bool,
+    journal: Journal,
 }
 
 impl Run {
@@ -396,10 +470,17 @@ impl Run {
             },
             8 => {
                 // A chain one block longer than the sequence.
-                let Some(mut chain) = self.model.chain(seq, 2) else {
+                let Some(chain) = self.model.chain(seq, 2) else {
                     return Ok(());
                 };
-                chain.push((BlockKey([arg.max(1); 32]), 1));
+                let mut blocks = chain.blocks().to_vec();
+                blocks.push((BlockKey([arg.max(1); 32]), 1));
+                let chain = BlockChain::from_parts(
+                    *chain.fingerprint(),
+                    chain.namespace().clone(),
+                    blocks,
+                    chain.tokens().to_vec(),
+                );
                 let want = match self.model.clone().retain(seq, &chain) {
                     Err(e) => e,
                     Ok(_) => return Ok(()),
@@ -565,6 +646,24 @@ impl Run {
         Ok(())
     }
 
+    fn age(&mut self, all: bool) -> Result<(), TestCaseError> {
+        let age = if all {
+            std::time::Duration::ZERO
+        } else {
+            std::time::Duration::from_secs(100 * 365 * 24 * 3600)
+        };
+        let mut got = self.cache.forget_blocks_unused_for(age);
+        got.sort();
+        let mut want = if all {
+            self.model.clear_blocks()
+        } else {
+            Vec::new()
+        };
+        want.sort();
+        prop_assert_eq!(got, want, "blocks aged out");
+        Ok(())
+    }
+
     fn checkpoint(&mut self) {
         let cache = self.cache.try_clone().unwrap();
         assert!(
@@ -577,6 +676,7 @@ impl Run {
             model: self.model.clone(),
             pass: self.pass.clone(),
             stored: self.stored,
+            journal: self.journal.clone(),
         });
     }
 
@@ -592,11 +692,34 @@ impl Run {
         self.model = saved.model.clone();
         self.pass = saved.pass.clone();
         self.stored = saved.stored;
+        // A branch switch replaces the index wholesale; a driver reports the
+        // new one from scratch, as the run restores what it knew of it.
+        self.journal = saved.journal.clone();
         Ok(())
     }
 
-    fn compare(&self) -> Result<(), TestCaseError> {
+    fn compare(&mut self) -> Result<(), TestCaseError> {
         self.cache.check();
+        // The journal, replayed, is the index: every block with its parent and
+        // its tokens (the ids of the entries it keeps, so none is stale), and
+        // each router holds exactly the full blocks of its size.
+        let changes = self.cache.drain_block_changes();
+        self.journal.replay(&changes);
+        let want: BTreeMap<BlockKey, (BlockKey, Vec<u32>)> = self
+            .model
+            .blocks
+            .iter()
+            .map(|(key, b)| (*key, (b.parent, b.entries.iter().map(|e| e.id as u32).collect())))
+            .collect();
+        prop_assert_eq!(&self.journal.blocks, &want, "the journal replayed");
+        for (size, router) in self.journal.routers.iter().enumerate() {
+            let full: BTreeSet<u64> = want
+                .iter()
+                .filter(|(_, (_, tokens))| tokens.len() == size + 1)
+                .map(|(key, _)| block_hash(&key.0))
+                .collect();
+            prop_assert_eq!(router, &full, "the router of blocks of {}", size + 1);
+        }
         let kept: usize = self.model.blocks.values().map(|b| b.entries.len()).sum();
         prop_assert_eq!(
             self.cache.indexed_blocks(),
@@ -701,6 +824,7 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
         stored: false,
         checkpoint: None,
         next_import_id: u64::MAX,
+        journal: Journal::default(),
     };
     for op in ops {
         match op {
@@ -727,6 +851,7 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Forget { pick } => r.forget(pick)?,
             Op::Evict { short } => r.evict(short)?,
             Op::ClearBlocks => r.clear_blocks()?,
+            Op::Age { all } => r.age(all)?,
         }
         r.compare()?;
     }

@@ -17,7 +17,6 @@
 //!   prefix-trie, single-entry or no reuse (`trie_turn`: one turn through the
 //!   trie).
 //! - [`store`]: the prefix store of a model file (fingerprint, layout, tiers).
-//! - `published`: the KV events of caches without a block index.
 //! - `mlx` (on macOS, or on Linux when built through `cargo xtask`): chat on
 //!   the mlx-rs models through `kvcache_mlx`'s layer caches and
 //!   `kvcache_trie`'s prefix trie.
@@ -32,7 +31,6 @@ pub mod engine;
 mod error;
 #[cfg(any(target_os = "macos", kvcache_mlx))]
 pub mod mlx;
-mod published;
 pub mod sampling;
 pub mod store;
 

@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use kvcache_api::{
     BoxedSnapshot, CacheError, HostKv, HostState, Namespace, PrefixStore, Result, SnapshotCache, StoreClient,
-    WriteBack,
 };
 
 use super::arena::{common_prefix, Arena, Cost, EvictKey, Node, NodeId, NONE, ROOT};
@@ -306,9 +305,20 @@ impl<C: SnapshotCache> PrefixCache<C> {
         self.store.as_ref()
     }
 
-    /// Counters and current state.
+    /// Counters and current state; the store's are its client's
+    /// ([`StoreClient::counters`]), since the store was set.
     pub fn stats(&self) -> Stats {
+        let store = self.store.as_ref().map(StoreClient::counters).unwrap_or_default();
         Stats {
+            store_hits: store.restores,
+            store_tokens: store.restored_tokens,
+            store_rejected: store.rejected,
+            store_tier_tokens: store.tier_tokens,
+            store_writes: store.writes,
+            store_writes_refused: store.refused,
+            store_tokens_written: store.written_tokens,
+            store_states_written: store.states_written,
+            store_states_loaded: store.states_loaded,
             paged_out_bytes: self.paged_out,
             budget: self.budget,
             snapshots: self.snapshots,
@@ -575,7 +585,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
         }
         if !taken {
-            self.counters.store_rejected += 1;
+            client.record_rejected();
             let mut rewound = true;
             for (cache, held) in self.caches.iter_mut().zip(&before) {
                 if cache.offset() == cached {
@@ -599,12 +609,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             return nothing(cached);
         }
         self.advance(&prompt[cached..end], false);
-        self.counters.store_hits += 1;
-        self.counters.store_tokens += (end - cached) as u64;
-        self.counters.store_states_loaded += loaded as u64;
-        for &(tier, tokens) in &fetched.tiers {
-            *self.counters.store_tier_tokens.entry(tier).or_default() += tokens as u64;
-        }
+        client.record_restored(end - cached, &fetched.tiers, loaded);
         FromStore {
             end,
             tiers: fetched.tiers,
@@ -684,12 +689,7 @@ impl<C: SnapshotCache> PrefixCache<C> {
             Ok(kv)
         });
         match wrote {
-            Ok(WriteBack::Held) => {}
-            Ok(WriteBack::Sent { range, outcome }) if outcome.is_queued() => {
-                self.counters.store_writes += 1;
-                self.counters.store_tokens_written += range.len() as u64;
-            }
-            Ok(WriteBack::Sent { .. }) => self.counters.store_writes_refused += 1,
+            Ok(_) => {}
             Err(Unread::Cannot) => return,
             Err(Unread::Failed(error)) => {
                 tracing::warn!(%error, "prefix cache: reading rows for the store failed");
@@ -697,11 +697,8 @@ impl<C: SnapshotCache> PrefixCache<C> {
             }
         }
         if !states.is_empty() {
-            let count = states.len() as u64;
-            match client.submit_states(namespace, prompt, states) {
-                Ok(outcome) if outcome.is_queued() => self.counters.store_states_written += count,
-                Ok(_) => self.counters.store_writes_refused += 1,
-                Err(error) => tracing::warn!(%error, "prefix cache: states not written to the store"),
+            if let Err(error) = client.submit_states(namespace, prompt, states) {
+                tracing::warn!(%error, "prefix cache: states not written to the store");
             }
         }
     }

@@ -30,7 +30,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kvcache_api::block_key::{BlockKey, KeyChain, Scope};
-use kvcache_api::events::{block_hash, KvEvent, KvEventSink, Medium};
+use kvcache_api::events::{block_hash, EventBatch, KvEventSink, Medium};
 use kvcache_api::{CacheError, Fingerprint, Namespace, Result, SnapshotCache};
 
 use super::arena::{NodeId, NONE};
@@ -118,7 +118,9 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 "KV events need blocks of at least one token".into(),
             ));
         }
-        sink.publish(vec![KvEvent::AllBlocksCleared]);
+        let mut batch = EventBatch::new(block_tokens, Medium::Device);
+        batch.cleared();
+        batch.publish(sink.as_ref());
         self.events = Some(BlockEvents {
             sink,
             block_tokens,
@@ -151,11 +153,11 @@ impl<C: SnapshotCache> PrefixCache<C> {
         if first == names.len() {
             return;
         }
-        let block = events.block_tokens;
-        let stored = KvEvent::stored_run(&names, first, &tokens, block, Medium::Device, namespace);
+        let mut batch = EventBatch::new(events.block_tokens, Medium::Device);
+        batch.stored(&names, first, &tokens, namespace);
         let events = self.events.as_mut().expect("checked above");
         events.reported.extend(&names[first..]);
-        events.sink.publish(vec![stored]);
+        batch.publish(events.sink.as_ref());
     }
 
     /// Reports as removed the reported blocks that leaf `id` holds (those
@@ -173,23 +175,20 @@ impl<C: SnapshotCache> PrefixCache<C> {
             .map(|(_, key)| block_hash(&key.0))
             .collect();
         let events = self.events.as_mut().expect("checked above");
-        let removed: Vec<u64> = gone
-            .into_iter()
-            .filter(|name| events.reported.remove(name))
-            .collect();
-        if !removed.is_empty() {
-            events.sink.publish(vec![KvEvent::BlockRemoved {
-                block_hashes: removed,
-                medium: Medium::Device,
-            }]);
+        let mut batch = EventBatch::new(block, Medium::Device);
+        for name in gone.into_iter().filter(|name| events.reported.remove(name)) {
+            batch.removed(name);
         }
+        batch.publish(events.sink.as_ref());
     }
 
     /// Reports that every block is gone.
     pub(super) fn report_cleared(&mut self) {
         if let Some(events) = &mut self.events {
             events.reported.clear();
-            events.sink.publish(vec![KvEvent::AllBlocksCleared]);
+            let mut batch = EventBatch::new(events.block_tokens, Medium::Device);
+            batch.cleared();
+            batch.publish(events.sink.as_ref());
         }
     }
 

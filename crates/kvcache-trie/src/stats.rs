@@ -30,12 +30,17 @@ pub struct Stats {
     /// Nodes paged in (restored into at least one layer) when switching paths.
     pub page_ins: u64,
     /// `begin` calls that restored tokens from the store (counted in `hits`).
+    ///
+    /// This and the other `store_` counters are the store client's
+    /// ([`StoreClient::counters`](kvcache_api::StoreClient::counters)), the
+    /// one set every driver of the store keeps, since the store was set.
     pub store_hits: u64,
     /// Prompt tokens restored from the store (counted in `reused_tokens`).
     pub store_tokens: u64,
-    /// Store answers the live caches could not take (some layer refused the
-    /// rows or failed, or a layer that cannot cut rows found no state stored
-    /// where the rows end): the layers were rewound and the tokens evaluated.
+    /// Store answers that did not fit, or that the live caches could not take
+    /// (some layer refused the rows or failed, or a layer that cannot cut rows
+    /// found no state stored where the rows end): the layers were rewound and
+    /// the tokens evaluated.
     pub store_rejected: u64,
     /// Tokens the store's tiers served, by tier name, as the store reported them.
     pub store_tier_tokens: BTreeMap<&'static str, u64>,

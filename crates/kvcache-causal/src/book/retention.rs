@@ -1,17 +1,23 @@
 //! Block retention in the bookkeeping: indexing a sequence's cells by block
 //! ([`crate::blocks`]), adopting an indexed chain into a new sequence, and
-//! evicting blocks when cells are needed. Like every operation of the book,
-//! each validates first and changes nothing on error.
+//! evicting blocks when cells are needed (planned first, so a pass that
+//! cannot be made room for changes nothing). Like every operation of the
+//! book, each validates first and changes nothing on error.
 //!
 //! Blocks are kept only where a sequence holds every position from 0 for as
 //! long as it lives: caches without a sliding window or chunked attention
 //! ([`Book::indexes_blocks`]). A window trims a sequence's early positions, so
 //! no chain from position 0 would survive it.
 
-use kvcache_api::block_key::BlockKey;
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::retention::{BlockChain, BlockChange, Prefix};
 use kvcache_api::{CacheError, Pos, Result, SeqId};
 
 use super::Book;
+use crate::blocks::NewBlock;
 
 /// A validated [`Book::prepare_retain`]: per block of the chain, its cells when
 /// it is new (`None`: indexed already).
@@ -73,11 +79,24 @@ impl Book {
         (self.blocks.len(), self.blocks.cells())
     }
 
-    /// Validates indexing `seq`'s positions as the chain `blocks` (`(key, len)`,
-    /// consecutive from position 0); changes nothing.
-    pub(crate) fn prepare_retain(&self, seq: SeqId, blocks: &[(BlockKey, usize)]) -> Result<RetainPlan> {
+    /// The longest prefix of `tokens` (at most `limit`) in blocks of `scope`.
+    pub(crate) fn longest_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> Prefix {
+        self.blocks.longest_prefix(scope, tokens, limit)
+    }
+
+    /// Validates indexing `seq`'s positions as `chain` (consecutive from
+    /// position 0); changes nothing.
+    pub(crate) fn prepare_retain(&self, seq: SeqId, chain: &BlockChain) -> Result<RetainPlan> {
         self.check_seq(seq)?;
         self.blocks_supported()?;
+        let blocks = chain.blocks();
+        if !chain.keys_match() {
+            return Err(CacheError::InvalidArgument(
+                "the chain's keys are not the ones its scope and tokens hash to (or a block lacks \
+                 its tokens)"
+                    .into(),
+            ));
+        }
         let mut new = Vec::with_capacity(blocks.len());
         let mut start: Pos = 0;
         for (i, &(key, len)) in blocks.iter().enumerate() {
@@ -114,7 +133,8 @@ impl Book {
 
     /// Carries out a validated retention; returns the indices of the blocks
     /// newly indexed.
-    pub(crate) fn commit_retain(&mut self, blocks: &[(BlockKey, usize)], plan: RetainPlan) -> Vec<usize> {
+    pub(crate) fn commit_retain(&mut self, chain: &BlockChain, plan: RetainPlan) -> Vec<usize> {
+        let blocks = chain.blocks();
         let mut added = Vec::new();
         let mut start: Pos = 0;
         for (i, ((key, len), cells)) in blocks.iter().zip(plan.new).enumerate() {
@@ -124,7 +144,15 @@ impl Book {
                     for &cell in &cells {
                         self.cells.pin(cell as usize);
                     }
-                    self.blocks.insert(*key, parent, start, cells);
+                    self.blocks.insert(NewBlock {
+                        key: *key,
+                        parent,
+                        start,
+                        cells,
+                        tokens: chain.block_tokens(i).to_vec(),
+                        fingerprint: *chain.fingerprint(),
+                        namespace: chain.namespace().clone(),
+                    });
                     added.push(i);
                 }
                 None => self.blocks.touch(&[*key]),
@@ -202,39 +230,66 @@ impl Book {
         gone
     }
 
+    /// Forgets the blocks not used for `age` and the blocks below them;
+    /// returns what was forgotten.
+    pub(crate) fn forget_blocks_unused_for(&mut self, age: Duration) -> Vec<BlockKey> {
+        let old = self.blocks.unused_for(age);
+        self.forget_blocks(&old)
+    }
+
     /// Evicts least recently used leaves whose eviction frees a cell until
     /// `cells` cells are free or none is left; returns their keys in order.
     pub(crate) fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
-        let mut evicted = Vec::new();
-        while self.cells.occupancy().free() < cells {
-            let frees =
-                |b: &crate::blocks::Block| b.cells.iter().any(|&c| self.cells.frees_on_unpin(c as usize));
-            let Some(key) = self.blocks.lru_leaf(frees) else {
-                break;
+        let (plan, _) = self.eviction_plan(cells);
+        for key in &plan {
+            self.drop_block(key);
+        }
+        plan
+    }
+
+    /// The leaves [`Book::evict_blocks`] would evict, in order, to have
+    /// `free` cells free, and whether that is enough. Changes nothing.
+    pub(crate) fn eviction_plan(&self, free: usize) -> (Vec<BlockKey>, bool) {
+        let mut have = self.cells.occupancy().free();
+        let mut plan: Vec<BlockKey> = Vec::new();
+        // Pins the plan takes off each cell.
+        let mut taken: HashMap<u32, u16> = HashMap::new();
+        let unheld = |c: u32| self.cells.sequences(c as usize).next().is_none();
+        while have < free {
+            let frees = |b: &crate::blocks::Block| {
+                b.cells.iter().any(|&c| {
+                    self.cells.pins(c as usize) - taken.get(&c).copied().unwrap_or(0) == 1 && unheld(c)
+                })
             };
-            self.drop_block(&key);
-            evicted.push(key);
+            let Some(key) = self.blocks.lru_leaf(&plan, frees) else {
+                return (plan, false);
+            };
+            for &c in &self.blocks.get(&key).expect("a planned leaf").cells {
+                let n = taken.entry(c).or_insert(0);
+                *n += 1;
+                if *n == self.cells.pins(c as usize) && unheld(c) {
+                    have += 1;
+                }
+            }
+            plan.push(key);
         }
-        evicted
+        (plan, true)
     }
 
-    /// Forgets every block; returns their keys.
+    /// Forgets every block; returns their keys, leaves first.
     pub(crate) fn clear_blocks(&mut self) -> Vec<BlockKey> {
-        let cells: Vec<u32> = self
-            .blocks
-            .iter()
-            .flat_map(|(_, b)| b.cells.iter().copied())
-            .collect();
-        let keys = self.blocks.clear();
-        for cell in cells {
-            self.cells.unpin(cell as usize);
+        let gone = self.blocks.clear();
+        for (_, block) in &gone {
+            for &cell in &block.cells {
+                self.cells.unpin(cell as usize);
+            }
         }
-        keys
+        gone.into_iter().map(|(key, _)| key).collect()
     }
 
-    /// Blocks dropped by the cache itself since the last call.
-    pub(crate) fn take_dropped_blocks(&mut self) -> Vec<BlockKey> {
-        std::mem::take(&mut self.dropped_blocks)
+    /// What the index stored and removed since the last call.
+    pub(crate) fn drain_block_changes(&mut self) -> Vec<BlockChange> {
+        self.blocks.drain_changes()
     }
 
     /// Every block holding one of `cells` (sorted) and the blocks below them,

@@ -6,7 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvcache_api::block_key::BlockKey;
+use kvcache_api::retention::BlockChain;
 use kvcache_api::{CacheError, CausalConfig, Pos, SeqId};
+use kvcache_api::{Fingerprint, Namespace};
 
 /// One stored token of one sequence.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,43 +117,40 @@ impl Reference {
         }
     }
 
-    /// The chain `seq` is retained as in blocks of `block` tokens: keys
-    /// chained over the entries' ids (a token's identity), with lengths.
-    /// `None` when `seq` does not hold every position from 0 to its end.
-    pub fn chain(&self, seq: SeqId, block: usize) -> Option<Vec<(BlockKey, usize)>> {
+    /// The chain `seq` is retained as in blocks of `block` tokens: the
+    /// entries' ids (a token's identity, 32 bits of it) as its tokens. `None`
+    /// when `seq` does not hold every position from 0 to its end.
+    pub fn chain(&self, seq: SeqId, block: usize) -> Option<BlockChain> {
         let entries = &self.seqs[seq];
         if entries.iter().enumerate().any(|(i, e)| e.pos != i as Pos) {
             return None;
         }
-        let ids: Vec<u32> = entries
-            .iter()
-            .flat_map(|e| [e.id as u32, (e.id >> 32) as u32])
-            .collect();
-        let (fp, ns) = (
-            kvcache_api::Fingerprint([3; 32]),
-            kvcache_api::Namespace::shared(),
-        );
-        let scope = kvcache_api::block_key::Scope::new(&fp, &ns);
-        let chain = kvcache_api::retention::block_chain(scope, 2 * block, &ids);
-        Some(chain.into_iter().map(|(k, len)| (k, len / 2)).collect())
+        let ids: Vec<u32> = entries.iter().map(|e| e.id as u32).collect();
+        Some(BlockChain::new(
+            Fingerprint([3; 32]),
+            Namespace::shared(),
+            block,
+            &ids,
+        ))
     }
 
     /// `retain_blocks(seq, chain)`: the indices newly indexed.
-    pub fn retain(&mut self, seq: SeqId, chain: &[(BlockKey, usize)]) -> Result<Vec<usize>, CacheError> {
+    pub fn retain(&mut self, seq: SeqId, chain: &BlockChain) -> Result<Vec<usize>, CacheError> {
         self.seq_check(seq)?;
         self.blocks_supported()?;
         let held = self.seqs[seq].len();
-        if chain.iter().map(|b| b.1).sum::<usize>() > held {
+        let blocks = chain.blocks();
+        if blocks.iter().map(|b| b.1).sum::<usize>() > held || !chain.keys_match() {
             return Err(CacheError::InvalidArgument("positions not held".into()));
         }
         let mut added = Vec::new();
         let mut start = 0;
-        for (i, &(key, len)) in chain.iter().enumerate() {
+        for (i, &(key, len)) in blocks.iter().enumerate() {
             self.clock += 1;
             match self.blocks.get_mut(&key) {
                 Some(b) => b.last_used = self.clock,
                 None => {
-                    let parent = if i == 0 { BlockKey::ROOT } else { chain[i - 1].0 };
+                    let parent = if i == 0 { BlockKey::ROOT } else { blocks[i - 1].0 };
                     let entries = self.seqs[seq][start..start + len].to_vec();
                     self.blocks.insert(
                         key,
@@ -291,6 +290,15 @@ impl Reference {
             .collect();
         let no_trim = vec![Pos::MIN; self.max_sequences];
         let used = self.live(&no_trim);
+        if self.cells - self.live(&keep) < tokens.len() && !self.blocks.is_empty() {
+            // Kept blocks give way, least recently used first, if together
+            // they make room (no window: blocks are kept only without one).
+            let mut evicted = self.clone();
+            evicted.evict(tokens.len());
+            if evicted.cells - evicted.live(&keep) >= tokens.len() {
+                *self = evicted;
+            }
+        }
         if self.cells - self.live(&keep) < tokens.len() {
             return Err(CacheError::Full {
                 cells: self.cells,

@@ -34,8 +34,8 @@
 //! The engine is a module per job: [`Engine`] here (submit, cancel, step),
 //! `scheduler` (what a pass evaluates, as a `Plan`), `store_io` (the prefix
 //! store's reads, write-backs and counters), `retention` (what is kept of
-//! finished requests, where a new one starts, what makes room), and the
-//! request's types and the statistics beside them.
+//! finished requests and where a new one starts, one trait with a policy per
+//! way of keeping), and the request's types and the statistics beside them.
 
 mod request;
 mod retention;
@@ -51,18 +51,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use kvcache_api::events::KvEventSink;
-use kvcache_api::retention::BlockTokens;
-use kvcache_api::{CausalCache, Fingerprint, Pos, PosRange, PrefixStore, SeqId, StoreClient};
+use kvcache_api::events::{EventBatch, KvEventSink, Medium};
+use kvcache_api::retention::BlockChange;
+use kvcache_api::{CacheError, CausalCache, Fingerprint, Pos, PosRange, PrefixStore, SeqId, StoreClient};
 
-use kvcache_models::{argmax, BatchToken, Llama, Model, Tokenizer};
+use kvcache_models::{argmax, BatchToken, Llama, Model, ModelError, Tokenizer};
 
 use crate::detokenizer::{DecodeError, Detokenizer, Shown};
-use crate::published::PublishedBlocks;
 use crate::sampling::Sampler;
 use crate::{EngineError, Result};
 
-use retention::{Idle, Start};
+use retention::{Blocks, Cx, Ended, IdleSequences, Nothing, Retention, Start};
 use scheduler::Plan;
 use store_io::StoreIo;
 
@@ -195,8 +194,8 @@ pub struct Engine<'m, C, M = Llama> {
     config: EngineConfig,
     queue: VecDeque<Queued>,
     slots: Vec<Option<Slot>>,
-    /// Per sequence id: the finished sequence kept there for reuse, if any.
-    idle: Vec<Option<Idle>>,
+    /// What is kept of finished requests, and where new ones start.
+    retention: Box<dyn Retention<C>>,
     /// The prefix store, if any, and its counters.
     store: StoreIo,
     /// The passes' counters since the engine was made (the store's are
@@ -212,13 +211,8 @@ pub struct Engine<'m, C, M = Llama> {
     fingerprint: Fingerprint,
     /// Ids of queued requests already counted as waiting for a prefix.
     waiting: Vec<usize>,
-    /// The tokens of each block the cache indexes, and their last use.
-    block_tokens: BlockTokens,
-    /// Where changes of the block index are reported, if anywhere.
+    /// Where what is kept is reported, if anywhere.
     events: Option<Arc<dyn KvEventSink>>,
-    /// The blocks of kept whole sequences reported to `events` (caches
-    /// without a block index).
-    published: PublishedBlocks,
 }
 
 impl<'m, C, M> Engine<'m, C, M>
@@ -247,7 +241,7 @@ where
             config,
             queue: VecDeque::new(),
             slots: (0..slots).map(|_| None).collect(),
-            idle: (0..slots).map(|_| None).collect(),
+            retention: Box::new(Nothing),
             store: StoreIo::default(),
             stats: Stats::default(),
             made: Instant::now(),
@@ -256,8 +250,6 @@ where
             tokenizer: None,
             fingerprint: Fingerprint::default(),
             waiting: Vec::new(),
-            block_tokens: BlockTokens::default(),
-            published: PublishedBlocks::default(),
             events: None,
         })
     }
@@ -276,7 +268,7 @@ where
     /// Whether finished sequences are kept by block: prefix reuse on,
     /// [`EngineConfig::block_tokens`] set, and a cache that indexes blocks.
     pub fn keeps_blocks(&self) -> bool {
-        self.reuse_prefixes && self.config.block_tokens.is_some() && self.cache.indexes_blocks()
+        self.retention.keeps_blocks()
     }
 
     /// Reports the blocks kept for reuse to `sink` as KV events in vLLM's
@@ -310,13 +302,70 @@ where
     /// the longest prefix any sequence of their namespace holds. Off by default.
     /// Turning it off drops the sequences kept so far.
     pub fn set_prefix_reuse(&mut self, on: bool) -> Result<()> {
-        self.reuse_prefixes = on;
-        if !on {
-            self.evict_idle(Duration::ZERO)?;
-            let gone = self.cache.clear_blocks();
-            self.blocks_gone(&gone);
+        if on == self.reuse_prefixes {
+            return Ok(());
         }
+        // What the policy kept goes with it.
+        self.evict_idle(Duration::ZERO)?;
+        self.cache.clear_blocks();
+        self.retention = match (on, self.config.block_tokens) {
+            (false, _) => Box::new(Nothing),
+            (true, Some(block)) if self.cache.indexes_blocks() => Box::new(Blocks::new(block)),
+            (true, _) => Box::new(IdleSequences::new(self.slots.len())),
+        };
+        self.reuse_prefixes = on;
+        self.publish(None);
         Ok(())
+    }
+
+    /// Drops the sequences and blocks kept for reuse that have not been used
+    /// for `age`; returns how many.
+    pub fn evict_idle(&mut self, age: Duration) -> Result<usize> {
+        self.with_retention(|policy, cx| policy.age(cx, age))
+    }
+
+    /// Runs `f` on the retention policy, then reports what it and the
+    /// cache's block index changed.
+    fn with_retention<T>(
+        &mut self,
+        f: impl FnOnce(&mut dyn Retention<C>, &mut Cx<'_, C>) -> Result<T>,
+    ) -> Result<T> {
+        let mut events = self.event_batch();
+        let mut cx = Cx {
+            cache: &mut self.cache,
+            slots: &self.slots,
+            fingerprint: &self.fingerprint,
+            block_tokens: self.config.block_tokens,
+            events: events.as_mut(),
+            reuse: &mut self.reuse,
+        };
+        let result = f(self.retention.as_mut(), &mut cx);
+        self.publish(events);
+        result
+    }
+
+    /// An empty batch for the events of one operation, when a sink wants them.
+    fn event_batch(&self) -> Option<EventBatch> {
+        match (&self.events, self.config.block_tokens) {
+            (Some(_), Some(block)) => Some(EventBatch::new(block, Medium::Device)),
+            _ => None,
+        }
+    }
+
+    /// Drains the block index's journal (counting what left it) and hands
+    /// it, after `events`, to the sink if there is one.
+    fn publish(&mut self, events: Option<EventBatch>) {
+        let changes = self.cache.drain_block_changes();
+        self.reuse.blocks_evicted += changes
+            .iter()
+            .filter(|c| matches!(c, BlockChange::Removed { .. }))
+            .count();
+        let Some(sink) = &self.events else { return };
+        let Some(mut batch) = events.or_else(|| self.event_batch()) else {
+            return;
+        };
+        batch.block_changes(&changes);
+        batch.publish(sink.as_ref());
     }
 
     /// Turns generated tokens into text with `tokenizer`: the text of each
@@ -388,7 +437,10 @@ where
         };
         self.cache.remove(seq, PosRange::from(0..))?;
         self.slots[seq] = None;
-        self.release_blocks_of(seq, 0);
+        self.with_retention(|policy, cx| {
+            policy.release(cx, seq, 0);
+            Ok(())
+        })?;
         self.reuse.cancelled += 1;
         Ok(true)
     }
@@ -422,15 +474,15 @@ where
 
     /// Finished sequences kept for reuse.
     pub fn idle_sequences(&self) -> usize {
-        self.idle.iter().filter(|s| s.is_some()).count()
+        self.retention.idle_sequences()
     }
 
     /// Prefix reuse counters since the engine was made.
     pub fn reuse_stats(&self) -> ReuseStats {
         let store = self.store.counters();
         ReuseStats {
-            store_restores: store.restores,
-            store_restored_tokens: store.restored_tokens,
+            store_restores: store.restores as usize,
+            store_restored_tokens: store.restored_tokens as usize,
             store_restore_time: store.restore_time,
             ..self.reuse
         }
@@ -442,10 +494,10 @@ where
         let store = self.store.counters();
         Stats {
             elapsed: self.made.elapsed(),
-            restored_tokens: store.restored_tokens,
-            stored_tokens: store.stored_tokens,
-            store_errors: store.errors,
-            store_refused: store.refused,
+            restored_tokens: store.restored_tokens as usize,
+            stored_tokens: store.written_tokens as usize,
+            store_errors: (store.rejected + store.write_errors) as usize,
+            store_refused: store.refused as usize,
             ..self.stats
         }
     }
@@ -485,14 +537,15 @@ where
                 self.queue[i].req.namespace.clone(),
                 self.queue[i].req.prompt.clone(),
             );
-            let start = if self.keeps_blocks() {
-                self.start_by_blocks(i, &namespace, &prompt)?
-            } else {
-                self.start_by_sequences(&namespace, &prompt)?
-            };
+            let start = self.with_retention(|policy, cx| policy.start(cx, &namespace, &prompt))?;
             let (seq, reused) = match start {
                 Start::Join { seq, reused } => (seq, reused),
                 Start::Wait => {
+                    let id = self.queue[i].req.id;
+                    if !self.waiting.contains(&id) {
+                        self.waiting.push(id);
+                        self.reuse.waited_for_prefix += 1;
+                    }
                     i += 1;
                     continue;
                 }
@@ -554,6 +607,8 @@ where
         let (decode, prefill) = (plan.decode, plan.prefill());
         let t0 = Instant::now();
         let hidden = self.hidden_making_room(&plan.batch)?;
+        // The pass may have evicted kept blocks for its cells.
+        self.publish(None);
         let rows = plan.pick_rows();
         let logits = if rows.is_empty() {
             Vec::new()
@@ -649,43 +704,53 @@ where
         Ok(())
     }
 
+    /// Runs `batch`, letting the retention policy free what it keeps while
+    /// the cache is too full for it (a block index makes room by itself).
+    fn hidden_making_room(&mut self, batch: &[BatchToken]) -> Result<Tensor> {
+        loop {
+            match self.model.hidden(batch, &mut self.cache) {
+                Err(ModelError::Cache(CacheError::Full { .. }))
+                    if self.with_retention(|policy, cx| policy.make_room(cx))? =>
+                {
+                    continue
+                }
+                result => return Ok(result?),
+            }
+        }
+    }
+
     /// Drops the request in `seq`, whose text could not be decoded, freeing
     /// its cells, and says so.
     fn fail(&mut self, seq: SeqId, error: DecodeError, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
         let s = self.slots[seq].take().expect("live");
         tracing::warn!(%error, id = s.req.id, "a request's text could not be decoded: dropped");
         self.cache.remove(seq, PosRange::from(0..))?;
-        self.release_blocks_of(seq, 0);
+        self.with_retention(|policy, cx| {
+            policy.release(cx, seq, 0);
+            Ok(())
+        })?;
         on_event(&Event::Failed { id: s.req.id, error });
         Ok(())
     }
 
-    /// Ends the request in `seq`: its cells are kept for reuse (when enabled and
-    /// never shifted) or freed.
+    /// Ends the request in `seq`: its retention policy keeps what it keeps of
+    /// its cells and frees the rest.
     fn finish(&mut self, seq: SeqId, reason: FinishReason, on_event: &mut dyn FnMut(&Event)) -> Result<()> {
-        let mut s = self.slots[seq].take().expect("live");
-        if self.keeps_blocks() && s.shifts == 0 {
-            if self.store.is_set() {
-                // What the cache keeps is in the store too (its memory tier
-                // first), so a block evicted later costs a fetch, not a
-                // recompute: the prompt went at its first token, now the rest.
-                self.store
-                    .write_back(&self.cache, seq, &s.req.namespace, &s.tokens[..s.cached]);
-            }
-            self.retain(seq, &s.req.namespace, &s.tokens[..s.cached])?;
-        } else if self.reuse_prefixes && s.shifts == 0 {
-            s.tokens.truncate(s.cached);
-            self.hold_blocks_of(seq, &s.req.namespace, &s.tokens);
-            self.idle[seq] = Some(Idle {
-                namespace: s.req.namespace.clone(),
-                prompt_len: s.req.prompt.len().min(s.tokens.len()),
-                tokens: s.tokens,
-                last_used: Instant::now(),
-            });
-        } else {
-            self.cache.remove(seq, PosRange::from(0..))?;
-            self.release_blocks_of(seq, 0);
+        let s = self.slots[seq].take().expect("live");
+        let ended = Ended {
+            namespace: &s.req.namespace,
+            tokens: &s.tokens[..s.cached],
+            prompt_len: s.req.prompt.len(),
+            shifted: s.shifts > 0,
+        };
+        if self.retention.keeps_blocks() && !ended.shifted && self.store.is_set() {
+            // What the cache keeps is in the store too (its memory tier
+            // first), so a block evicted later costs a fetch, not a
+            // recompute: the prompt went at its first token, now the rest.
+            self.store
+                .write_back(&self.cache, seq, ended.namespace, ended.tokens);
         }
+        self.with_retention(|policy, cx| policy.finish(cx, seq, ended))?;
         on_event(&Event::Finished(Finished {
             id: s.req.id,
             seq,

@@ -130,7 +130,6 @@ where
             return Ok(0);
         };
         let mut n = 0;
-        let mut dropped = Vec::new();
         let mut shifted = Vec::new();
         for (seq, slot) in self.slots.iter_mut().enumerate() {
             let Some(s) = slot else { continue };
@@ -144,9 +143,9 @@ where
                 continue;
             }
             let removed = keep as Pos..(keep + discard) as Pos;
+            // Blocks whose cells the shift moves are no longer what their keys
+            // say: the index drops them (and journals it).
             self.cache.remove(seq, PosRange::from(removed.clone()))?;
-            // Blocks whose cells the shift moved are no longer what their keys say.
-            dropped.extend(self.cache.take_dropped_blocks());
             s.tokens.drain(keep..keep + discard);
             s.cached -= discard;
             s.shifts += 1;
@@ -158,10 +157,12 @@ where
                 removed,
             });
         }
-        self.blocks_gone(&dropped);
-        for (seq, keep) in shifted {
-            self.release_blocks_of(seq, keep);
-        }
+        self.with_retention(|policy, cx| {
+            for (seq, keep) in shifted {
+                policy.release(cx, seq, keep);
+            }
+            Ok(())
+        })?;
         Ok(n)
     }
 }

@@ -57,7 +57,9 @@ pub struct ReuseStats {
     pub evictions: usize,
     /// Requests cancelled before they finished.
     pub cancelled: usize,
-    /// Blocks evicted from the cache's block index to make room.
+    /// Blocks that left the cache's block index: evicted for a pass's cells,
+    /// aged out ([`Engine::evict_idle`](super::Engine::evict_idle)), moved by
+    /// a context shift, or dropped with prefix reuse.
     pub blocks_evicted: usize,
     /// Requests that waited for a running request to evaluate the prefix
     /// they share instead of evaluating it too (counted once per request).
@@ -66,9 +68,8 @@ pub struct ReuseStats {
     pub store_restores: usize,
     /// Prompt tokens imported from the prefix store.
     pub store_restored_tokens: usize,
-    /// Time spent restoring from the prefix store (asking it, reading the
-    /// answer and importing it into the cache), whether or not it answered:
-    /// part of each such request's time to first token.
+    /// Time spent asking the prefix store, whether or not it answered: part
+    /// of each such request's time to first token.
     pub store_restore_time: Duration,
 }
 

@@ -1,5 +1,4 @@
-//! The engine's reads from and writes to a prefix store, and the one set of
-//! counters that says how they went.
+//! The engine's reads from and writes to a prefix store.
 //!
 //! A joining request imports the longest stored run of its prompt past what
 //! memory gave it ([`StoreIo::restore`], into [`CausalCache::import_seq`] as
@@ -8,44 +7,28 @@
 //! exported by [`CausalCache::export_seq`]). Both go through the same
 //! [`StoreClient`] as the prefix trie's.
 //!
-//! **Invariant:** every read and every write is counted here and nowhere
-//! else; [`Stats`](super::Stats) and [`ReuseStats`](super::ReuseStats) show
-//! these counters.
-
-use std::time::{Duration, Instant};
+//! **Invariant:** every read and every write is counted once, by the client
+//! ([`StoreClient::counters`], the one counter set the trie's driver keeps
+//! too); [`Stats`](super::Stats) and [`ReuseStats`](super::ReuseStats) show
+//! them.
 
 use candle_core::Tensor;
-use kvcache_api::{CacheError, CausalCache, Namespace, Pos, SeqId, StoreClient, Submitted, WriteBack};
+use kvcache_api::{CacheError, CausalCache, Namespace, Pos, SeqId, StoreClient, StoreCounters};
 
-/// The prefix store's counters, since the engine was made.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct StoreCounters {
-    /// Requests that imported part of their prompt.
-    pub(super) restores: usize,
-    /// Prompt tokens imported.
-    pub(super) restored_tokens: usize,
-    /// Time spent restoring, whether or not the store answered.
-    pub(super) restore_time: Duration,
-    /// Prompt tokens exported.
-    pub(super) stored_tokens: usize,
-    /// Answers that did not fit or were refused on import, and exports of
-    /// another model than the store's.
-    pub(super) errors: usize,
-    /// Exports the store did not take.
-    pub(super) refused: usize,
-}
-
-/// The engine's prefix store, if it has one, and its counters.
+/// The engine's prefix store, if it has one.
 #[derive(Debug, Default)]
 pub(super) struct StoreIo {
     client: Option<StoreClient>,
-    counters: StoreCounters,
+    /// What earlier clients counted (the counters go on across stores).
+    earlier: StoreCounters,
 }
 
 impl StoreIo {
     /// Reads and writes through `client` from now on; the counters go on.
     pub(super) fn set_client(&mut self, client: StoreClient) {
-        self.client = Some(client);
+        if let Some(old) = self.client.replace(client) {
+            self.earlier = add(&self.earlier, &old.counters());
+        }
     }
 
     /// The client, if there is a store.
@@ -60,7 +43,10 @@ impl StoreIo {
 
     /// The counters since the engine was made.
     pub(super) fn counters(&self) -> StoreCounters {
-        self.counters
+        match &self.client {
+            Some(client) => add(&self.earlier, &client.counters()),
+            None => self.earlier.clone(),
+        }
     }
 
     /// Imports the stored run of `prompt` past `from` into `seq`, which holds
@@ -68,7 +54,7 @@ impl StoreIo {
     /// to evaluate. Returns the tokens imported and the tiers that served
     /// them; any failure imports nothing.
     pub(super) fn restore<C>(
-        &mut self,
+        &self,
         cache: &mut C,
         seq: SeqId,
         namespace: &Namespace,
@@ -81,41 +67,33 @@ impl StoreIo {
         let Some(client) = &self.client else {
             return (0, Vec::new());
         };
-        let started = Instant::now();
-        let (restored, tiers) = 'read: {
-            let fetched = match client.restore(namespace, prompt, from) {
-                Ok(Some(fetched)) => fetched,
-                Ok(None) => break 'read (0, Vec::new()),
-                Err(error) => {
-                    tracing::warn!(%error, seq, "prefix store: answer refused, evaluating the whole prompt");
-                    self.counters.errors += 1;
-                    break 'read (0, Vec::new());
-                }
-            };
-            let state = client.seq_state(fetched.kv);
-            match cache.import_seq(seq, &state) {
-                Ok(()) => {
-                    self.counters.restored_tokens += state.kv.tokens();
-                    (state.kv.tokens(), fetched.tiers)
-                }
-                Err(error) => {
-                    tracing::warn!(%error, seq, "prefix store: import refused, evaluating the whole prompt");
-                    self.counters.errors += 1;
-                    (0, Vec::new())
-                }
+        let fetched = match client.restore(namespace, prompt, from) {
+            Ok(Some(fetched)) => fetched,
+            Ok(None) => return (0, Vec::new()),
+            Err(error) => {
+                tracing::warn!(%error, seq, "prefix store: answer refused, evaluating the whole prompt");
+                return (0, Vec::new());
             }
         };
-        self.counters.restore_time += started.elapsed();
-        if restored > 0 {
-            self.counters.restores += 1;
+        let state = client.seq_state(fetched.kv);
+        match cache.import_seq(seq, &state) {
+            Ok(()) => {
+                let tokens = state.kv.tokens();
+                client.record_restored(tokens, &fetched.tiers, 0);
+                (tokens, fetched.tiers)
+            }
+            Err(error) => {
+                tracing::warn!(%error, seq, "prefix store: import refused, evaluating the whole prompt");
+                client.record_rejected();
+                (0, Vec::new())
+            }
         }
-        (restored, tiers)
     }
 
     /// Writes back the part of the evaluated `prompt` of `seq` (or any run of
     /// its tokens from position 0) that the store lacks
     /// ([`StoreClient::write_back`]), exported as the store's model.
-    pub(super) fn write_back<C>(&mut self, cache: &C, seq: SeqId, namespace: &Namespace, prompt: &[u32])
+    pub(super) fn write_back<C>(&self, cache: &C, seq: SeqId, namespace: &Namespace, prompt: &[u32])
     where
         C: CausalCache<Tensor = Tensor>,
     {
@@ -132,19 +110,35 @@ impl StoreIo {
             Ok(state.kv)
         });
         match wrote {
-            Ok(WriteBack::Held) => {}
-            Ok(WriteBack::Sent {
-                range,
-                outcome: Submitted::Queued,
-            }) => self.counters.stored_tokens += range.len(),
-            Ok(WriteBack::Sent { outcome, .. }) => {
-                tracing::debug!(?outcome, seq, "prefix store: prompt not stored");
-                self.counters.refused += 1;
+            Ok(wrote) if wrote.is_refused() => {
+                tracing::debug!(?wrote, seq, "prefix store: prompt not stored");
             }
+            Ok(_) => {}
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: export failed, prompt not stored");
-                self.counters.errors += 1;
+                client.record_write_failed();
             }
         }
+    }
+}
+
+/// `a` and `b` counted together.
+fn add(a: &StoreCounters, b: &StoreCounters) -> StoreCounters {
+    let mut tier_tokens = a.tier_tokens.clone();
+    for (tier, tokens) in &b.tier_tokens {
+        *tier_tokens.entry(tier).or_default() += tokens;
+    }
+    StoreCounters {
+        restores: a.restores + b.restores,
+        restored_tokens: a.restored_tokens + b.restored_tokens,
+        tier_tokens,
+        states_loaded: a.states_loaded + b.states_loaded,
+        restore_time: a.restore_time + b.restore_time,
+        rejected: a.rejected + b.rejected,
+        writes: a.writes + b.writes,
+        written_tokens: a.written_tokens + b.written_tokens,
+        states_written: a.states_written + b.states_written,
+        refused: a.refused + b.refused,
+        write_errors: a.write_errors + b.write_errors,
     }
 }

@@ -12,12 +12,12 @@
 
 use std::collections::HashMap;
 
-use kvcache_api::events::{KvEvent, Medium};
+use kvcache_api::events::EventBatch;
 use kvcache_api::{Namespace, SeqId};
 
 /// Which sequence holds which reported blocks, and how many hold each.
 #[derive(Debug, Default)]
-pub(crate) struct PublishedBlocks {
+pub(super) struct PublishedBlocks {
     /// Per sequence id: the names of the blocks it holds, in chain order.
     held: Vec<Vec<u64>>,
     /// Per block name: how many sequences hold it (never 0).
@@ -26,53 +26,42 @@ pub(crate) struct PublishedBlocks {
 
 impl PublishedBlocks {
     /// Sequence `seq` now holds the blocks `names` (the chain of `tokens`,
-    /// `block` tokens each, from position 0) instead of what it held before.
-    /// Returns the events: the blocks no sequence held before, stored, then
-    /// the ones no sequence holds any more, removed.
+    /// [`EventBatch::block_size`] tokens each, from position 0) instead of
+    /// what it held before. Adds to `events` the blocks no sequence held
+    /// before, stored, then the ones no sequence holds any more, removed.
     pub fn hold(
         &mut self,
         seq: SeqId,
         names: Vec<u64>,
         tokens: &[u32],
-        block: usize,
         namespace: &Namespace,
-    ) -> Vec<KvEvent> {
+        events: &mut EventBatch,
+    ) {
         debug_assert!(
-            tokens.len() >= names.len() * block,
+            tokens.len() >= names.len() * events.block_size(),
             "every named block has its tokens"
         );
         if self.held.len() <= seq {
             self.held.resize_with(seq + 1, Vec::new);
         }
-        let mut events = Vec::new();
         let first_new = names.iter().take_while(|n| self.refs.contains_key(n)).count();
         for name in &names {
             *self.refs.entry(*name).or_insert(0) += 1;
         }
-        if first_new < names.len() {
-            events.push(KvEvent::stored_run(
-                &names,
-                first_new,
-                tokens,
-                block,
-                Medium::Device,
-                namespace,
-            ));
-        }
+        events.stored(&names, first_new, tokens, namespace);
         let old = std::mem::replace(&mut self.held[seq], names);
-        events.extend(self.let_go(old));
-        events
+        self.let_go(old, events);
     }
 
     /// Sequence `seq` keeps only its first `keep` blocks (its cells past
-    /// them were removed or moved). Returns the removal of the blocks no
-    /// sequence holds any more, if any.
-    pub fn release(&mut self, seq: SeqId, keep: usize) -> Vec<KvEvent> {
+    /// them were removed or moved). Adds to `events` the removal of the
+    /// blocks no sequence holds any more.
+    pub fn release(&mut self, seq: SeqId, keep: usize, events: &mut EventBatch) {
         let Some(held) = self.held.get_mut(seq) else {
-            return Vec::new();
+            return;
         };
         let dropped = held.split_off(keep.min(held.len()));
-        self.let_go(dropped)
+        self.let_go(dropped, events);
     }
 
     /// How many sequences hold block `name`.
@@ -82,24 +71,15 @@ impl PublishedBlocks {
     }
 
     /// Drops one hold on each of `names`; the ones left with none, removed.
-    fn let_go(&mut self, names: Vec<u64>) -> Vec<KvEvent> {
-        let mut removed = Vec::new();
+    fn let_go(&mut self, names: Vec<u64>, events: &mut EventBatch) {
         // Children first, so a router never holds a block whose parent is gone.
         for name in names.into_iter().rev() {
             let count = self.refs.get_mut(&name).expect("a held block is counted");
             *count -= 1;
             if *count == 0 {
                 self.refs.remove(&name);
-                removed.push(name);
+                events.removed(name);
             }
-        }
-        if removed.is_empty() {
-            Vec::new()
-        } else {
-            vec![KvEvent::BlockRemoved {
-                block_hashes: removed,
-                medium: Medium::Device,
-            }]
         }
     }
 }
@@ -107,6 +87,25 @@ impl PublishedBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvcache_api::events::{KvEvent, Medium};
+
+    fn hold(
+        p: &mut PublishedBlocks,
+        seq: SeqId,
+        names: Vec<u64>,
+        tokens: &[u32],
+        ns: &Namespace,
+    ) -> Vec<KvEvent> {
+        let mut events = EventBatch::new(2, Medium::Device);
+        p.hold(seq, names, tokens, ns, &mut events);
+        events.into_events()
+    }
+
+    fn release(p: &mut PublishedBlocks, seq: SeqId, keep: usize) -> Vec<KvEvent> {
+        let mut events = EventBatch::new(2, Medium::Device);
+        p.release(seq, keep, &mut events);
+        events.into_events()
+    }
 
     fn stored(events: &[KvEvent]) -> Vec<(Vec<u64>, Option<u64>, Vec<u32>)> {
         events
@@ -139,7 +138,7 @@ mod tests {
         let mut p = PublishedBlocks::default();
         // Sequence 0 keeps 3 blocks of 2 tokens (and a 1-token tail).
         let a = [1, 2, 3, 4, 5, 6, 7];
-        let events = p.hold(0, vec![10, 11, 12], &a, 2, &ns);
+        let events = hold(&mut p, 0, vec![10, 11, 12], &a, &ns);
         assert_eq!(
             stored(&events),
             [(vec![10, 11, 12], None, vec![1, 2, 3, 4, 5, 6])]
@@ -147,28 +146,28 @@ mod tests {
         assert!(removed(&events).is_empty());
         // Sequence 1 shares the first two blocks: only its third is new.
         let b = [1, 2, 3, 4, 8, 9];
-        let events = p.hold(1, vec![10, 11, 13], &b, 2, &ns);
+        let events = hold(&mut p, 1, vec![10, 11, 13], &b, &ns);
         assert_eq!(stored(&events), [(vec![13], Some(11), vec![8, 9])]);
         assert_eq!((p.holders(10), p.holders(12), p.holders(13)), (2, 1, 1));
         // Sequence 0 goes: its own block goes, the shared ones stay.
-        assert_eq!(removed(&p.release(0, 0)), [12]);
+        assert_eq!(removed(&release(&mut p, 0, 0)), [12]);
         assert_eq!(p.holders(10), 1);
         // Sequence 1 keeps its first block only (the rest of its cells moved).
-        assert_eq!(removed(&p.release(1, 1)), [13, 11]);
-        assert_eq!(removed(&p.release(1, 0)), [10]);
+        assert_eq!(removed(&release(&mut p, 1, 1)), [13, 11]);
+        assert_eq!(removed(&release(&mut p, 1, 0)), [10]);
         assert!(p.refs.is_empty());
         // Releasing what is not held reports nothing.
-        assert!(p.release(5, 0).is_empty());
+        assert!(release(&mut p, 5, 0).is_empty());
     }
 
     #[test]
     fn holding_anew_replaces_what_the_sequence_held() {
         let ns = Namespace::shared();
         let mut p = PublishedBlocks::default();
-        p.hold(0, vec![10, 11], &[1, 2, 3, 4], 2, &ns);
+        hold(&mut p, 0, vec![10, 11], &[1, 2, 3, 4], &ns);
         // The next turn of the conversation, in the same sequence: the prefix
         // stays reported, the block after it that changed is replaced.
-        let events = p.hold(0, vec![10, 14, 15], &[1, 2, 5, 6, 7, 8], 2, &ns);
+        let events = hold(&mut p, 0, vec![10, 14, 15], &[1, 2, 5, 6, 7, 8], &ns);
         assert_eq!(stored(&events), [(vec![14, 15], Some(10), vec![5, 6, 7, 8])]);
         assert_eq!(removed(&events), [11]);
         assert_eq!((p.holders(10), p.holders(11)), (1, 0));
