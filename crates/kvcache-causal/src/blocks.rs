@@ -60,26 +60,31 @@ struct Used {
     at: Instant,
 }
 
-/// What [`BlockIndex::insert`] indexes.
-#[derive(Debug, Clone)]
-pub(crate) struct NewBlock {
-    /// The block's key.
-    pub key: BlockKey,
-    /// The block before it.
-    pub parent: BlockKey,
-    /// Its first position.
-    pub start: Pos,
-    /// The cell of each position.
-    pub cells: Vec<u32>,
-    /// The token of each position.
-    pub tokens: Vec<u32>,
-    /// The scope its key was hashed in.
-    pub fingerprint: Fingerprint,
-    /// See `fingerprint`.
-    pub namespace: Namespace,
-}
-
 impl Block {
+    /// A block after `parent` from position `start`: the cell and the token of
+    /// each position, and the scope its key was hashed in.
+    pub fn new(
+        parent: BlockKey,
+        start: Pos,
+        cells: Vec<u32>,
+        tokens: Vec<u32>,
+        fingerprint: Fingerprint,
+        namespace: Namespace,
+    ) -> Self {
+        Block {
+            parent,
+            start,
+            cells,
+            tokens,
+            fingerprint,
+            namespace,
+            used: Used {
+                tick: 0,
+                at: Instant::now(),
+            },
+        }
+    }
+
     /// One past its last position.
     pub fn end(&self) -> Pos {
         self.start + self.cells.len() as Pos
@@ -124,20 +129,16 @@ impl BlockIndex {
         self.children.contains_key(key)
     }
 
-    /// Indexes `new.key` after `new.parent` (indexed, or the root) at
-    /// `new.start`, and journals it. The caller pins the cells.
-    pub fn insert(&mut self, new: NewBlock) {
-        let NewBlock {
-            key,
-            parent,
-            start,
-            cells,
-            tokens,
-            fingerprint,
-            namespace,
-        } = new;
-        assert!(!cells.is_empty(), "an empty block");
-        assert_eq!(cells.len(), tokens.len(), "block {key:?}: a token per cell");
+    /// Indexes `block` as `key` after its parent (indexed, or the root), used
+    /// now, and journals it. The caller pins the cells.
+    pub fn insert(&mut self, key: BlockKey, mut block: Block) {
+        let (parent, start) = (block.parent, block.start);
+        assert!(!block.cells.is_empty(), "an empty block");
+        assert_eq!(
+            block.cells.len(),
+            block.tokens.len(),
+            "block {key:?}: a token per cell"
+        );
         assert!(!self.blocks.contains_key(&key), "block {key:?} indexed twice");
         if !parent.is_root() {
             let p = self.blocks.get(&parent).expect("the parent is indexed");
@@ -150,26 +151,15 @@ impl BlockIndex {
             assert_eq!(start, 0, "a first block starts at 0");
         }
         self.children.entry(parent).or_default().push(key);
-        self.cells += cells.len();
-        let used = self.tick();
+        self.cells += block.cells.len();
+        block.used = self.tick();
         self.journal.push(BlockChange::Stored {
             key,
             parent,
-            tokens: tokens.clone(),
-            namespace: namespace.clone(),
+            tokens: block.tokens.clone(),
+            namespace: block.namespace.clone(),
         });
-        self.blocks.insert(
-            key,
-            Block {
-                parent,
-                start,
-                cells,
-                tokens,
-                fingerprint,
-                namespace,
-                used,
-            },
-        );
+        self.blocks.insert(key, block);
     }
 
     fn tick(&mut self) -> Used {
@@ -391,15 +381,10 @@ mod tests {
         let (fingerprint, namespace) = (Fingerprint([7; 32]), Namespace::shared());
         let key = BlockKey::new(&Scope::new(&fingerprint, &namespace), &parent, tokens);
         let cells = (0..tokens.len() as u32).map(|k| start as u32 + k).collect();
-        index.insert(NewBlock {
+        index.insert(
             key,
-            parent,
-            start,
-            cells,
-            tokens: tokens.to_vec(),
-            fingerprint,
-            namespace,
-        });
+            Block::new(parent, start, cells, tokens.to_vec(), fingerprint, namespace),
+        );
         key
     }
 

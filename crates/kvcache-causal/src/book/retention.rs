@@ -17,7 +17,7 @@ use kvcache_api::retention::{BlockChain, BlockChange, Prefix};
 use kvcache_api::{CacheError, Pos, Result, SeqId};
 
 use super::Book;
-use crate::blocks::NewBlock;
+use crate::blocks::Block;
 
 /// A validated [`Book::prepare_retain`]: per block of the chain, its cells when
 /// it is new (`None`: indexed already).
@@ -144,15 +144,12 @@ impl Book {
                     for &cell in &cells {
                         self.cells.pin(cell as usize);
                     }
-                    self.blocks.insert(NewBlock {
-                        key: *key,
-                        parent,
-                        start,
-                        cells,
-                        tokens: chain.block_tokens(i).to_vec(),
-                        fingerprint: *chain.fingerprint(),
-                        namespace: chain.namespace().clone(),
-                    });
+                    let tokens = chain.block_tokens(i).to_vec();
+                    let (fingerprint, namespace) = (*chain.fingerprint(), chain.namespace().clone());
+                    self.blocks.insert(
+                        *key,
+                        Block::new(parent, start, cells, tokens, fingerprint, namespace),
+                    );
                     added.push(i);
                 }
                 None => self.blocks.touch(&[*key]),
