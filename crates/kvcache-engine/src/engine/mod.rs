@@ -35,14 +35,17 @@
 //! `scheduler` (what a pass evaluates, as a `Plan`), `store_io` (the prefix
 //! store's reads, write-backs and counters), `retention` (what is kept of
 //! finished requests and where a new one starts, one trait with a policy per
-//! way of keeping), and the request's types and the statistics beside them.
+//! way of keeping), the request's types and the statistics beside them, and
+//! `greedy` (one sequence decoded without the engine, the reference).
 
+mod greedy;
 mod request;
 mod retention;
 mod scheduler;
 mod stats;
 mod store_io;
 
+pub use greedy::greedy;
 pub use request::{Event, FinishReason, Finished, Request};
 pub use stats::{ReuseStats, Stats};
 
@@ -53,7 +56,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use kvcache_api::events::{EventBatch, KvEventSink, Medium};
 use kvcache_api::retention::BlockChange;
-use kvcache_api::{CacheError, CausalCache, Fingerprint, Pos, PosRange, PrefixStore, SeqId, StoreClient};
+use kvcache_api::{CacheError, CausalCache, Fingerprint, PosRange, PrefixStore, SeqId, StoreClient};
 
 use kvcache_models::{argmax, BatchToken, Llama, Model, ModelError, Tokenizer};
 
@@ -64,59 +67,6 @@ use crate::{EngineError, Result};
 use retention::{Blocks, Cx, Ended, IdleSequences, Nothing, Retention, Start};
 use scheduler::Plan;
 use store_io::StoreIo;
-
-/// Prefills `prompt` into sequence `seq` (from position 0) and decodes up to
-/// `max_new` tokens greedily, stopping after `eos` if given. Returns the new tokens.
-/// The sequence is left in the cache.
-pub fn greedy<M, C>(
-    model: &M,
-    cache: &mut C,
-    seq: SeqId,
-    prompt: &[u32],
-    max_new: usize,
-    eos: Option<u32>,
-) -> Result<Vec<u32>>
-where
-    M: Model,
-    C: CausalCache<Tensor = Tensor> + ?Sized,
-{
-    if prompt.is_empty() {
-        return Err(EngineError::InvalidArgument("empty prompt".into()));
-    }
-    let batch = BatchToken::run(seq, 0, prompt);
-    let mut out = Vec::new();
-    let mut next = last_token(model, &batch, cache)?;
-    let mut pos = prompt.len() as Pos;
-    while out.len() < max_new {
-        out.push(next);
-        if Some(next) == eos || out.len() == max_new {
-            break;
-        }
-        next = last_token(
-            model,
-            &[BatchToken {
-                seq,
-                pos,
-                token: next,
-            }],
-            cache,
-        )?;
-        pos += 1;
-    }
-    Ok(out)
-}
-
-/// Runs `batch` and returns the greedy choice after its last token.
-fn last_token<M, C>(model: &M, batch: &[BatchToken], cache: &mut C) -> Result<u32>
-where
-    M: Model,
-    C: CausalCache<Tensor = Tensor> + ?Sized,
-{
-    let hidden = model.hidden(batch, cache)?;
-    let last = hidden.narrow(0, batch.len() - 1, 1)?;
-    let row = model.logits(&last)?.squeeze(0)?.to_vec1::<f32>()?;
-    Ok(argmax(&row))
-}
 
 /// How the engine schedules passes.
 #[derive(Debug, Clone, PartialEq, Eq)]
