@@ -4,9 +4,13 @@
 //! implemented (`response_format` other than text, `tools`, `echo`, ...) are
 //! kept as raw JSON here and refused with a 400 naming them
 //! ([`crate::generation::refuse_unsupported_chat`],
-//! [`crate::generation::refuse_unsupported_completion`]); other unknown fields (`user`,
-//! `metadata`, `store`, `service_tier`, ...) do not change the answer and are
-//! ignored.
+//! [`crate::generation::refuse_unsupported_completion`]). Of vLLM's
+//! extensions, `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
+//! `stop_token_ids` and `cache_salt` are honoured; every other one is
+//! refused with a 400 naming it unless it has its default value
+//! ([`crate::generation::refuse_vllm_extensions`]). Other unknown fields
+//! (`user`, `metadata`, `store`, `service_tier`, ...) do not change the
+//! answer and are ignored.
 
 use serde::{Deserialize, Serialize};
 
@@ -137,6 +141,25 @@ pub struct GenerationOptions {
     pub frequency_penalty: Option<f32>,
     /// Token id (as a string) to a bias in -100..=100 added to its logit.
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's: generate past the end-of-turn tokens (only `stop`,
+    /// `stop_token_ids` and the length end the answer).
+    pub ignore_eos: Option<bool>,
+    /// vLLM's: tokens generated before a stop token or a stop sequence may
+    /// end the answer (at most `max_tokens`).
+    pub min_tokens: Option<u64>,
+    /// vLLM's: sample among this many most likely tokens; -1 or 0: all.
+    pub top_k: Option<i64>,
+    /// vLLM's: sample among tokens at least this fraction (0..=1) as likely
+    /// as the most likely one.
+    pub min_p: Option<f32>,
+    /// vLLM's: more tokens that end the answer, their text left out.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Every field no struct here names: vLLM's other extensions, refused
+    /// unless at their defaults ([`crate::generation::refuse_vllm_extensions`]),
+    /// and OpenAI's that do not change the answer (`user`, `metadata`, ...),
+    /// ignored.
+    #[serde(flatten)]
+    pub others: serde_json::Map<String, serde_json::Value>,
 }
 
 /// `stop`: one string or several.

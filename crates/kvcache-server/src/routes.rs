@@ -23,7 +23,8 @@ use crate::access::{self, AccessRecord};
 use crate::config::ApiKey;
 use crate::error::ApiError;
 use crate::generation::{
-    check, refuse_unsupported_chat, refuse_unsupported_completion, Checked, Generation, Piece,
+    check, refuse_unsupported_chat, refuse_unsupported_completion, refuse_vllm_extensions, Checked, Endpoint,
+    Generation, Piece,
 };
 use crate::openai::{ChatMessage, ChatRequest, CompletionRequest, MessageContent, Prompt, Usage};
 use crate::AppState;
@@ -263,6 +264,7 @@ async fn chat_completions(
     let result = async {
         let mut req: ChatRequest = parse(&body)?;
         refuse_unsupported_chat(&req)?;
+        refuse_vllm_extensions(&req.options.others, Endpoint::Chat)?;
         apply_tenant(&tenant, &mut req.options.cache_salt)?;
         let prompt = chat_prompt(&state, &req.messages)?;
         let logprobs = (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0) as usize);
@@ -279,7 +281,7 @@ async fn chat_completions(
     }
     .await;
     match result {
-        Ok((model, checked)) => respond(state, Kind::Chat, model, checked, started, record).await,
+        Ok((model, checked)) => respond(state, Endpoint::Chat, model, checked, started, record).await,
         Err(e) => e.into_response(),
     }
 }
@@ -294,6 +296,7 @@ async fn completions(
     let result = async {
         let mut req: CompletionRequest = parse(&body)?;
         refuse_unsupported_completion(&req)?;
+        refuse_vllm_extensions(&req.options.others, Endpoint::Completion)?;
         apply_tenant(&tenant, &mut req.options.cache_salt)?;
         let logprobs = req.logprobs.map(|n| n as usize);
         let prompt = match req.prompt {
@@ -313,7 +316,7 @@ async fn completions(
     }
     .await;
     match result {
-        Ok((model, checked)) => respond(state, Kind::Completion, model, checked, started, record).await,
+        Ok((model, checked)) => respond(state, Endpoint::Completion, model, checked, started, record).await,
         Err(e) => e.into_response(),
     }
 }
@@ -383,24 +386,17 @@ fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, A
         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))
 }
 
-/// Which API a response follows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Completion,
-}
-
 /// What every response carries: id, creation time and model.
 #[derive(Debug, Clone)]
 struct Header {
-    kind: Kind,
+    kind: Endpoint,
     id: String,
     created: u64,
     model: String,
 }
 
 impl Header {
-    fn new(kind: Kind, model: String) -> Self {
+    fn new(kind: Endpoint, model: String) -> Self {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let created = SystemTime::now()
@@ -408,8 +404,8 @@ impl Header {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let prefix = match kind {
-            Kind::Chat => "chatcmpl",
-            Kind::Completion => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completion => "cmpl",
         };
         Header {
             kind,
@@ -422,7 +418,7 @@ impl Header {
     /// The whole answer of a non-streamed request.
     fn complete(&self, text: String, finish_reason: &str, usage: Usage, logprobs: Value) -> Value {
         match self.kind {
-            Kind::Chat => json!({
+            Endpoint::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{
                     "index": 0,
@@ -432,7 +428,7 @@ impl Header {
                 }],
                 "usage": usage,
             }),
-            Kind::Completion => json!({
+            Endpoint::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
                 "usage": usage,
@@ -444,7 +440,7 @@ impl Header {
     /// the log-probabilities of its tokens (`null` when not asked for).
     fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>, logprobs: Value) -> Value {
         match self.kind {
-            Kind::Chat => {
+            Endpoint::Chat => {
                 let delta = match (first, text) {
                     (true, _) => json!({"role": "assistant", "content": ""}),
                     (false, Some(t)) => json!({"content": t}),
@@ -456,7 +452,7 @@ impl Header {
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
                 })
             }
-            Kind::Completion => json!({
+            Endpoint::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish_reason, "logprobs": logprobs}],
             }),
@@ -466,8 +462,8 @@ impl Header {
     /// The last streamed chunk when usage was asked for: no choices.
     fn usage_chunk(&self, usage: Usage) -> Value {
         let object = match self.kind {
-            Kind::Chat => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
         };
         json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
@@ -491,7 +487,7 @@ impl Header {
 /// that character.
 #[derive(Debug, Clone)]
 struct Logprobs {
-    kind: Kind,
+    kind: Endpoint,
     tokenizer: std::sync::Arc<dyn Tokenizer>,
     /// Characters of the answer before the next token.
     chars: usize,
@@ -546,7 +542,7 @@ fn take_chars(bytes: &mut Vec<u8>) -> usize {
 }
 
 impl Logprobs {
-    fn new(kind: Kind, tokenizer: std::sync::Arc<dyn Tokenizer>) -> Self {
+    fn new(kind: Endpoint, tokenizer: std::sync::Arc<dyn Tokenizer>) -> Self {
         Logprobs {
             kind,
             tokenizer,
@@ -560,7 +556,7 @@ impl Logprobs {
         let bytes = self.tokenizer.token_bytes(id);
         let text = match std::str::from_utf8(&bytes) {
             Ok(text) => text.to_owned(),
-            Err(_) if self.kind == Kind::Completion => format!("bytes:{}", escape_bytes(&bytes)),
+            Err(_) if self.kind == Endpoint::Completion => format!("bytes:{}", escape_bytes(&bytes)),
             Err(_) => escape_bytes(&bytes),
         };
         (text, bytes)
@@ -569,7 +565,7 @@ impl Logprobs {
     /// The `logprobs` of a choice holding the tokens of `lps`.
     fn render(&mut self, lps: &[TokenLogprobs]) -> Value {
         match self.kind {
-            Kind::Chat => {
+            Endpoint::Chat => {
                 let content: Vec<Value> = lps
                     .iter()
                     .map(|lp| {
@@ -587,7 +583,7 @@ impl Logprobs {
                     .collect();
                 json!({"content": content, "refusal": null})
             }
-            Kind::Completion => {
+            Endpoint::Completion => {
                 let (mut tokens, mut token_logprobs, mut top, mut offsets) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for lp in lps {
@@ -612,7 +608,7 @@ impl Logprobs {
 
 async fn respond(
     state: AppState,
-    kind: Kind,
+    kind: Endpoint,
     model: String,
     checked: Checked,
     started: Instant,
@@ -677,7 +673,7 @@ fn sse_events(
         record: AccessRecord,
     }
     let mut queue = std::collections::VecDeque::new();
-    if header.kind == Kind::Chat {
+    if header.kind == Endpoint::Chat {
         queue.push_back(data(&header.chunk(None, true, None, Value::Null)));
     }
     let start = Streaming {
