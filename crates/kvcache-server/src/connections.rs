@@ -43,6 +43,7 @@ use tokio::sync::{watch, Semaphore};
 use tower_service::Service;
 
 use crate::metrics::Metrics;
+use crate::openai::{ErrorBody, ErrorDetail};
 
 /// How long each phase of a connection may take, and how many may be open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,13 +127,16 @@ pub async fn serve(
 /// The answer of a connection past the limit: OpenAI's error shape, then
 /// the connection closes.
 fn refusal(max: usize) -> Vec<u8> {
-    let body = serde_json::json!({"error": {
-        "message": format!("The server has {max} connections open, its limit; retry shortly"),
-        "type": "server_error",
-        "param": null,
-        "code": "too_many_connections",
-    }})
-    .to_string();
+    let message = format!("The server has {max} connections open, its limit; retry shortly");
+    let body = ErrorBody {
+        error: ErrorDetail {
+            code: Some("too_many_connections"),
+            message: &message,
+            param: None,
+            kind: "server_error",
+        },
+    };
+    let body = serde_json::to_string(&body).expect("an error body serializes");
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
