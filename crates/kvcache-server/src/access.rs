@@ -15,19 +15,16 @@
 //! The line is a `tracing` event of target [`TARGET`] (`RUST_LOG` filters it
 //! like any other); 5xx answers are logged at `warn`, the rest at `info`.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Frame, SizeHint};
 
+use crate::body::{BodyEnd, Reported};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::Usage;
@@ -171,42 +168,14 @@ pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, ne
     }
     // The line goes out when the body is dropped: sent in full, or abandoned
     // by a client that went away.
-    let (parts, body) = response.into_parts();
-    Response::from_parts(parts, Body::new(Logged { body, line }))
+    response.map(|body| Reported::wrap(body, line))
 }
 
-/// A response body that carries its access line: the body's frames and size
-/// as they are (a JSON answer keeps its `content-length`), the line written
-/// when it is dropped.
-struct Logged {
-    body: Body,
-    line: Line,
-}
-
-impl HttpBody for Logged {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let this = &mut *self;
-        let polled = Pin::new(&mut this.body).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.line.complete = true,
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.line.complete = true,
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+/// The line learns from the response body whether it went out in full; it
+/// is written when dropped, right after.
+impl BodyEnd for Line {
+    fn ended(mut self, complete: bool) {
+        self.complete |= complete;
     }
 }
 

@@ -33,15 +33,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::Body;
 use axum::Router;
-use http_body::{Frame, SizeHint};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tower_service::Service;
 
+use crate::body::{BodyEnd, Reported};
 use crate::metrics::Metrics;
 use crate::openai::{ErrorBody, ErrorDetail};
 
@@ -283,12 +283,7 @@ async fn connection(
                     Ok(response) => response,
                     Err(never) => match never {},
                 };
-                Ok::<_, Infallible>(response.map(|body| {
-                    Body::new(Tracked {
-                        body,
-                        _answering: answering,
-                    })
-                }))
+                Ok::<_, Infallible>(response.map(|body| Reported::wrap(body, answering)))
             }
         })
     };
@@ -349,7 +344,8 @@ async fn connection(
     }
 }
 
-/// Ends a request's part in its connection's activity when dropped.
+/// Ends a request's part in its connection's activity when its answer's body
+/// is over, or when dropped before there is one.
 struct Answering(Arc<Activity>);
 
 impl Drop for Answering {
@@ -358,30 +354,8 @@ impl Drop for Answering {
     }
 }
 
-/// A response body that tells the connection when the answer is over.
-struct Tracked {
-    body: Body,
-    _answering: Answering,
-}
-
-impl HttpBody for Tracked {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
+impl BodyEnd for Answering {
+    fn ended(self, _complete: bool) {}
 }
 
 /// A socket that notes when bytes come and go.

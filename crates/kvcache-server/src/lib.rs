@@ -17,7 +17,8 @@
 //! - [`connections`]: the accept loop: a timeout for every phase of a
 //!   connection (headers, body, idle), a bound on open connections.
 //! - [`access`]: an `x-request-id` on every response and one access log line
-//!   per request (`tracing`, target `kvcache_server::access`).
+//!   per request (`tracing`, target `kvcache_server::access`); [`body`]: the
+//!   response body that tells both the connection and the log line its end.
 //! - [`generation`]: a request's options checked, its tokens turned into text
 //!   (stop sequences across token boundaries); [`openai`]: the bodies;
 //!   [`error`]: OpenAI-style errors (`{"error": {...}}`, 503 with
@@ -25,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod access;
+pub mod body;
 pub mod config;
 pub mod connections;
 pub mod error;
