@@ -12,7 +12,7 @@
 //!   Two salts never share cells.
 //! - [`routes`]: `POST /v1/chat/completions`, `POST /v1/completions`
 //!   (streamed as server-sent events or not), `GET /v1/models`, `GET /health`,
-//!   `GET /metrics` ([`metrics`], Prometheus text); `/health` answers 503
+//!   `GET /metrics` ([`metrics`], OpenMetrics text through `prometheus-client`); `/health` answers 503
 //!   once the engine thread has ended.
 //! - [`connections`]: the accept loop: a timeout for every phase of a
 //!   connection (headers, body, idle), a bound on open connections.

@@ -841,7 +841,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let text = state.metrics.render(&state.worker.gauges(), store.as_ref());
     (
         StatusCode::OK,
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
         text,
     )
 }
