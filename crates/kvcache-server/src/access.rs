@@ -1,5 +1,6 @@
 //! What an operator sees of each request: an `x-request-id` on every
-//! response (the client's own when it sent a usable one) and exactly one
+//! response (the client's own when it sent a usable one; tower-http's
+//! request-id layers set and propagate it, see [`crate::routes::router`]) and exactly one
 //! access log line per request, however it ends: written when its response
 //! body is done (for a stream: when the last event is sent or the client goes
 //! away), or, for a client that leaves before the answer is ready, when its
@@ -23,6 +24,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
+use tower_http::request_id::{MakeRequestId, RequestId};
 
 use crate::body::{BodyEnd, Reported};
 use crate::error::ApiError;
@@ -115,16 +117,22 @@ impl AccessRecord {
     }
 }
 
-/// The id of the request: the client's `x-request-id` when it is 1 to 128
-/// characters of `A-Z a-z 0-9 - _ . :`, else a new one (`req-` and hex).
-pub fn request_id(client: Option<&HeaderValue>) -> String {
-    let usable = |id: &str| {
+/// Whether a client's request id is kept: 1 to 128 characters of
+/// `A-Z a-z 0-9 - _ . :`.
+fn usable(id: &HeaderValue) -> bool {
+    id.to_str().is_ok_and(|id| {
         (1..=MAX_CLIENT_ID).contains(&id.len())
             && id
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
-    };
-    if let Some(id) = client.and_then(|v| v.to_str().ok()).filter(|id| usable(id)) {
+    })
+}
+
+/// The id of the request: the client's `x-request-id` when it is
+/// usable (1 to 128 characters of `A-Z a-z 0-9 - _ . :`), else a new one
+/// (`req-` and hex).
+pub fn request_id(client: Option<&HeaderValue>) -> String {
+    if let Some(id) = client.filter(|id| usable(id)).and_then(|v| v.to_str().ok()) {
         return id.to_owned();
     }
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -135,12 +143,37 @@ pub fn request_id(client: Option<&HeaderValue>) -> String {
     format!("req-{micros:x}{n:06x}")
 }
 
-/// The middleware: gives the request its id and an [`AccessRecord`], sets
-/// `x-request-id` on the response, counts a 4xx by reason, and logs the line
-/// once the body is done, or at once if the request is dropped before it has
-/// an answer (its client went away).
+/// Before tower-http's [`SetRequestIdLayer`](tower_http::request_id::SetRequestIdLayer):
+/// a client's `x-request-id` that [`request_id`] would not keep is dropped, so
+/// that the request gets a new one.
+pub async fn drop_unusable_id(mut request: Request) -> Request {
+    if request.headers().get(&REQUEST_ID).is_some_and(|id| !usable(id)) {
+        request.headers_mut().remove(&REQUEST_ID);
+    }
+    request
+}
+
+/// Makes the id of a request that came without a usable one, for
+/// tower-http's [`SetRequestIdLayer`](tower_http::request_id::SetRequestIdLayer).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NewRequestId;
+
+impl MakeRequestId for NewRequestId {
+    fn make_request_id<B>(&mut self, _request: &axum::http::Request<B>) -> Option<RequestId> {
+        HeaderValue::from_str(&request_id(None)).ok().map(RequestId::new)
+    }
+}
+
+/// The middleware, inside tower-http's request-id layers (the id set on the
+/// request, and copied onto the response): gives the request an
+/// [`AccessRecord`], counts a 4xx by reason, and logs the line, with the
+/// id, once the body is done, or at once if the request is dropped before it
+/// has an answer (its client went away).
 pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, next: Next) -> Response {
-    let id = request_id(request.headers().get(&REQUEST_ID));
+    let id = match request.extensions().get::<RequestId>() {
+        Some(id) => id.header_value().to_str().unwrap_or_default().to_owned(),
+        None => request_id(request.headers().get(&REQUEST_ID)),
+    };
     let record = AccessRecord::default();
     request.extensions_mut().insert(record.clone());
     // From here on, however the request ends, dropping `line` logs it once.
@@ -154,10 +187,7 @@ pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, ne
         // A HEAD answer has no body to send.
         complete: request.method() == axum::http::Method::HEAD,
     };
-    let mut response = next.run(request).await;
-    if let Ok(value) = HeaderValue::from_str(&line.id) {
-        response.headers_mut().insert(REQUEST_ID.clone(), value);
-    }
+    let response = next.run(request).await;
     let status = response.status();
     line.status = Some(status);
     if let Some(error) = response.extensions().get::<ApiError>() {

@@ -18,6 +18,7 @@ use kvcache_models::tokenizer::{Message, Role};
 use kvcache_models::Tokenizer;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 
 use crate::access::{self, AccessRecord};
 use crate::config::ApiKey;
@@ -34,7 +35,20 @@ use crate::openai::{
 };
 use crate::AppState;
 
-/// The server's routes over `state`.
+/// The server's routes over `state`, inside their middleware, outermost
+/// first: tower-http's request-id layers (`x-request-id`), the access log
+/// ([`access::layer`]), OpenAI-style JSON for axum's own refusals
+/// (`json_errors`), and the key and body guard (`guard`).
+///
+/// The body's limit and timeout stay the guard's own, not tower-http's
+/// `RequestBodyLimitLayer` and `TimeoutLayer`: a refused body is read and
+/// dropped for a moment before the answer (so that a client still sending
+/// it reads a 413 rather than a reset connection) and the answer says
+/// `Connection: close` when it could not be; the limit layer answers
+/// without reading. The timeout bounds the whole body, as a slow client
+/// drips it; `TimeoutLayer` would bound the answer too (cutting long
+/// generations), and `RequestBodyTimeoutLayer` only the gaps between
+/// chunks. The accept loop's own timeouts are in [`crate::connections`].
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -50,6 +64,14 @@ pub fn router(state: AppState) -> Router {
             state.metrics.clone(),
             access::layer,
         ))
+        // The request id: a client's usable one kept, else a new one, set on
+        // the request (its access line names it) and on the response.
+        .layer(PropagateRequestIdLayer::new(access::REQUEST_ID.clone()))
+        .layer(SetRequestIdLayer::new(
+            access::REQUEST_ID.clone(),
+            access::NewRequestId,
+        ))
+        .layer(axum::middleware::map_request(access::drop_unusable_id))
         .with_state(state)
 }
 
@@ -877,6 +899,29 @@ mod tests {
         tail.push(0xff);
         tail.push(b'x');
         assert_eq!((take_chars(&mut tail), tail.len()), (3, 0));
+    }
+
+    #[tokio::test]
+    async fn a_usable_request_id_comes_back_and_another_is_replaced() {
+        use tower_service::Service;
+        let mut app = router(state(Worker::stopped()));
+        for (sent, kept) in [
+            (Some("client-1.a"), true),
+            (Some("has space"), false),
+            (None, false),
+        ] {
+            let mut request = axum::http::Request::get("/health");
+            if let Some(id) = sent {
+                request = request.header("x-request-id", id);
+            }
+            let response = app.call(request.body(Body::empty()).unwrap()).await.unwrap();
+            let id = response.headers()["x-request-id"].to_str().unwrap();
+            if kept {
+                assert_eq!(Some(id), sent);
+            } else {
+                assert!(id.starts_with("req-"), "{sent:?} -> {id}");
+            }
+        }
     }
 
     #[tokio::test]
