@@ -15,6 +15,9 @@
 //! the `top` most likely ones ([`Sampler::take_logprobs`]). With none of them
 //! set, the pick is exactly the one without options.
 //!
+//! [`SamplingOptions::top_k`] and [`SamplingOptions::min_p`] (vLLM's) narrow
+//! the tokens a sampled pick draws from, as `top_p` does.
+//!
 //! Stop sequences are matched on the answer's text by the engine's
 //! [`crate::detokenizer`].
 
@@ -86,6 +89,13 @@ pub struct SamplingOptions {
     /// Report the picked token's log-probability and this many most likely
     /// alternatives (`None`: report nothing); at most [`MAX_TOP_LOGPROBS`].
     pub logprobs: Option<usize>,
+    /// Sample among this many most likely tokens only (vLLM's `top_k`;
+    /// `None`: all); at least 1. Greedy picks ignore it.
+    pub top_k: Option<usize>,
+    /// Sample only among tokens at least this fraction as likely as the most
+    /// likely one (vLLM's `min_p`); in `0..=1`, 0 keeps every token. Greedy
+    /// picks ignore it.
+    pub min_p: f32,
 }
 
 /// Most alternatives [`SamplingOptions::logprobs`] may ask for (OpenAI's limit).
@@ -107,6 +117,17 @@ impl SamplingOptions {
         if let Some(&(token, bias)) = self.logit_bias.iter().find(|b| !(-100.0..=100.0).contains(&b.1)) {
             return Err(EngineError::InvalidArgument(format!(
                 "logit_bias {bias} of token {token} must lie in -100..=100"
+            )));
+        }
+        if self.top_k == Some(0) {
+            return Err(EngineError::InvalidArgument(
+                "top_k must be at least 1 (or unset: every token)".into(),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(EngineError::InvalidArgument(format!(
+                "min_p {} must lie in 0..=1",
+                self.min_p
             )));
         }
         if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
@@ -257,9 +278,14 @@ impl Sampler {
             .enumerate()
             .map(|(i, &l)| (i as u32, ((l - max) / t).exp()))
             .collect();
-        let sum: f32 = probs.iter().map(|p| p.1).sum();
+        let mut sum: f32 = probs.iter().map(|p| p.1).sum();
         // Most likely first; ties by token id, so the order is deterministic.
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // `top_k` first; `top_p`'s mass is then a share of what it kept.
+        if let Some(k) = self.options.top_k.filter(|&k| k < probs.len()) {
+            probs.truncate(k);
+            sum = probs.iter().map(|p| p.1).sum();
+        }
         let mut kept = 0;
         let mut mass = 0.0;
         for &(_, p) in &probs {
@@ -269,6 +295,9 @@ impl Sampler {
                 break;
             }
         }
+        // `min_p`: relative to the most likely token (probs[0] is 1 here).
+        let floor = self.options.min_p * probs[0].1;
+        kept = kept.min(probs.iter().take_while(|p| p.1 >= floor).count().max(1));
         let probs = &probs[..kept];
         let total: f32 = probs.iter().map(|p| p.1).sum();
         let mut x = self.rng.next_f32() * total;
@@ -412,6 +441,41 @@ mod tests {
     }
 
     #[test]
+    fn top_k_and_min_p_narrow_the_choices() {
+        // Token i has logit i / 4: all likely enough to be drawn at temperature 2.
+        let logits: Vec<f32> = (0..16).map(|i| i as f32 / 4.0).collect();
+        let hot = SamplingParams {
+            temperature: 2.0,
+            top_p: 1.0,
+            seed: Some(11),
+        };
+        let draw = |options: SamplingOptions| {
+            let mut s = Sampler::with_options(hot, options).unwrap();
+            (0..256)
+                .map(|_| s.sample(&logits))
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        assert!(draw(SamplingOptions::default()).len() > 8);
+        let top3 = SamplingOptions {
+            top_k: Some(3),
+            ..SamplingOptions::default()
+        };
+        assert_eq!(draw(top3), [13, 14, 15].into());
+        let top1 = SamplingOptions {
+            top_k: Some(1),
+            ..SamplingOptions::default()
+        };
+        assert_eq!(draw(top1), [15].into());
+        // At temperature 2 token 15 - n is exp(-n / 8) as likely as token 15:
+        // a floor of 0.7 keeps n = 0, 1, 2 (0.88, 0.78; 0.69 falls below).
+        let min_p = SamplingOptions {
+            min_p: 0.7,
+            ..SamplingOptions::default()
+        };
+        assert_eq!(draw(min_p), [13, 14, 15].into());
+    }
+
+    #[test]
     fn bad_options_are_rejected() {
         let greedy = SamplingParams::greedy();
         for o in [
@@ -429,6 +493,14 @@ mod tests {
             },
             SamplingOptions {
                 logprobs: Some(21),
+                ..SamplingOptions::default()
+            },
+            SamplingOptions {
+                top_k: Some(0),
+                ..SamplingOptions::default()
+            },
+            SamplingOptions {
+                min_p: 1.5,
                 ..SamplingOptions::default()
             },
         ] {

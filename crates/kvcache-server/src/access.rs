@@ -1,5 +1,6 @@
 //! What an operator sees of each request: an `x-request-id` on every
-//! response (the client's own when it sent a usable one) and exactly one
+//! response (the client's own when it sent a usable one; tower-http's
+//! request-id layers set and propagate it, see [`crate::routes::router`]) and exactly one
 //! access log line per request, however it ends: written when its response
 //! body is done (for a stream: when the last event is sent or the client goes
 //! away), or, for a client that leaves before the answer is ready, when its
@@ -15,19 +16,17 @@
 //! The line is a `tracing` event of target [`TARGET`] (`RUST_LOG` filters it
 //! like any other); 5xx answers are logged at `warn`, the rest at `info`.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Frame, SizeHint};
+use tower_http::request_id::{MakeRequestId, RequestId};
 
+use crate::body::{BodyEnd, Reported};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::Usage;
@@ -118,16 +117,22 @@ impl AccessRecord {
     }
 }
 
-/// The id of the request: the client's `x-request-id` when it is 1 to 128
-/// characters of `A-Z a-z 0-9 - _ . :`, else a new one (`req-` and hex).
-pub fn request_id(client: Option<&HeaderValue>) -> String {
-    let usable = |id: &str| {
+/// Whether a client's request id is kept: 1 to 128 characters of
+/// `A-Z a-z 0-9 - _ . :`.
+fn usable(id: &HeaderValue) -> bool {
+    id.to_str().is_ok_and(|id| {
         (1..=MAX_CLIENT_ID).contains(&id.len())
             && id
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
-    };
-    if let Some(id) = client.and_then(|v| v.to_str().ok()).filter(|id| usable(id)) {
+    })
+}
+
+/// The id of the request: the client's `x-request-id` when it is
+/// usable (1 to 128 characters of `A-Z a-z 0-9 - _ . :`), else a new one
+/// (`req-` and hex).
+pub fn request_id(client: Option<&HeaderValue>) -> String {
+    if let Some(id) = client.filter(|id| usable(id)).and_then(|v| v.to_str().ok()) {
         return id.to_owned();
     }
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -138,12 +143,37 @@ pub fn request_id(client: Option<&HeaderValue>) -> String {
     format!("req-{micros:x}{n:06x}")
 }
 
-/// The middleware: gives the request its id and an [`AccessRecord`], sets
-/// `x-request-id` on the response, counts a 4xx by reason, and logs the line
-/// once the body is done, or at once if the request is dropped before it has
-/// an answer (its client went away).
+/// Before tower-http's [`SetRequestIdLayer`](tower_http::request_id::SetRequestIdLayer):
+/// a client's `x-request-id` that [`request_id`] would not keep is dropped, so
+/// that the request gets a new one.
+pub async fn drop_unusable_id(mut request: Request) -> Request {
+    if request.headers().get(&REQUEST_ID).is_some_and(|id| !usable(id)) {
+        request.headers_mut().remove(&REQUEST_ID);
+    }
+    request
+}
+
+/// Makes the id of a request that came without a usable one, for
+/// tower-http's [`SetRequestIdLayer`](tower_http::request_id::SetRequestIdLayer).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NewRequestId;
+
+impl MakeRequestId for NewRequestId {
+    fn make_request_id<B>(&mut self, _request: &axum::http::Request<B>) -> Option<RequestId> {
+        HeaderValue::from_str(&request_id(None)).ok().map(RequestId::new)
+    }
+}
+
+/// The middleware, inside tower-http's request-id layers (the id set on the
+/// request, and copied onto the response): gives the request an
+/// [`AccessRecord`], counts a 4xx by reason, and logs the line, with the
+/// id, once the body is done, or at once if the request is dropped before it
+/// has an answer (its client went away).
 pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, next: Next) -> Response {
-    let id = request_id(request.headers().get(&REQUEST_ID));
+    let id = match request.extensions().get::<RequestId>() {
+        Some(id) => id.header_value().to_str().unwrap_or_default().to_owned(),
+        None => request_id(request.headers().get(&REQUEST_ID)),
+    };
     let record = AccessRecord::default();
     request.extensions_mut().insert(record.clone());
     // From here on, however the request ends, dropping `line` logs it once.
@@ -157,10 +187,7 @@ pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, ne
         // A HEAD answer has no body to send.
         complete: request.method() == axum::http::Method::HEAD,
     };
-    let mut response = next.run(request).await;
-    if let Ok(value) = HeaderValue::from_str(&line.id) {
-        response.headers_mut().insert(REQUEST_ID.clone(), value);
-    }
+    let response = next.run(request).await;
     let status = response.status();
     line.status = Some(status);
     if let Some(error) = response.extensions().get::<ApiError>() {
@@ -171,42 +198,14 @@ pub async fn layer(State(metrics): State<Arc<Metrics>>, mut request: Request, ne
     }
     // The line goes out when the body is dropped: sent in full, or abandoned
     // by a client that went away.
-    let (parts, body) = response.into_parts();
-    Response::from_parts(parts, Body::new(Logged { body, line }))
+    response.map(|body| Reported::wrap(body, line))
 }
 
-/// A response body that carries its access line: the body's frames and size
-/// as they are (a JSON answer keeps its `content-length`), the line written
-/// when it is dropped.
-struct Logged {
-    body: Body,
-    line: Line,
-}
-
-impl HttpBody for Logged {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let this = &mut *self;
-        let polled = Pin::new(&mut this.body).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.line.complete = true,
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.line.complete = true,
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+/// The line learns from the response body whether it went out in full; it
+/// is written when dropped, right after.
+impl BodyEnd for Line {
+    fn ended(mut self, complete: bool) {
+        self.complete |= complete;
     }
 }
 

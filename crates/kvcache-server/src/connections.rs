@@ -33,16 +33,17 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::Body;
 use axum::Router;
-use http_body::{Frame, SizeHint};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tower_service::Service;
 
+use crate::body::{BodyEnd, Reported};
 use crate::metrics::Metrics;
+use crate::openai::{ErrorBody, ErrorDetail};
 
 /// How long each phase of a connection may take, and how many may be open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,13 +127,16 @@ pub async fn serve(
 /// The answer of a connection past the limit: OpenAI's error shape, then
 /// the connection closes.
 fn refusal(max: usize) -> Vec<u8> {
-    let body = serde_json::json!({"error": {
-        "message": format!("The server has {max} connections open, its limit; retry shortly"),
-        "type": "server_error",
-        "param": null,
-        "code": "too_many_connections",
-    }})
-    .to_string();
+    let message = format!("The server has {max} connections open, its limit; retry shortly");
+    let body = ErrorBody {
+        error: ErrorDetail {
+            code: Some("too_many_connections"),
+            message: &message,
+            param: None,
+            kind: "server_error",
+        },
+    };
+    let body = serde_json::to_string(&body).expect("an error body serializes");
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
@@ -279,12 +283,7 @@ async fn connection(
                     Ok(response) => response,
                     Err(never) => match never {},
                 };
-                Ok::<_, Infallible>(response.map(|body| {
-                    Body::new(Tracked {
-                        body,
-                        _answering: answering,
-                    })
-                }))
+                Ok::<_, Infallible>(response.map(|body| Reported::wrap(body, answering)))
             }
         })
     };
@@ -345,7 +344,8 @@ async fn connection(
     }
 }
 
-/// Ends a request's part in its connection's activity when dropped.
+/// Ends a request's part in its connection's activity when its answer's body
+/// is over, or when dropped before there is one.
 struct Answering(Arc<Activity>);
 
 impl Drop for Answering {
@@ -354,30 +354,8 @@ impl Drop for Answering {
     }
 }
 
-/// A response body that tells the connection when the answer is over.
-struct Tracked {
-    body: Body,
-    _answering: Answering,
-}
-
-impl HttpBody for Tracked {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
+impl BodyEnd for Answering {
+    fn ended(self, _complete: bool) {}
 }
 
 /// A socket that notes when bytes come and go.

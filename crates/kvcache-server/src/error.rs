@@ -3,7 +3,8 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+
+use crate::openai::{ErrorBody, ErrorDetail};
 
 /// A request the server refuses, or a failure while serving it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,23 +123,15 @@ impl ApiError {
     }
 
     /// The JSON body.
-    pub fn body(&self) -> serde_json::Value {
-        #[derive(Serialize)]
-        struct Inner<'a> {
-            message: &'a str,
-            #[serde(rename = "type")]
-            kind: &'a str,
-            param: Option<&'a str>,
-            code: Option<&'a str>,
-        }
-        serde_json::json!({
-            "error": Inner {
-                message: &self.message,
-                kind: self.kind,
-                param: self.param.as_deref(),
+    pub fn body(&self) -> ErrorBody<'_> {
+        ErrorBody {
+            error: ErrorDetail {
                 code: self.code,
-            }
-        })
+                message: &self.message,
+                param: self.param.as_deref(),
+                kind: self.kind,
+            },
+        }
     }
 }
 

@@ -33,6 +33,12 @@ pub struct Checked {
     pub options: SamplingOptions,
     /// Stop sequences.
     pub stops: Vec<String>,
+    /// Generate past the end-of-turn tokens.
+    pub ignore_eos: bool,
+    /// Tokens generated before a stop may end the answer.
+    pub min_tokens: usize,
+    /// More tokens that end the answer.
+    pub stop_token_ids: Vec<u32>,
     /// The tenant's namespace.
     pub namespace: Namespace,
     /// Stream as server-sent events.
@@ -92,6 +98,106 @@ pub fn refuse_unsupported_chat(req: &ChatRequest) -> Result<(), ApiError> {
             Some("top_logprobs"),
             "top_logprobs requires logprobs to be true",
         ));
+    }
+    Ok(())
+}
+
+/// Which API a request came through: some of vLLM's extensions belong to
+/// one of them only, or have another default there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+/// vLLM's extension fields this server does not implement, each with the
+/// values that leave the answer as it is (`null` always does): a request
+/// that gives one any other value is refused with a 400 naming it. The
+/// endpoint, where given, is the only one vLLM reads the field on.
+const VLLM_REFUSED: &[(&str, Option<Endpoint>, &[&str])] = &[
+    ("use_beam_search", None, &["false"]),
+    ("best_of", Some(Endpoint::Chat), &["1"]),
+    ("length_penalty", None, &["1"]),
+    ("repetition_penalty", None, &["1"]),
+    ("include_stop_str_in_output", None, &["false"]),
+    ("skip_special_tokens", None, &["true"]),
+    ("spaces_between_special_tokens", None, &["true"]),
+    ("truncate_prompt_tokens", None, &[]),
+    ("prompt_logprobs", None, &[]),
+    ("bad_words", None, &["[]"]),
+    ("allowed_token_ids", None, &[]),
+    ("logits_processors", None, &[]),
+    ("return_tokens_as_token_ids", None, &["false"]),
+    ("return_token_ids", None, &["false"]),
+    ("guided_json", None, &[]),
+    ("guided_regex", None, &[]),
+    ("guided_choice", None, &[]),
+    ("guided_grammar", None, &[]),
+    ("guided_decoding_backend", None, &[]),
+    ("guided_whitespace_pattern", None, &[]),
+    ("structured_outputs", None, &[]),
+    ("priority", None, &["0"]),
+    ("request_id", None, &[]),
+    ("mm_processor_kwargs", None, &[]),
+    ("kv_transfer_params", None, &[]),
+    ("vllm_xargs", None, &[]),
+    ("add_special_tokens", Some(Endpoint::Chat), &["false"]),
+    ("add_special_tokens", Some(Endpoint::Completion), &["true"]),
+    ("echo", Some(Endpoint::Chat), &["false"]),
+    ("add_generation_prompt", Some(Endpoint::Chat), &["true"]),
+    ("continue_final_message", Some(Endpoint::Chat), &["false"]),
+    ("documents", Some(Endpoint::Chat), &[]),
+    ("chat_template", Some(Endpoint::Chat), &[]),
+    ("chat_template_kwargs", Some(Endpoint::Chat), &[]),
+    ("media_io_kwargs", Some(Endpoint::Chat), &[]),
+    (
+        "response_format",
+        Some(Endpoint::Completion),
+        &[r#"{"type":"text"}"#],
+    ),
+    ("prompt_embeds", Some(Endpoint::Completion), &[]),
+];
+
+/// Whether `value` is one of `defaults` (JSON texts; numbers compared as
+/// numbers, so `1` and `1.0` are one value) or `null`.
+fn is_default(value: &serde_json::Value, defaults: &[&str]) -> bool {
+    value.is_null()
+        || defaults.iter().any(|d| {
+            let d: serde_json::Value = serde_json::from_str(d).expect("a JSON default");
+            match (value.as_f64(), d.as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => *value == d,
+            }
+        })
+}
+
+/// Refuses vLLM's extension fields this server does not implement
+/// (the table `VLLM_REFUSED`) unless at their defaults, naming the first one found;
+/// `others` are the request's fields no struct names.
+pub fn refuse_vllm_extensions(
+    others: &serde_json::Map<String, serde_json::Value>,
+    endpoint: Endpoint,
+) -> Result<(), ApiError> {
+    for &(name, only, defaults) in VLLM_REFUSED {
+        if only.is_some_and(|e| e != endpoint) {
+            continue;
+        }
+        if let Some(value) = others.get(name).filter(|v| !is_default(v, defaults)) {
+            let default = match defaults.first() {
+                Some(d) => format!("{d} or null"),
+                None => "null".to_string(),
+            };
+            return Err(ApiError::invalid(
+                Some(name),
+                format!(
+                    "{name} = {value} is not supported by this server (a vLLM extension it does not \
+                     implement; only {default} is accepted)"
+                ),
+            )
+            .with_code("unsupported_parameter"));
+        }
     }
     Ok(())
 }
@@ -211,11 +317,30 @@ pub fn check(
             })?;
         logit_bias.push((token, bias as f32));
     }
+    let top_k = match options.top_k {
+        None | Some(-1) | Some(0) => None,
+        Some(k) if k > 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                Some("top_k"),
+                format!("top_k {k} must be -1 or 0 (every token) or at least 1"),
+            ))
+        }
+    };
+    let min_p = options.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid(
+            Some("min_p"),
+            format!("min_p {min_p} must lie in 0..=1"),
+        ));
+    }
     let sampling_options = SamplingOptions {
         presence_penalty: options.presence_penalty.unwrap_or(0.0),
         frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
         logit_bias,
         logprobs,
+        top_k,
+        min_p,
     };
     for (param, v) in [
         ("presence_penalty", sampling_options.presence_penalty),
@@ -249,9 +374,26 @@ pub fn check(
             format!("stop sequence {i} is empty: an empty string would match before any text"),
         ));
     }
+    let min_tokens = usize::try_from(options.min_tokens.unwrap_or(0)).unwrap_or(usize::MAX);
+    if min_tokens > max_tokens {
+        return Err(ApiError::invalid(
+            Some("min_tokens"),
+            format!("min_tokens {min_tokens} must not exceed max_tokens {max_tokens}"),
+        ));
+    }
+    let stop_token_ids = options.stop_token_ids.unwrap_or_default();
+    if let Some(bad) = stop_token_ids.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::invalid(
+            Some("stop_token_ids"),
+            format!("Token id {bad} is outside the vocabulary of {vocab} tokens"),
+        ));
+    }
     let namespace = Namespace::from_salt(options.cache_salt.as_deref())
         .map_err(|e| ApiError::invalid(Some("cache_salt"), e.to_string()))?;
     Ok(Checked {
+        ignore_eos: options.ignore_eos.unwrap_or(false),
+        min_tokens,
+        stop_token_ids,
         max_tokens,
         prompt,
         sampling,
@@ -343,6 +485,9 @@ impl Generation {
             max_tokens: checked.max_tokens,
             namespace: checked.namespace,
             stop: checked.stops,
+            ignore_eos: checked.ignore_eos,
+            min_tokens: checked.min_tokens,
+            stop_token_ids: checked.stop_token_ids,
             sampler,
             events: tx,
         };

@@ -12,12 +12,13 @@
 //!   Two salts never share cells.
 //! - [`routes`]: `POST /v1/chat/completions`, `POST /v1/completions`
 //!   (streamed as server-sent events or not), `GET /v1/models`, `GET /health`,
-//!   `GET /metrics` ([`metrics`], Prometheus text); `/health` answers 503
+//!   `GET /metrics` ([`metrics`], OpenMetrics text through `prometheus-client`); `/health` answers 503
 //!   once the engine thread has ended.
 //! - [`connections`]: the accept loop: a timeout for every phase of a
 //!   connection (headers, body, idle), a bound on open connections.
 //! - [`access`]: an `x-request-id` on every response and one access log line
-//!   per request (`tracing`, target `kvcache_server::access`).
+//!   per request (`tracing`, target `kvcache_server::access`); [`body`]: the
+//!   response body that tells both the connection and the log line its end.
 //! - [`generation`]: a request's options checked, its tokens turned into text
 //!   (stop sequences across token boundaries); [`openai`]: the bodies;
 //!   [`error`]: OpenAI-style errors (`{"error": {...}}`, 503 with
@@ -25,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod access;
+pub mod body;
 pub mod config;
 pub mod connections;
 pub mod error;

@@ -1,24 +1,35 @@
-//! `GET /metrics`: the engine's gauges and the server's counters in
-//! Prometheus' text format.
+//! `GET /metrics`: the engine's gauges and the server's counters, written
+//! by the `prometheus-client` crate in the OpenMetrics text format
+//! ([`CONTENT_TYPE`]), which Prometheus scrapes as it does its own.
+//!
+//! The counters' samples keep the names they have always had
+//! (`kvcache_requests_total`, ...); OpenMetrics names a counter's family
+//! without its `_total` suffix, so its `# HELP` and `# TYPE` lines read
+//! `kvcache_requests`, and the text ends in `# EOF`. Each scrape registers
+//! a snapshot of the values: the engine's come from the engine thread's
+//! last pass ([`Gauges`]), the server's from its atomics.
 
-use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvcache_engine::engine::ReuseStats;
 use kvcache_store::StoreStats;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 
 use crate::worker::Gauges;
+
+/// The content type of the text [`Metrics::render`] writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
 const BUCKETS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
-/// A counter's value as a sample.
-fn load(a: &AtomicU64) -> f64 {
-    a.load(Ordering::Relaxed) as f64
-}
-
-/// A latency histogram in Prometheus' cumulative buckets.
+/// A latency histogram: per-bucket counts and the sum in whole microseconds
+/// (so that the sum of 30 ms and 300 ms is 0.33 s, not a float's neighbour).
 #[derive(Debug, Default)]
 struct Histogram {
     buckets: [AtomicU64; BUCKETS.len()],
@@ -29,24 +40,113 @@ struct Histogram {
 impl Histogram {
     fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
-        for (bucket, &bound) in self.buckets.iter().zip(&BUCKETS) {
-            if secs <= bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Some(i) = BUCKETS.iter().position(|&bound| secs <= bound) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.micros.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (bucket, bound) in self.buckets.iter().zip(BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", load(bucket));
+    /// Its values now, as the encoder takes them.
+    fn snapshot(&self) -> HistogramSnapshot {
+        let count = self.count.load(Ordering::Relaxed);
+        let mut buckets: Vec<(f64, u64)> = BUCKETS
+            .iter()
+            .zip(&self.buckets)
+            .map(|(&bound, n)| (bound, n.load(Ordering::Relaxed)))
+            .collect();
+        // Past the last bound: `+Inf` (the encoder writes `f64::MAX` so).
+        let within: u64 = buckets.iter().map(|b| b.1).sum();
+        buckets.push((f64::MAX, count.saturating_sub(within)));
+        HistogramSnapshot {
+            sum: self.micros.load(Ordering::Relaxed) as f64 / 1e6,
+            count,
+            buckets,
         }
-        let count = load(&self.count);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum {}", load(&self.micros) / 1e6);
-        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// A histogram's values at one scrape; the encoder makes the buckets
+/// cumulative.
+#[derive(Debug)]
+struct HistogramSnapshot {
+    sum: f64,
+    count: u64,
+    buckets: Vec<(f64, u64)>,
+}
+
+impl EncodeMetric for HistogramSnapshot {
+    fn encode(&self, mut encoder: MetricEncoder) -> std::fmt::Result {
+        encoder.encode_histogram::<NoLabelSet>(self.sum, self.count, &self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// A counter with one label, a sample per value, in the order given.
+#[derive(Debug)]
+struct LabelledCounter {
+    label: &'static str,
+    samples: Vec<(String, u64)>,
+}
+
+impl EncodeMetric for LabelledCounter {
+    fn encode(&self, mut encoder: MetricEncoder) -> std::fmt::Result {
+        for (value, count) in &self.samples {
+            let labels = [(self.label, value.as_str())];
+            encoder
+                .encode_family(&labels)?
+                .encode_counter::<NoLabelSet, u64, u64>(count, None)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Counter
+    }
+}
+
+/// One scrape's registry: metrics registered under the names their samples
+/// carry, with their help texts as written here (the encoder ends each with
+/// the full stop it adds itself).
+struct Scrape(Registry);
+
+/// `help` without its full stop: the encoder adds one.
+fn help(help: &str) -> &str {
+    help.strip_suffix('.').unwrap_or(help)
+}
+
+impl Scrape {
+    /// The family name of counter `name`: its samples' name, less the
+    /// `_total` the encoder adds back.
+    fn family(name: &'static str) -> &'static str {
+        name.strip_suffix("_total")
+            .unwrap_or_else(|| panic!("counter {name} must end in _total"))
+    }
+
+    fn counter(&mut self, name: &'static str, text: &str, value: u64) {
+        self.0
+            .register(Self::family(name), help(text), ConstCounter::new(value));
+    }
+
+    fn seconds_counter(&mut self, name: &'static str, text: &str, value: f64) {
+        self.0
+            .register(Self::family(name), help(text), ConstCounter::new(value));
+    }
+
+    fn labelled(&mut self, name: &'static str, text: &str, label: &'static str, samples: Vec<(String, u64)>) {
+        self.0
+            .register(Self::family(name), help(text), LabelledCounter { label, samples });
+    }
+
+    fn gauge(&mut self, name: &'static str, text: &str, value: usize) {
+        self.0.register(name, help(text), ConstGauge::new(value as u64));
+    }
+
+    fn histogram(&mut self, name: &'static str, text: &str, histogram: &Histogram) {
+        self.0.register(name, help(text), histogram.snapshot());
     }
 }
 
@@ -117,195 +217,173 @@ impl Metrics {
         self.queue_wait.observe(waited);
     }
 
-    /// The Prometheus text of these counters, the engine's `gauges` and, with a
-    /// prefix store, its counters per tier.
+    /// The text of these counters, the engine's `gauges` and, with a prefix
+    /// store, its counters per tier.
     pub fn render(&self, g: &Gauges, store: Option<&StoreStats>) -> String {
-        let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
-        };
-        metric(
+        let mut m = Scrape(Registry::default());
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let count = |n: usize| n as u64;
+        m.counter(
             "kvcache_prefix_hits_total",
-            "counter",
             "Requests that started from cached cells.",
-            g.reuse.hits as f64,
+            count(g.reuse.hits),
         );
-        metric(
+        m.counter(
             "kvcache_prefix_misses_total",
-            "counter",
             "Requests that found no cached prefix.",
-            g.reuse.misses as f64,
+            count(g.reuse.misses),
         );
-        metric(
+        m.counter(
             "kvcache_prompt_tokens_cached_total",
-            "counter",
             "Prompt tokens reused from cached cells instead of evaluated.",
-            g.reuse.reused_tokens as f64,
+            count(g.reuse.reused_tokens),
         );
-        metric(
+        m.counter(
             "kvcache_prompt_tokens_evaluated_total",
-            "counter",
             "Prompt tokens evaluated by the model.",
-            g.reuse.evaluated_tokens as f64,
+            count(g.reuse.evaluated_tokens),
         );
-        metric(
+        m.counter(
             "kvcache_evictions_total",
-            "counter",
             "Idle cached sequences dropped.",
-            g.reuse.evictions as f64,
+            count(g.reuse.evictions),
         );
-        metric(
+        m.counter(
             "kvcache_blocks_evicted_total",
-            "counter",
             "Cached prefix blocks evicted, least recently used first, to make room or for age.",
-            g.reuse.blocks_evicted as f64,
+            count(g.reuse.blocks_evicted),
         );
-        metric(
+        m.counter(
             "kvcache_prefix_waits_total",
-            "counter",
             "Requests that waited for a running request to evaluate a prefix they share.",
-            g.reuse.waited_for_prefix as f64,
+            count(g.reuse.waited_for_prefix),
         );
-        metric(
+        m.counter(
             "kvcache_requests_cancelled_total",
-            "counter",
             "Requests cancelled because their client went away.",
-            g.reuse.cancelled as f64,
+            count(g.reuse.cancelled),
         );
-        metric(
+        m.counter(
             "kvcache_generated_tokens_total",
-            "counter",
             "Tokens generated.",
-            g.generated_tokens as f64,
+            count(g.generated_tokens),
         );
-        metric(
+        m.counter(
             "kvcache_forward_passes_total",
-            "counter",
             "Forward passes run.",
-            g.passes as f64,
+            count(g.passes),
         );
-        metric(
+        m.gauge(
             "kvcache_cells_in_use",
-            "gauge",
             "KV cells held by at least one sequence.",
-            g.cells_in_use as f64,
+            g.cells_in_use,
         );
-        metric(
+        m.gauge(
             "kvcache_cache_bytes_in_use",
-            "gauge",
             "Bytes of keys and values the cells in use hold (every layer group).",
-            g.bytes_in_use as f64,
+            g.bytes_in_use,
         );
-        metric(
-            "kvcache_cells_total",
-            "gauge",
-            "KV cells in the cache.",
-            g.cells_total as f64,
-        );
-        metric(
+        m.gauge("kvcache_cells_total", "KV cells in the cache.", g.cells_total);
+        m.gauge(
             "kvcache_sequences_active",
-            "gauge",
             "Requests holding a sequence.",
-            g.active as f64,
+            g.active,
         );
-        metric(
+        m.gauge(
             "kvcache_sequences_idle",
-            "gauge",
             "Finished sequences kept for prefix reuse.",
-            g.idle as f64,
+            g.idle,
         );
-        metric(
+        m.gauge(
             "kvcache_blocks_cached",
-            "gauge",
             "Prefix blocks of finished requests kept for reuse.",
-            g.blocks.0 as f64,
+            g.blocks.0,
         );
-        metric(
+        m.gauge(
             "kvcache_block_cells",
-            "gauge",
             "Cells those blocks keep (counted once per block).",
-            g.blocks.1 as f64,
+            g.blocks.1,
         );
-        metric(
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        m.gauge(
             "kvcache_queue_depth",
-            "gauge",
             "Requests accepted and not yet holding a sequence.",
-            self.in_flight.load(Ordering::Relaxed).saturating_sub(g.active) as f64,
+            in_flight.saturating_sub(g.active),
         );
-        metric(
+        m.gauge(
             "kvcache_requests_in_flight",
-            "gauge",
             "Requests accepted and not yet answered in full.",
-            self.in_flight.load(Ordering::Relaxed) as f64,
+            in_flight,
         );
-        metric(
+        m.counter(
             "kvcache_requests_total",
-            "counter",
             "Generation requests accepted.",
             load(&self.requests),
         );
-        metric(
+        m.counter(
             "kvcache_requests_overloaded_total",
-            "counter",
             "Requests refused with 503 because the queue was full.",
             load(&self.overloaded),
         );
-        metric(
+        m.gauge(
             "kvcache_connections_open",
-            "gauge",
             "HTTP connections open.",
-            self.connections_open.load(Ordering::Relaxed) as f64,
+            self.connections_open.load(Ordering::Relaxed),
         );
-        metric(
+        m.counter(
             "kvcache_connections_accepted_total",
-            "counter",
             "HTTP connections accepted and served.",
             load(&self.connections_accepted),
         );
-        metric(
+        m.counter(
             "kvcache_connections_refused_total",
-            "counter",
             "HTTP connections refused (503, closed) because --max-connections were open.",
             load(&self.connections_refused),
         );
-        let name = "kvcache_requests_rejected_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Requests refused with a 4xx, by reason.\n# TYPE {name} counter"
+        m.labelled(
+            "kvcache_requests_rejected_total",
+            "Requests refused with a 4xx, by reason.",
+            "reason",
+            REJECT_REASONS
+                .iter()
+                .zip(&self.rejected)
+                .map(|(reason, n)| (reason.to_string(), load(n)))
+                .collect(),
         );
-        for (reason, count) in REJECT_REASONS.iter().zip(&self.rejected) {
-            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", load(count));
-        }
-        let name = "kvcache_connections_timed_out_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} HTTP connections closed by a timeout: headers not complete within \
-             --header-timeout, or idle past --keep-alive-timeout.\n# TYPE {name} counter"
+        m.labelled(
+            "kvcache_connections_timed_out_total",
+            "HTTP connections closed by a timeout: headers not complete within \
+             --header-timeout, or idle past --keep-alive-timeout.",
+            "phase",
+            vec![
+                ("headers".into(), load(&self.header_timeouts)),
+                ("idle".into(), load(&self.idle_closed)),
+            ],
         );
-        let _ = writeln!(out, "{name}{{phase=\"headers\"}} {}", load(&self.header_timeouts));
-        let _ = writeln!(out, "{name}{{phase=\"idle\"}} {}", load(&self.idle_closed));
-        self.ttft.render(
-            &mut out,
+        m.histogram(
             "kvcache_time_to_first_token_seconds",
             "From receiving a request to its first generated token.",
+            &self.ttft,
         );
-        self.queue_wait.render(
-            &mut out,
+        m.histogram(
             "kvcache_queue_wait_seconds",
             "How long a request waited in the engine's queue for a sequence.",
+            &self.queue_wait,
         );
         if let Some(store) = store {
-            render_store(&mut out, store, &g.reuse);
+            register_store(&mut m, store, &g.reuse);
         }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &m.0).expect("writing to a String cannot fail");
         out
     }
 }
 
 /// The prefix store's counters, one sample per tier (`tier="memory"`, ...),
 /// and the engine's restores from it.
-fn render_store(out: &mut String, store: &StoreStats, reuse: &ReuseStats) {
+fn register_store(m: &mut Scrape, store: &StoreStats, reuse: &ReuseStats) {
     type Field = fn(&kvcache_store::TierStats) -> u64;
-    let per_tier: [(&str, &str, Field); 5] = [
+    let per_tier: [(&'static str, &str, Field); 5] = [
         ("kvcache_store_hits_total", "Blocks found in the tier.", |t| {
             t.hits
         }),
@@ -329,56 +407,48 @@ fn render_store(out: &mut String, store: &StoreStats, reuse: &ReuseStats) {
         ),
     ];
     for (name, help, field) in per_tier {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for tier in &store.tiers {
-            let _ = writeln!(out, "{name}{{tier=\"{}\"}} {}", tier.name, field(tier));
-        }
+        let samples = store
+            .tiers
+            .iter()
+            .map(|tier| (tier.name.to_string(), field(tier)))
+            .collect();
+        m.labelled(name, help, "tier", samples);
     }
-    let writes = [
-        (
-            "kvcache_store_writes_submitted_total",
-            "Store writes (prompts' keys and values, or layer states) queued for the writer.",
-            store.submitted + store.states_submitted,
-        ),
-        (
-            "kvcache_store_writes_done_total",
-            "Store writes of prompts' keys and values the writer has finished (every tier tried).",
-            store.runs_written,
-        ),
-        (
-            "kvcache_store_writes_dropped_total",
-            "Store writes dropped, not stored, because the writer's queue was full (--store-queue).",
-            store.dropped,
-        ),
-        (
-            "kvcache_store_writes_rejected_total",
-            "Store writes refused as invalid.",
-            store.rejected,
-        ),
-    ];
-    for (name, help, value) in writes {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
-    }
-    let restores = [
-        (
-            "kvcache_store_restores_total",
-            "Requests that imported part of their prompt from the prefix store.",
-            reuse.store_restores as f64,
-        ),
-        (
-            "kvcache_store_restored_tokens_total",
-            "Prompt tokens imported from the prefix store instead of evaluated.",
-            reuse.store_restored_tokens as f64,
-        ),
-        (
-            "kvcache_store_restore_seconds_total",
-            "Time spent asking the prefix store, reading its answer and importing it (part of TTFT).",
-            reuse.store_restore_time.as_secs_f64(),
-        ),
-    ];
-    for (name, help, value) in restores {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
-    }
+    m.counter(
+        "kvcache_store_writes_submitted_total",
+        "Store writes (prompts' keys and values, or layer states) queued for the writer.",
+        store.submitted + store.states_submitted,
+    );
+    m.counter(
+        "kvcache_store_writes_done_total",
+        "Store writes of prompts' keys and values the writer has finished (every tier tried).",
+        store.runs_written,
+    );
+    m.counter(
+        "kvcache_store_writes_dropped_total",
+        "Store writes dropped, not stored, because the writer's queue was full (--store-queue).",
+        store.dropped,
+    );
+    m.counter(
+        "kvcache_store_writes_rejected_total",
+        "Store writes refused as invalid.",
+        store.rejected,
+    );
+    m.counter(
+        "kvcache_store_restores_total",
+        "Requests that imported part of their prompt from the prefix store.",
+        reuse.store_restores as u64,
+    );
+    m.counter(
+        "kvcache_store_restored_tokens_total",
+        "Prompt tokens imported from the prefix store instead of evaluated.",
+        reuse.store_restored_tokens as u64,
+    );
+    m.seconds_counter(
+        "kvcache_store_restore_seconds_total",
+        "Time spent asking the prefix store, reading its answer and importing it (part of TTFT).",
+        reuse.store_restore_time.as_secs_f64(),
+    );
 }
 
 #[cfg(test)]
@@ -401,7 +471,12 @@ mod tests {
         m.observe_queue_wait(Duration::from_secs(3));
         let text = m.render(&Gauges::default(), None);
         assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"2.5\"} 0\n"));
-        assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"5\"} 1\n"));
+        assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"5.0\"} 1\n"));
+        assert!(text.contains("kvcache_queue_wait_seconds_bucket{le=\"+Inf\"} 1\n"));
+        // The encoder ends each help text with its own full stop.
+        assert!(text.contains("# HELP kvcache_requests Generation requests accepted.\n"));
+        assert!(!text.contains(".."));
+        assert!(text.ends_with("# EOF\n"));
         assert!(text.contains("kvcache_time_to_first_token_seconds_count 2\n"));
     }
     #[test]
@@ -418,8 +493,7 @@ mod tests {
         assert!(text.contains("kvcache_requests_rejected_total{reason=\"timeout\"} 0\n"));
         assert_eq!(m.rejected("unauthorized"), 2);
         assert_eq!(
-            text.matches("# TYPE kvcache_requests_rejected_total counter")
-                .count(),
+            text.matches("# TYPE kvcache_requests_rejected counter").count(),
             1
         );
         assert!(text.contains("kvcache_connections_timed_out_total{phase=\"headers\"} 0\n"));
@@ -452,7 +526,7 @@ mod tests {
         assert!(text.contains("kvcache_store_writes_rejected_total 3\n"));
         // The engine's restores come with the store only.
         assert!(text.contains("kvcache_store_restores_total 0\n"));
-        assert!(text.contains("kvcache_store_restore_seconds_total 0\n"));
-        assert_eq!(text.matches("# TYPE kvcache_store_hits_total counter").count(), 1);
+        assert!(text.contains("kvcache_store_restore_seconds_total 0.0\n"));
+        assert_eq!(text.matches("# TYPE kvcache_store_hits counter").count(), 1);
     }
 }

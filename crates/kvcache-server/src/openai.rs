@@ -4,9 +4,13 @@
 //! implemented (`response_format` other than text, `tools`, `echo`, ...) are
 //! kept as raw JSON here and refused with a 400 naming them
 //! ([`crate::generation::refuse_unsupported_chat`],
-//! [`crate::generation::refuse_unsupported_completion`]); other unknown fields (`user`,
-//! `metadata`, `store`, `service_tier`, ...) do not change the answer and are
-//! ignored.
+//! [`crate::generation::refuse_unsupported_completion`]). Of vLLM's
+//! extensions, `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
+//! `stop_token_ids` and `cache_salt` are honoured; every other one is
+//! refused with a 400 naming it unless it has its default value
+//! ([`crate::generation::refuse_vllm_extensions`]). Other unknown fields
+//! (`user`, `metadata`, `store`, `service_tier`, ...) do not change the
+//! answer and are ignored.
 
 use serde::{Deserialize, Serialize};
 
@@ -137,6 +141,25 @@ pub struct GenerationOptions {
     pub frequency_penalty: Option<f32>,
     /// Token id (as a string) to a bias in -100..=100 added to its logit.
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's: generate past the end-of-turn tokens (only `stop`,
+    /// `stop_token_ids` and the length end the answer).
+    pub ignore_eos: Option<bool>,
+    /// vLLM's: tokens generated before a stop token or a stop sequence may
+    /// end the answer (at most `max_tokens`).
+    pub min_tokens: Option<u64>,
+    /// vLLM's: sample among this many most likely tokens; -1 or 0: all.
+    pub top_k: Option<i64>,
+    /// vLLM's: sample among tokens at least this fraction (0..=1) as likely
+    /// as the most likely one.
+    pub min_p: Option<f32>,
+    /// vLLM's: more tokens that end the answer, their text left out.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Every field no struct here names: vLLM's other extensions, refused
+    /// unless at their defaults ([`crate::generation::refuse_vllm_extensions`]),
+    /// and OpenAI's that do not change the answer (`user`, `metadata`, ...),
+    /// ignored.
+    #[serde(flatten)]
+    pub others: serde_json::Map<String, serde_json::Value>,
 }
 
 /// `stop`: one string or several.
@@ -167,17 +190,18 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Token counts of a request.
+/// Token counts of a request (fields in alphabetical order, as on the wire:
+/// see the response bodies below).
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
 pub struct Usage {
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
-    /// Their sum.
-    pub total_tokens: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
     /// Of the prompt tokens, how many came from the cache.
     pub prompt_tokens_details: PromptTokensDetails,
+    /// Their sum.
+    pub total_tokens: usize,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -199,4 +223,219 @@ impl Usage {
             },
         }
     }
+}
+
+// The response bodies. serde_json writes an object's fields in their
+// declaration order; these were written through `serde_json::json!`, whose
+// maps sort their keys, so every struct declares its fields in alphabetical
+// order and the bytes on the wire stay what they were. Log-probabilities are
+// `f64` for the same reason: an `f32` would be written in its own shortest
+// form, not the `f64` one clients have seen.
+
+/// The object a whole chat answer is.
+pub const CHAT_COMPLETION: &str = "chat.completion";
+/// The object a streamed chat chunk is.
+pub const CHAT_COMPLETION_CHUNK: &str = "chat.completion.chunk";
+/// The object a completion and its chunks are.
+pub const TEXT_COMPLETION: &str = "text_completion";
+
+/// A whole answer, or one streamed chunk of it: `choices` of the endpoint's
+/// kind ([`ChatChoice`], [`ChatChunkChoice`] or [`CompletionChoice`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct Completion<'a, C> {
+    /// The choices: one, or none in a stream's usage chunk.
+    pub choices: Vec<C>,
+    /// Unix seconds when the request arrived.
+    pub created: u64,
+    /// The answer's id (`chatcmpl-...` or `cmpl-...`).
+    pub id: &'a str,
+    /// The model that answered.
+    pub model: &'a str,
+    /// [`CHAT_COMPLETION`], [`CHAT_COMPLETION_CHUNK`] or [`TEXT_COMPLETION`].
+    pub object: &'static str,
+    /// Token counts: always in a whole answer, in a stream only in its
+    /// usage chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// The one choice of a whole chat answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+    /// Always 0 (`n` is 1).
+    pub index: u32,
+    /// The tokens' log-probabilities, `null` unless asked for.
+    pub logprobs: Option<ChatLogprobs>,
+    /// The assistant's message.
+    pub message: AssistantMessage,
+}
+
+/// The answer of a chat.
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    /// The answer's text.
+    pub content: String,
+    /// `assistant`.
+    pub role: &'static str,
+}
+
+/// The one choice of a streamed chat chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice<'a> {
+    /// What the chunk adds.
+    pub delta: Delta<'a>,
+    /// Set in the last chunk only.
+    pub finish_reason: Option<&'static str>,
+    /// Always 0.
+    pub index: u32,
+    /// The log-probabilities of the chunk's tokens, `null` unless asked for.
+    pub logprobs: Option<ChatLogprobs>,
+}
+
+/// What a streamed chat chunk adds: the role first (with empty content),
+/// then text, then nothing (the chunk with the finish reason).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta<'a> {
+    /// Text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<&'a str>,
+    /// `assistant`, in the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+}
+
+/// The one choice of a completion or of one of its streamed chunks.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice<'a> {
+    /// `stop` or `length`; in a stream, set in the last chunk only.
+    pub finish_reason: Option<&'static str>,
+    /// Always 0.
+    pub index: u32,
+    /// The tokens' log-probabilities, `null` unless asked for.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// The text (in a stream: the chunk's).
+    pub text: std::borrow::Cow<'a, str>,
+}
+
+/// Chat's `logprobs`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    /// One per token.
+    pub content: Vec<ChatTokenLogprob>,
+    /// Always `null`.
+    pub refusal: Option<String>,
+}
+
+/// One token of chat's `logprobs.content`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTokenLogprob {
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// Its log-probability.
+    pub logprob: f64,
+    /// The token as text (split characters escaped).
+    pub token: String,
+    /// The most likely alternatives, most likely first.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// One alternative of [`ChatTokenLogprob::top_logprobs`].
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTopLogprob {
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// Its log-probability.
+    pub logprob: f64,
+    /// The token as text.
+    pub token: String,
+}
+
+/// Completions' (legacy) `logprobs`: one entry per token in each list.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    /// Characters of the answer before each token.
+    pub text_offset: Vec<usize>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f64>,
+    /// The tokens as text (`bytes:` and escapes for split characters).
+    pub tokens: Vec<String>,
+    /// The most likely alternatives of each, token to log-probability.
+    pub top_logprobs: Vec<std::collections::BTreeMap<String, f64>>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList<'a> {
+    /// The models served: one.
+    pub data: Vec<ModelCard<'a>>,
+    /// `list`.
+    pub object: &'static str,
+}
+
+/// One model, as `GET /v1/models/{id}` answers it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard<'a> {
+    /// Always 0.
+    pub created: u64,
+    /// The model's name.
+    pub id: &'a str,
+    /// `model`.
+    pub object: &'static str,
+    /// `kvcache-rs`.
+    pub owned_by: &'static str,
+}
+
+impl<'a> ModelCard<'a> {
+    /// The card of the model served as `id`.
+    pub fn new(id: &'a str) -> Self {
+        ModelCard {
+            created: 0,
+            id,
+            object: "model",
+            owned_by: "kvcache-rs",
+        }
+    }
+}
+
+/// `GET /health` while the engine runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Health {
+    /// Requests holding a sequence.
+    pub active: usize,
+    /// Cells held by at least one sequence.
+    pub cells_in_use: usize,
+    /// `ok`.
+    pub status: &'static str,
+}
+
+/// `GET /health` once the engine thread has ended (with 503).
+#[derive(Debug, Clone, Serialize)]
+pub struct Unhealthy {
+    /// Why.
+    pub error: &'static str,
+    /// `unavailable`.
+    pub status: &'static str,
+}
+
+/// An error's body: `{"error": {...}}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorBody<'a> {
+    /// The error.
+    pub error: ErrorDetail<'a>,
+}
+
+/// What an [`ErrorBody`] says.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorDetail<'a> {
+    /// A machine-readable code, or `null`.
+    pub code: Option<&'a str>,
+    /// What went wrong, for a person.
+    pub message: &'a str,
+    /// The request field at fault, or `null`.
+    pub param: Option<&'a str>,
+    /// OpenAI's error type.
+    #[serde(rename = "type")]
+    pub kind: &'a str,
 }

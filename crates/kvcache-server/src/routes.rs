@@ -17,18 +17,38 @@ use kvcache_engine::sampling::TokenLogprobs;
 use kvcache_models::tokenizer::{Message, Role};
 use kvcache_models::Tokenizer;
 use serde::de::DeserializeOwned;
-use serde_json::{json, Value};
+use serde::Serialize;
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 
 use crate::access::{self, AccessRecord};
 use crate::config::ApiKey;
 use crate::error::ApiError;
 use crate::generation::{
-    check, refuse_unsupported_chat, refuse_unsupported_completion, Checked, Generation, Piece,
+    check, refuse_unsupported_chat, refuse_unsupported_completion, refuse_vllm_extensions, Checked, Endpoint,
+    Generation, Piece,
 };
-use crate::openai::{ChatMessage, ChatRequest, CompletionRequest, MessageContent, Prompt, Usage};
+use crate::openai::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, ChatMessage, ChatRequest, ChatTokenLogprob,
+    ChatTopLogprob, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, Health,
+    MessageContent, ModelCard, ModelList, Prompt, Unhealthy, Usage, CHAT_COMPLETION, CHAT_COMPLETION_CHUNK,
+    TEXT_COMPLETION,
+};
 use crate::AppState;
 
-/// The server's routes over `state`.
+/// The server's routes over `state`, inside their middleware, outermost
+/// first: tower-http's request-id layers (`x-request-id`), the access log
+/// ([`access::layer`]), OpenAI-style JSON for axum's own refusals
+/// (`json_errors`), and the key and body guard (`guard`).
+///
+/// The body's limit and timeout stay the guard's own, not tower-http's
+/// `RequestBodyLimitLayer` and `TimeoutLayer`: a refused body is read and
+/// dropped for a moment before the answer (so that a client still sending
+/// it reads a 413 rather than a reset connection) and the answer says
+/// `Connection: close` when it could not be; the limit layer answers
+/// without reading. The timeout bounds the whole body, as a slow client
+/// drips it; `TimeoutLayer` would bound the answer too (cutting long
+/// generations), and `RequestBodyTimeoutLayer` only the gaps between
+/// chunks. The accept loop's own timeouts are in [`crate::connections`].
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -44,6 +64,14 @@ pub fn router(state: AppState) -> Router {
             state.metrics.clone(),
             access::layer,
         ))
+        // The request id: a client's usable one kept, else a new one, set on
+        // the request (its access line names it) and on the response.
+        .layer(PropagateRequestIdLayer::new(access::REQUEST_ID.clone()))
+        .layer(SetRequestIdLayer::new(
+            access::REQUEST_ID.clone(),
+            access::NewRequestId,
+        ))
+        .layer(axum::middleware::map_request(access::drop_unusable_id))
         .with_state(state)
 }
 
@@ -263,6 +291,7 @@ async fn chat_completions(
     let result = async {
         let mut req: ChatRequest = parse(&body)?;
         refuse_unsupported_chat(&req)?;
+        refuse_vllm_extensions(&req.options.others, Endpoint::Chat)?;
         apply_tenant(&tenant, &mut req.options.cache_salt)?;
         let prompt = chat_prompt(&state, &req.messages)?;
         let logprobs = (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0) as usize);
@@ -279,7 +308,7 @@ async fn chat_completions(
     }
     .await;
     match result {
-        Ok((model, checked)) => respond(state, Kind::Chat, model, checked, started, record).await,
+        Ok((model, checked)) => respond(state, Endpoint::Chat, model, checked, started, record).await,
         Err(e) => e.into_response(),
     }
 }
@@ -294,6 +323,7 @@ async fn completions(
     let result = async {
         let mut req: CompletionRequest = parse(&body)?;
         refuse_unsupported_completion(&req)?;
+        refuse_vllm_extensions(&req.options.others, Endpoint::Completion)?;
         apply_tenant(&tenant, &mut req.options.cache_salt)?;
         let logprobs = req.logprobs.map(|n| n as usize);
         let prompt = match req.prompt {
@@ -313,7 +343,7 @@ async fn completions(
     }
     .await;
     match result {
-        Ok((model, checked)) => respond(state, Kind::Completion, model, checked, started, record).await,
+        Ok((model, checked)) => respond(state, Endpoint::Completion, model, checked, started, record).await,
         Err(e) => e.into_response(),
     }
 }
@@ -383,24 +413,17 @@ fn chat_prompt(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<u32>, A
         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))
 }
 
-/// Which API a response follows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Completion,
-}
-
 /// What every response carries: id, creation time and model.
 #[derive(Debug, Clone)]
 struct Header {
-    kind: Kind,
+    kind: Endpoint,
     id: String,
     created: u64,
     model: String,
 }
 
 impl Header {
-    fn new(kind: Kind, model: String) -> Self {
+    fn new(kind: Endpoint, model: String) -> Self {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let created = SystemTime::now()
@@ -408,8 +431,8 @@ impl Header {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let prefix = match kind {
-            Kind::Chat => "chatcmpl",
-            Kind::Completion => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completion => "cmpl",
         };
         Header {
             kind,
@@ -420,59 +443,121 @@ impl Header {
     }
 
     /// The whole answer of a non-streamed request.
-    fn complete(&self, text: String, finish_reason: &str, usage: Usage, logprobs: Value) -> Value {
+    fn complete(
+        &self,
+        text: String,
+        finish_reason: &'static str,
+        usage: Usage,
+        logprobs: Option<Rendered>,
+    ) -> Response {
         match self.kind {
-            Kind::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish_reason,
-                    "logprobs": logprobs,
+            Endpoint::Chat => Json(Completion {
+                choices: vec![ChatChoice {
+                    finish_reason,
+                    index: 0,
+                    logprobs: logprobs.and_then(Rendered::chat),
+                    message: AssistantMessage {
+                        content: text,
+                        role: "assistant",
+                    },
                 }],
-                "usage": usage,
-            }),
-            Kind::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
-                "usage": usage,
-            }),
+                ..self.body(CHAT_COMPLETION, Some(usage))
+            })
+            .into_response(),
+            Endpoint::Completion => Json(Completion {
+                choices: vec![CompletionChoice {
+                    finish_reason: Some(finish_reason),
+                    index: 0,
+                    logprobs: logprobs.and_then(Rendered::completion),
+                    text: text.into(),
+                }],
+                ..self.body(TEXT_COMPLETION, Some(usage))
+            })
+            .into_response(),
+        }
+    }
+
+    /// A body of `object` with no choices yet.
+    fn body<C>(&self, object: &'static str, usage: Option<Usage>) -> Completion<'_, C> {
+        Completion {
+            choices: Vec::new(),
+            created: self.created,
+            id: &self.id,
+            model: &self.model,
+            object,
+            usage,
         }
     }
 
     /// One streamed chunk: `text` (or the role, first), `finish_reason` and
     /// the log-probabilities of its tokens (`null` when not asked for).
-    fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>, logprobs: Value) -> Value {
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        first: bool,
+        finish_reason: Option<&'static str>,
+        logprobs: Option<Rendered>,
+    ) -> SseEvent {
         match self.kind {
-            Kind::Chat => {
+            Endpoint::Chat => {
                 let delta = match (first, text) {
-                    (true, _) => json!({"role": "assistant", "content": ""}),
-                    (false, Some(t)) => json!({"content": t}),
-                    (false, None) => json!({}),
+                    (true, _) => Delta {
+                        content: Some(""),
+                        role: Some("assistant"),
+                    },
+                    (false, content) => Delta { content, role: None },
                 };
-                json!({
-                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+                data(&Completion {
+                    choices: vec![ChatChunkChoice {
+                        delta,
+                        finish_reason,
+                        index: 0,
+                        logprobs: logprobs.and_then(Rendered::chat),
+                    }],
+                    ..self.body(CHAT_COMPLETION_CHUNK, None)
                 })
             }
-            Kind::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish_reason, "logprobs": logprobs}],
+            Endpoint::Completion => data(&Completion {
+                choices: vec![CompletionChoice {
+                    finish_reason,
+                    index: 0,
+                    logprobs: logprobs.and_then(Rendered::completion),
+                    text: text.unwrap_or("").into(),
+                }],
+                ..self.body(TEXT_COMPLETION, None)
             }),
         }
     }
 
     /// The last streamed chunk when usage was asked for: no choices.
-    fn usage_chunk(&self, usage: Usage) -> Value {
-        let object = match self.kind {
-            Kind::Chat => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
-        };
-        json!({
-            "id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [], "usage": usage,
-        })
+    fn usage_chunk(&self, usage: Usage) -> SseEvent {
+        match self.kind {
+            Endpoint::Chat => data(&self.body::<ChatChunkChoice>(CHAT_COMPLETION_CHUNK, Some(usage))),
+            Endpoint::Completion => data(&self.body::<CompletionChoice>(TEXT_COMPLETION, Some(usage))),
+        }
+    }
+}
+
+/// A choice's log-probabilities as its endpoint writes them.
+#[derive(Debug, Clone)]
+enum Rendered {
+    Chat(ChatLogprobs),
+    Completion(CompletionLogprobs),
+}
+
+impl Rendered {
+    fn chat(self) -> Option<ChatLogprobs> {
+        match self {
+            Rendered::Chat(l) => Some(l),
+            Rendered::Completion(_) => None,
+        }
+    }
+
+    fn completion(self) -> Option<CompletionLogprobs> {
+        match self {
+            Rendered::Completion(l) => Some(l),
+            Rendered::Chat(_) => None,
+        }
     }
 }
 
@@ -491,7 +576,7 @@ impl Header {
 /// that character.
 #[derive(Debug, Clone)]
 struct Logprobs {
-    kind: Kind,
+    kind: Endpoint,
     tokenizer: std::sync::Arc<dyn Tokenizer>,
     /// Characters of the answer before the next token.
     chars: usize,
@@ -546,7 +631,7 @@ fn take_chars(bytes: &mut Vec<u8>) -> usize {
 }
 
 impl Logprobs {
-    fn new(kind: Kind, tokenizer: std::sync::Arc<dyn Tokenizer>) -> Self {
+    fn new(kind: Endpoint, tokenizer: std::sync::Arc<dyn Tokenizer>) -> Self {
         Logprobs {
             kind,
             tokenizer,
@@ -560,51 +645,62 @@ impl Logprobs {
         let bytes = self.tokenizer.token_bytes(id);
         let text = match std::str::from_utf8(&bytes) {
             Ok(text) => text.to_owned(),
-            Err(_) if self.kind == Kind::Completion => format!("bytes:{}", escape_bytes(&bytes)),
+            Err(_) if self.kind == Endpoint::Completion => format!("bytes:{}", escape_bytes(&bytes)),
             Err(_) => escape_bytes(&bytes),
         };
         (text, bytes)
     }
 
     /// The `logprobs` of a choice holding the tokens of `lps`.
-    fn render(&mut self, lps: &[TokenLogprobs]) -> Value {
+    fn render(&mut self, lps: &[TokenLogprobs]) -> Rendered {
         match self.kind {
-            Kind::Chat => {
-                let content: Vec<Value> = lps
+            Endpoint::Chat => {
+                let content = lps
                     .iter()
                     .map(|lp| {
                         let (token, bytes) = self.token(lp.token);
-                        let top: Vec<Value> = lp
+                        let top_logprobs = lp
                             .top
                             .iter()
                             .map(|&(id, logprob)| {
                                 let (token, bytes) = self.token(id);
-                                json!({"token": token, "logprob": logprob, "bytes": bytes})
+                                ChatTopLogprob {
+                                    bytes,
+                                    logprob: f64::from(logprob),
+                                    token,
+                                }
                             })
                             .collect();
-                        json!({"token": token, "logprob": lp.logprob, "bytes": bytes, "top_logprobs": top})
+                        ChatTokenLogprob {
+                            bytes,
+                            logprob: f64::from(lp.logprob),
+                            token,
+                            top_logprobs,
+                        }
                     })
                     .collect();
-                json!({"content": content, "refusal": null})
+                Rendered::Chat(ChatLogprobs {
+                    content,
+                    refusal: None,
+                })
             }
-            Kind::Completion => {
-                let (mut tokens, mut token_logprobs, mut top, mut offsets) =
-                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            Endpoint::Completion => {
+                let mut out = CompletionLogprobs::default();
                 for lp in lps {
                     let (token, bytes) = self.token(lp.token);
-                    offsets.push(self.chars);
+                    out.text_offset.push(self.chars);
                     self.tail.extend_from_slice(&bytes);
                     self.chars += take_chars(&mut self.tail);
-                    tokens.push(token);
-                    token_logprobs.push(lp.logprob);
-                    let alternatives: serde_json::Map<String, Value> = lp
+                    out.tokens.push(token);
+                    out.token_logprobs.push(f64::from(lp.logprob));
+                    let alternatives = lp
                         .top
                         .iter()
-                        .map(|&(id, l)| (self.token(id).0, json!(l)))
+                        .map(|&(id, l)| (self.token(id).0, f64::from(l)))
                         .collect();
-                    top.push(Value::Object(alternatives));
+                    out.top_logprobs.push(alternatives);
                 }
-                json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+                Rendered::Completion(out)
             }
         }
     }
@@ -612,7 +708,7 @@ impl Logprobs {
 
 async fn respond(
     state: AppState,
-    kind: Kind,
+    kind: Endpoint,
     model: String,
     checked: Checked,
     started: Instant,
@@ -644,8 +740,8 @@ async fn respond(
                 lps.extend(l);
             }
             Ok(Piece::End { finish_reason, usage }) => {
-                let logprobs = logprobs.map_or(Value::Null, |mut l| l.render(&lps));
-                return Json(header.complete(text, finish_reason, usage, logprobs)).into_response();
+                let logprobs = logprobs.map(|mut l| l.render(&lps));
+                return header.complete(text, finish_reason, usage, logprobs);
             }
             Err(e) => {
                 tracing::error!(error = %e.message, "a request failed on the engine");
@@ -677,8 +773,8 @@ fn sse_events(
         record: AccessRecord,
     }
     let mut queue = std::collections::VecDeque::new();
-    if header.kind == Kind::Chat {
-        queue.push_back(data(&header.chunk(None, true, None, Value::Null)));
+    if header.kind == Endpoint::Chat {
+        queue.push_back(header.chunk(None, true, None, None));
     }
     let start = Streaming {
         header,
@@ -699,19 +795,14 @@ fn sse_events(
             }
             match s.generation.next().await {
                 Some(Ok(Piece::Text(t, l))) => {
-                    let logprobs = s.logprobs.as_mut().map_or(Value::Null, |r| r.render(&l));
-                    s.queue
-                        .push_back(data(&s.header.chunk(Some(&t), false, None, logprobs)));
+                    let logprobs = s.logprobs.as_mut().map(|r| r.render(&l));
+                    s.queue.push_back(s.header.chunk(Some(&t), false, None, logprobs));
                 }
                 Some(Ok(Piece::End { finish_reason, usage })) => {
-                    s.queue.push_back(data(&s.header.chunk(
-                        None,
-                        false,
-                        Some(finish_reason),
-                        Value::Null,
-                    )));
+                    s.queue
+                        .push_back(s.header.chunk(None, false, Some(finish_reason), None));
                     if s.include_usage {
-                        s.queue.push_back(data(&s.header.usage_chunk(usage)));
+                        s.queue.push_back(s.header.usage_chunk(usage));
                     }
                     s.queue.push_back(SseEvent::default().data("[DONE]"));
                     s.done = true;
@@ -728,38 +819,43 @@ fn sse_events(
     })
 }
 
-fn data(value: &Value) -> SseEvent {
-    SseEvent::default().data(value.to_string())
+/// `value` as one server-sent event's data.
+fn data(value: &impl Serialize) -> SseEvent {
+    SseEvent::default().data(serde_json::to_string(value).expect("a response body serializes"))
 }
 
-async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvcache-rs",
-        }],
-    }))
+async fn models(State(state): State<AppState>) -> Response {
+    Json(ModelList {
+        data: vec![ModelCard::new(&state.config.model_name)],
+        object: "list",
+    })
+    .into_response()
 }
 
 async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     if id != state.config.model_name {
         return ApiError::unknown_model(&id).into_response();
     }
-    Json(json!({"id": id, "object": "model", "created": 0, "owned_by": "kvcache-rs"})).into_response()
+    Json(ModelCard::new(&id)).into_response()
 }
 
 /// 200 while the engine thread runs; 503 once it has ended (the process
 /// still answers HTTP but can generate nothing: restart it).
 async fn health(State(state): State<AppState>) -> Response {
     if !state.worker.is_running() {
-        let body = json!({"status": "unavailable", "error": "the engine thread has stopped"});
+        let body = Unhealthy {
+            error: "the engine thread has stopped",
+            status: "unavailable",
+        };
         return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
     }
     let g = state.worker.gauges();
-    Json(json!({"status": "ok", "active": g.active, "cells_in_use": g.cells_in_use})).into_response()
+    Json(Health {
+        active: g.active,
+        cells_in_use: g.cells_in_use,
+        status: "ok",
+    })
+    .into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
@@ -767,7 +863,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let text = state.metrics.render(&state.worker.gauges(), store.as_ref());
     (
         StatusCode::OK,
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
         text,
     )
 }
@@ -806,11 +902,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_usable_request_id_comes_back_and_another_is_replaced() {
+        use tower_service::Service;
+        let mut app = router(state(Worker::stopped()));
+        for (sent, kept) in [
+            (Some("client-1.a"), true),
+            (Some("has space"), false),
+            (None, false),
+        ] {
+            let mut request = axum::http::Request::get("/health");
+            if let Some(id) = sent {
+                request = request.header("x-request-id", id);
+            }
+            let response = app.call(request.body(Body::empty()).unwrap()).await.unwrap();
+            let id = response.headers()["x-request-id"].to_str().unwrap();
+            if kept {
+                assert_eq!(Some(id), sent);
+            } else {
+                assert!(id.starts_with("req-"), "{sent:?} -> {id}");
+            }
+        }
+    }
+
+    #[tokio::test]
     async fn health_is_503_once_the_engine_thread_has_ended() {
         let response = health(State(state(Worker::stopped()))).await;
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
-        let body: Value = serde_json::from_slice(&body).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["status"], "unavailable");
     }
 }

@@ -71,6 +71,12 @@ pub struct Job {
     pub namespace: Namespace,
     /// Texts that end the request (OpenAI's `stop`).
     pub stop: Vec<String>,
+    /// Generate past the end-of-turn tokens (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
+    /// Tokens generated before a stop may end the request (vLLM's `min_tokens`).
+    pub min_tokens: usize,
+    /// More tokens that end the request (vLLM's `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
     /// Picks the tokens.
     pub sampler: Sampler,
     /// Where the tokens go.
@@ -362,6 +368,9 @@ fn serve<M: Model>(
                 max_new_tokens: job.max_tokens,
                 namespace: job.namespace,
                 stop: job.stop,
+                ignore_eos: job.ignore_eos,
+                min_tokens: job.min_tokens,
+                stop_token_ids: job.stop_token_ids,
             };
             match engine.submit_sampled(request, Some(job.sampler)) {
                 Ok(()) => {

@@ -14,6 +14,7 @@ use kvcache_engine::engine::{Engine, EngineConfig, Event, Request};
 use kvcache_models::gemma::GemmaFile;
 use kvcache_models::tokenizer::{Message, Role};
 use kvcache_models::{Tokenizer, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 use serde_json::{json, Value};
 
 const MODEL: &str = "gemma-3-270m";
@@ -34,7 +35,7 @@ async fn chat(server: &Server, messages: &Value, max_tokens: usize) -> Value {
 /// is configured (batch 256, prefill chunks of 128, the same cache shape),
 /// and whether the last one ends the turn.
 fn engine_answer(prompt: &[u32], max_tokens: usize) -> (Vec<u32>, String) {
-    let path = kvcache_models::gemma::gemma_path_for_tests().expect("Gemma file");
+    let path = model_file(TestModel::Gemma3).expect("Gemma file");
     let file = GemmaFile::open(&path).unwrap();
     let tokenizer = file.tokenizer().unwrap();
     let model = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}).unwrap();
@@ -98,7 +99,7 @@ async fn gemma_is_served_with_its_template_and_reuses_a_conversation() {
     let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
 
     // The template: the system text opens the first user turn.
-    let path = kvcache_models::gemma::gemma_path_for_tests().unwrap();
+    let path = model_file(TestModel::Gemma3).unwrap();
     let tokenizer = GemmaFile::open(&path).unwrap().tokenizer().unwrap();
     let prompt = tokenizer
         .chat_ids(
@@ -151,7 +152,7 @@ async fn gemma_is_served_with_its_template_and_reuses_a_conversation() {
 
 #[test]
 fn a_prefix_store_is_refused_for_gemma_with_the_reason() {
-    let Some(path) = kvcache_models::gemma::gemma_path_for_tests() else {
+    let Some(path) = model_file(TestModel::Gemma3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use common::Server;
 use kvcache_models::ChatTokenizer;
 use kvcache_testkit::dynamo_indexer::{python_or_skip, DynamoIndexer, IndexerConfig};
+use kvcache_testkit::models::{model_file, TestModel};
 use serde_json::{json, Value};
 
 /// The replicas' block size (`--block-tokens`, the server's default), and the
@@ -314,7 +315,7 @@ const SYSTEM: &str = "You are a patient guide at a museum of maps. You answer vi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamos_indexer_routes_between_two_real_replicas() {
     let Some(python) = python_or_skip() else { return };
-    if kvcache_models::paths::model_path_for_tests().is_none() {
+    if model_file(TestModel::SmolLM2).is_none() {
         let _ = writeln!(std::io::stderr(), "skipped: kv_events: no model");
         return;
     }
@@ -480,7 +481,7 @@ async fn complete_gemma(server: &Server, prompt: &[u32], max_tokens: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_models_kept_sequences_are_routed_by_block() {
     let Some(python) = python_or_skip() else { return };
-    if kvcache_models::gemma::gemma_path_for_tests().is_none() {
+    if model_file(TestModel::Gemma3).is_none() {
         let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
         return;
     }

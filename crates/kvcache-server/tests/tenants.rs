@@ -6,6 +6,7 @@
 mod common;
 
 use common::Server;
+use kvcache_testkit::models::{model_file, TestModel};
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -99,7 +100,7 @@ async fn without_keys_no_key_is_asked_for() {
 /// exit status and its stderr lines.
 fn start_and_wait(args: &[&str]) -> (Option<std::process::ExitStatus>, Vec<String>) {
     use std::io::{BufRead, BufReader};
-    let Some(model) = kvcache_models::paths::model_path_for_tests() else {
+    let Some(model) = model_file(TestModel::SmolLM2) else {
         return (None, Vec::new());
     };
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
@@ -144,7 +145,7 @@ fn start_and_wait(args: &[&str]) -> (Option<std::process::ExitStatus>, Vec<Strin
 
 #[test]
 fn a_keys_file_without_keys_or_unreadable_is_refused_at_start() {
-    if kvcache_models::paths::model_path_for_tests().is_none() {
+    if model_file(TestModel::SmolLM2).is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

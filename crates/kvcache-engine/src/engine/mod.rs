@@ -352,6 +352,12 @@ where
                 req.id
             )));
         }
+        if req.min_tokens > req.max_new_tokens {
+            return Err(EngineError::InvalidArgument(format!(
+                "request {}: min_tokens {} exceeds max_new_tokens {}",
+                req.id, req.min_tokens, req.max_new_tokens
+            )));
+        }
         if let Some(ctx) = self.config.context {
             if req.prompt.len() + 1 > ctx || self.config.keep + 2 > ctx {
                 return Err(EngineError::InvalidArgument(format!(
@@ -604,6 +610,11 @@ where
                 });
             }
             let row = logits.next().expect("one row of logits per pick");
+            // Before `min_tokens`, what would end the request cannot be picked.
+            let held = slot
+                .req
+                .hold_back_end(slot.generated.len(), row, &self.config.stop_tokens);
+            let row = held.as_deref().unwrap_or(row.as_slice());
             let (token, logprobs) = match slot.sampler.as_mut() {
                 Some(sampler) => (sampler.sample(row), sampler.take_logprobs()),
                 None => (argmax(row), None),
@@ -612,12 +623,39 @@ where
             slot.generated.push(token);
             slot.tokens.push(token);
             self.stats.generated_tokens += 1;
-            let stop_token = self.config.stop_tokens.contains(&token);
+            let stop_token = slot.req.ends_on(token, &self.config.stop_tokens)
+                && slot.generated.len() > slot.req.min_tokens;
             let length = slot.generated.len() == slot.req.max_new_tokens;
+            if first && slot.req.defers_stops() {
+                // Stop sequences wait for `min_tokens`: the text is told
+                // without them until then.
+                slot.text = self
+                    .tokenizer
+                    .as_ref()
+                    .map(|t| Detokenizer::new(t.clone(), Vec::new()));
+            }
             let shown = match slot.text.as_mut() {
                 Some(text) => text.token(token, stop_token, length, logprobs),
                 None => Ok(Shown::untold(logprobs)),
             };
+            let shown = shown.and_then(|mut shown| {
+                let armed = match &self.tokenizer {
+                    Some(t) if !(stop_token || length) => {
+                        slot.req.arms_stops_after(t.as_ref(), &slot.generated)
+                    }
+                    _ => false,
+                };
+                if let (true, Some(t)) = (armed, &self.tokenizer) {
+                    // From the next token on, the text is told with the stop
+                    // sequences; what the text without them still held goes
+                    // out with this token.
+                    let told = Detokenizer::new(t.clone(), slot.req.stop.clone());
+                    if let Some(mut without) = slot.text.replace(told) {
+                        shown.text.push_str(&without.finish()?);
+                    }
+                }
+                Ok(shown)
+            });
             let Shown { text, stop, logprobs } = match shown {
                 Ok(shown) => shown,
                 Err(error) => {

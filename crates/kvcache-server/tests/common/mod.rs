@@ -7,6 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+use kvcache_testkit::models::{model_file, TestModel};
+
 /// The tokenizer of the model the test servers run (SmolLM2's, from its file).
 pub fn tokenizer() -> kvcache_models::tokenizer::ChatTokenizer {
     let path = kvcache_models::paths::model_path().expect("model");
@@ -43,14 +45,14 @@ impl Server {
     /// that (`kvcache-models/tests/equivalence_tiny.rs`). The Gemma tests run
     /// the server's default mode.
     pub fn start(args: &[&str]) -> Option<Server> {
-        let model = kvcache_models::paths::model_path_for_tests()?;
+        let model = model_file(TestModel::SmolLM2)?;
         Some(Self::spawn(&model, &with_f32(args), None))
     }
 
     /// Starts the server on Gemma 3 270M (`$KVCACHE_GEMMA`) with `args`
     /// added; `None` (with a printed reason) when there is no Gemma file.
     pub fn start_gemma(args: &[&str]) -> Option<Server> {
-        let model = kvcache_models::gemma::gemma_path_for_tests()?;
+        let model = model_file(TestModel::Gemma3)?;
         Some(Self::spawn(&model, args, None))
     }
 
@@ -58,7 +60,7 @@ impl Server {
     /// (its log) in the returned list as well as passing it on.
     pub fn start_logged(args: &[&str]) -> Option<(Server, Arc<Mutex<Vec<String>>>)> {
         let lines = Arc::new(Mutex::new(Vec::new()));
-        let model = kvcache_models::paths::model_path_for_tests()?;
+        let model = model_file(TestModel::SmolLM2)?;
         Some((Self::spawn(&model, &with_f32(args), Some(lines.clone())), lines))
     }
 
