@@ -17,7 +17,9 @@
 //!
 //! The text handed out is then held back while it ends in what could be the
 //! start of a stop sequence; a stop sequence found ends the text right before
-//! it, and nothing after it is ever handed out. Control tokens (the template's
+//! it, and nothing after it is ever handed out. A request with a minimum
+//! length matches its stop sequences only in the text handed out from its
+//! `min_tokens`-th token on ([`Detokenizer::matching_from`], vLLM's rule). Control tokens (the template's
 //! turn markers, `<eos>`) never show: the tokenizer's
 //! [`decode_text`](Tokenizer::decode_text) leaves them out, and the engine
 //! asks [`Detokenizer::is_control`] to leave them out of log-probabilities too.
@@ -89,6 +91,11 @@ pub struct Detokenizer {
     /// before an incomplete character at its end).
     sent: usize,
     stops: StopMatcher,
+    /// Tokens pushed so far.
+    pushed: usize,
+    /// The token from which on stop sequences are matched (1-based; 0 and 1:
+    /// from the first).
+    match_from: usize,
 }
 
 impl Detokenizer {
@@ -102,7 +109,22 @@ impl Detokenizer {
             prefix_text: String::new(),
             sent: 0,
             stops: StopMatcher::new(stops),
+            pushed: 0,
+            match_from: 0,
         }
+    }
+
+    /// Matches the stop sequences only in the text handed out from the
+    /// `min_tokens`-th token on: a stop sequence that starts earlier is not
+    /// one.
+    pub fn matching_from(mut self, min_tokens: usize) -> Self {
+        self.match_from = min_tokens;
+        self
+    }
+
+    /// Whether stop sequences are matched in the text of the token pushed last.
+    fn matching(&self) -> bool {
+        self.pushed >= self.match_from
     }
 
     /// Adds the next generated `token`: the text it completes, and the stop
@@ -112,7 +134,11 @@ impl Detokenizer {
             return Ok(Pushed::default());
         }
         self.window.push(token);
+        self.pushed += 1;
         let text = self.decode(token, false)?;
+        if !self.matching() {
+            return Ok(Pushed { text, stop: None });
+        }
         Ok(self.stops.push(&text))
     }
 
@@ -126,6 +152,9 @@ impl Detokenizer {
         }
         let last = self.window.last().copied().unwrap_or_default();
         let text = self.decode(last, true)?;
+        if !self.matching() {
+            return Ok(text);
+        }
         let pushed = self.stops.push(&text);
         let mut out = pushed.text;
         if pushed.stop.is_none() {
@@ -299,6 +328,81 @@ mod tests {
 
     fn matcher(stops: &[&str]) -> StopMatcher {
         StopMatcher::new(stops.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Token 0 is `a`; 1 and 2 are the two bytes of `é`.
+    #[derive(Debug)]
+    struct SplitE;
+
+    impl Tokenizer for SplitE {
+        fn encode(&self, _: &str) -> kvcache_models::Result<Vec<u32>> {
+            Ok(Vec::new())
+        }
+        fn chat_ids(
+            &self,
+            _: &[kvcache_models::tokenizer::Message],
+            _: bool,
+        ) -> kvcache_models::Result<Vec<u32>> {
+            Ok(Vec::new())
+        }
+        fn decode(&self, ids: &[u32]) -> kvcache_models::Result<String> {
+            let bytes: Vec<u8> = ids.iter().flat_map(|&t| self.token_bytes(t)).collect();
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        }
+        fn decode_text(&self, ids: &[u32]) -> kvcache_models::Result<String> {
+            self.decode(ids)
+        }
+        fn token_bytes(&self, id: u32) -> Vec<u8> {
+            vec![[b'a', 0xc3, 0xa9][id as usize]]
+        }
+        fn eos_token_id(&self) -> u32 {
+            0
+        }
+        fn end_of_turn_ids(&self) -> Vec<u32> {
+            Vec::new()
+        }
+        fn vocab_size(&self) -> usize {
+            3
+        }
+    }
+
+    #[test]
+    fn stop_sequences_are_matched_from_the_min_tokens_th_token_on() {
+        let tokens = |stops: &[&str], min: usize, ids: &[u32]| -> Vec<Pushed> {
+            let stops = stops.iter().map(|s| s.to_string()).collect();
+            let mut text = Detokenizer::new(Arc::new(SplitE), stops).matching_from(min);
+            ids.iter().map(|&id| text.push(id).unwrap()).collect()
+        };
+        let pushed = |text: &str, stop: Option<usize>| Pushed {
+            text: text.into(),
+            stop,
+        };
+        // `a` stops the text only from the third token on.
+        assert_eq!(
+            tokens(&["a"], 3, &[0, 0, 0, 0]),
+            [
+                pushed("a", None),
+                pushed("a", None),
+                pushed("", Some(0)),
+                pushed("", None)
+            ]
+        );
+        // An `é` split over tokens 2 and 3 completes at the third: matched.
+        assert_eq!(
+            tokens(&["é"], 3, &[1, 2, 1, 2]),
+            [
+                pushed("", None),
+                pushed("é", None),
+                pushed("", None),
+                pushed("", Some(0))
+            ]
+        );
+        // Without a minimum, from the first.
+        assert_eq!(tokens(&["a"], 0, &[0]), [pushed("", Some(0))]);
+        // A length end before the minimum tells everything, stops unmatched.
+        let mut text = Detokenizer::new(Arc::new(SplitE), vec!["a".into()]).matching_from(5);
+        assert_eq!(text.push(0).unwrap(), pushed("a", None));
+        assert_eq!(text.token(0, false, true, None).unwrap().text, "a");
     }
 
     #[test]

@@ -538,7 +538,7 @@ where
             let text = self
                 .tokenizer
                 .as_ref()
-                .map(|t| Detokenizer::new(t.clone(), req.stop.clone()));
+                .map(|t| Detokenizer::new(t.clone(), req.stop.clone()).matching_from(req.min_tokens));
             self.slots[seq] = Some(Slot {
                 tokens: req.prompt.clone(),
                 req,
@@ -626,36 +626,10 @@ where
             let stop_token = slot.req.ends_on(token, &self.config.stop_tokens)
                 && slot.generated.len() > slot.req.min_tokens;
             let length = slot.generated.len() == slot.req.max_new_tokens;
-            if first && slot.req.defers_stops() {
-                // Stop sequences wait for `min_tokens`: the text is told
-                // without them until then.
-                slot.text = self
-                    .tokenizer
-                    .as_ref()
-                    .map(|t| Detokenizer::new(t.clone(), Vec::new()));
-            }
             let shown = match slot.text.as_mut() {
                 Some(text) => text.token(token, stop_token, length, logprobs),
                 None => Ok(Shown::untold(logprobs)),
             };
-            let shown = shown.and_then(|mut shown| {
-                let armed = match &self.tokenizer {
-                    Some(t) if !(stop_token || length) => {
-                        slot.req.arms_stops_after(t.as_ref(), &slot.generated)
-                    }
-                    _ => false,
-                };
-                if let (true, Some(t)) = (armed, &self.tokenizer) {
-                    // From the next token on, the text is told with the stop
-                    // sequences; what the text without them still held goes
-                    // out with this token.
-                    let told = Detokenizer::new(t.clone(), slot.req.stop.clone());
-                    if let Some(mut without) = slot.text.replace(told) {
-                        shown.text.push_str(&without.finish()?);
-                    }
-                }
-                Ok(shown)
-            });
             let Shown { text, stop, logprobs } = match shown {
                 Ok(shown) => shown,
                 Err(error) => {

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use kvcache_api::{Namespace, Pos, SeqId};
-use kvcache_models::Tokenizer;
 
 use crate::detokenizer::DecodeError;
 use crate::sampling::TokenLogprobs;
@@ -84,38 +83,6 @@ impl Request {
         }
         Some(masked)
     }
-
-    /// Whether the stop sequences wait for `min_tokens`: the answer's text
-    /// is then told without them until [`Request::arms_stops_after`] says.
-    pub(super) fn defers_stops(&self) -> bool {
-        self.min_tokens > 1 && !self.stop.is_empty()
-    }
-
-    /// Whether the stop sequences start to be matched right after the last
-    /// of `generated` (a request whose stops wait, [`Request::defers_stops`]):
-    /// after the `min_tokens - 1`-th token, or the first token after it at
-    /// which the text ends on a whole character, so that the text told
-    /// without stops hands over nothing half-decoded.
-    pub(super) fn arms_stops_after(&self, tokenizer: &dyn Tokenizer, generated: &[u32]) -> bool {
-        if !self.defers_stops() || generated.len() + 1 < self.min_tokens {
-            return false;
-        }
-        let first = self.min_tokens - 1;
-        let whole = |n: usize| ends_on_a_whole_character(tokenizer, &generated[..n]);
-        whole(generated.len()) && (first..generated.len()).all(|n| !whole(n))
-    }
-}
-
-/// Whether the text of `tokens` ends on a whole character: the lossy
-/// decoding of its last few tokens (enough for any split character) does
-/// not end in `U+FFFD`. A failed decoding counts as whole: the
-/// detokenizer reports it.
-fn ends_on_a_whole_character(tokenizer: &dyn Tokenizer, tokens: &[u32]) -> bool {
-    /// More tokens than the bytes of one UTF-8 character, control tokens
-    /// (which add no text) among them or not.
-    const TAIL: usize = 8;
-    let tail = &tokens[tokens.len().saturating_sub(TAIL)..];
-    !matches!(tokenizer.decode_text(tail), Ok(text) if text.ends_with('\u{fffd}'))
 }
 
 /// Why a request ended.
@@ -247,62 +214,6 @@ pub enum Event {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Token 0 is `a`; 1 and 2 are the two bytes of `é`.
-    #[derive(Debug)]
-    struct SplitE;
-
-    impl Tokenizer for SplitE {
-        fn encode(&self, _: &str) -> kvcache_models::Result<Vec<u32>> {
-            Ok(Vec::new())
-        }
-        fn chat_ids(
-            &self,
-            _: &[kvcache_models::tokenizer::Message],
-            _: bool,
-        ) -> kvcache_models::Result<Vec<u32>> {
-            Ok(Vec::new())
-        }
-        fn decode(&self, ids: &[u32]) -> kvcache_models::Result<String> {
-            let bytes: Vec<u8> = ids.iter().flat_map(|&t| self.token_bytes(t)).collect();
-            Ok(String::from_utf8_lossy(&bytes).into_owned())
-        }
-        fn decode_text(&self, ids: &[u32]) -> kvcache_models::Result<String> {
-            self.decode(ids)
-        }
-        fn token_bytes(&self, id: u32) -> Vec<u8> {
-            vec![[b'a', 0xc3, 0xa9][id as usize]]
-        }
-        fn eos_token_id(&self) -> u32 {
-            0
-        }
-        fn end_of_turn_ids(&self) -> Vec<u32> {
-            Vec::new()
-        }
-        fn vocab_size(&self) -> usize {
-            3
-        }
-    }
-
-    #[test]
-    fn stops_are_armed_once_after_min_tokens_minus_one_on_a_whole_character() {
-        let mut request = Request::new(0, vec![0], 8);
-        request.stop = vec!["x".into()];
-        request.min_tokens = 3;
-        assert!(request.defers_stops());
-        let armed = |generated: &[u32]| request.arms_stops_after(&SplitE, generated);
-        // After the second token, on a whole character: armed there, once.
-        assert!(!armed(&[0]));
-        assert!(armed(&[0, 0]));
-        assert!(!armed(&[0, 0, 0]));
-        // The second token starts `é`: armed after the third completes it.
-        assert!(!armed(&[0, 1]));
-        assert!(armed(&[0, 1, 2]));
-        assert!(!armed(&[0, 1, 2, 0]));
-        // Without stops, or with min_tokens of 1, nothing waits.
-        request.min_tokens = 1;
-        assert!(!request.defers_stops());
-    }
 
     #[test]
     fn the_end_is_held_back_until_min_tokens_and_ignore_eos_drops_only_the_engines_stops() {
