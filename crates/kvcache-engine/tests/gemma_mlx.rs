@@ -42,11 +42,12 @@ use std::time::Instant;
 use kvcache_engine::mlx::MlxGemmaChatServer;
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use kvcache_models::gemma::tokenizer::end_of_reply;
-use kvcache_models::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
+use kvcache_models::gemma::{chat_turn, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
 use kvcache_models::mlx::model::to_host;
 use kvcache_models::mlx::{MlxGemma, MlxGemmaLayer};
 use kvcache_models::ModelError;
 use kvcache_models::{paths, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 use kvcache_trie::PrefixCache;
 use mlx_rs::Array;
 
@@ -415,7 +416,7 @@ fn real_schedule(t: &GemmaTokenizer, turns: usize) -> (Vec<u32>, [Turns; 2], Vec
 /// evicts) with every compared logit row within 1e-3 of the full recompute.
 #[test]
 fn real_gemma_through_the_trie_equals_recompute() {
-    let Some(path) = gemma_path_for_tests() else {
+    let Some(path) = model_file(TestModel::Gemma3) else {
         return;
     };
     let t0 = Instant::now();

@@ -18,7 +18,8 @@ use kvcache_engine::mlx::MlxChatServer;
 use kvcache_models::mlx::model::to_host;
 use kvcache_models::mlx::{HostWeights, MlxLlama};
 use kvcache_models::tokenizer::{chatml, Message, Role};
-use kvcache_models::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
+use kvcache_models::{ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 
 const TOL: f32 = 1e-3;
@@ -35,7 +36,7 @@ fn loaded() -> Option<&'static Loaded> {
     static LOADED: OnceLock<Option<Loaded>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let path = paths::model_path_for_tests()?;
+            let path = model_file(TestModel::SmolLM2)?;
             let file = ModelFile::open(&path).unwrap();
             let weights = HostWeights::load(&file, &mut |_| {}).unwrap();
             let tokenizer = file.tokenizer().unwrap();

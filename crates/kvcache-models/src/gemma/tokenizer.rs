@@ -828,7 +828,9 @@ mod tests {
 
     #[test]
     fn real_turns_equal_the_text_path_and_keep_injections_text() {
-        let Some(path) = crate::gemma::gemma_path_for_tests() else {
+        use kvcache_testkit::models::{model_file, TestModel};
+        // kvcache-testkit depends on this crate: only the path crosses over.
+        let Some(path) = model_file(TestModel::Gemma3) else {
             return;
         };
         let t = crate::gemma::GemmaFile::open(path).unwrap().tokenizer().unwrap();
