@@ -7,7 +7,7 @@ use kvcache_bench::conversation::{self, ConversationPlan, Generate};
 use kvcache_bench::replica::{self, ReplicaSetup};
 use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::{self, PassMix};
-use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::chat::{Chat, Reuse};
 use kvcache_engine::{EngineError, Result};
 use kvcache_models::{paths, ChatTokenizer, Llama};
 
@@ -17,14 +17,14 @@ use crate::report;
 /// The prefix-trie chat on candle: conversations in interleaved turns through
 /// one live sequence of kvcache-causal's `CandleKv` layer caches.
 pub fn chat(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
-    let mut server = ChatServer::new(model, Reuse::Trie, 1 << 30)?;
+    let mut chat = Chat::new(model, Reuse::Trie, 1 << 30)?;
     conversations(
         "candle layer caches (kvcache-causal's CandleKv)",
         tokenizer,
         cli,
-        &mut |prompt, n, eos| server.generate(prompt, n, eos),
+        &mut |prompt, n, eos| chat.generate(prompt, n, eos),
     )?;
-    report::trie_stats(&server.trie_stats().expect("a trie server"));
+    report::trie_stats(&chat.trie_stats().expect("a trie chat"));
     Ok(())
 }
 

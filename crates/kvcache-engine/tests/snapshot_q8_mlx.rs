@@ -46,7 +46,7 @@ struct Run {
 
 /// Runs `requests` of the trace through a trie of one `KvCache` per layer
 /// keeping its snapshots as `encoding` says, under `budget` bytes: the loop of
-/// `MlxChatServer` (restore, prefill, greedy decode, close), keeping logits.
+/// `MlxChat` (restore, prefill, greedy decode, close), keeping logits.
 fn run(model: &MlxLlama, trace: &Trace, requests: usize, encoding: SnapshotEncoding, budget: usize) -> Run {
     let caches = (0..model.config().n_layers)
         .map(|_| KvCache::new().with_snapshot_encoding(encoding).unwrap())
