@@ -19,8 +19,9 @@
 use candle_core::Device;
 use kvcache_bench::e5::{self, E5Policy, E5Trace, E5Verdict};
 use kvcache_bench::knobs::knob;
-use kvcache_models::gemma::{gemma_path_for_tests, GemmaFile};
+use kvcache_models::gemma::GemmaFile;
 use kvcache_models::WeightMode;
+use kvcache_testkit::models::{model_file, TestModel};
 
 fn policy(name: &str) -> Option<E5Policy> {
     match name.trim() {
@@ -41,7 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         return Ok(());
     }
-    let Some(path) = gemma_path_for_tests() else {
+    let Some(path) = model_file(TestModel::Gemma3) else {
         return Ok(());
     };
     let full = E5Trace::load(e5::e5_trace_path())?;

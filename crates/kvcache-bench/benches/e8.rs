@@ -40,6 +40,7 @@ use kvcache_bench::workloads::causal_cache;
 use kvcache_causal::CausalKvCache;
 use kvcache_models::attention::AttentionPath;
 use kvcache_models::{paths, BatchToken, Llama, LlamaConfig, ModelFile, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -204,7 +205,7 @@ fn main() -> Result<(), Error> {
     let mut model = if random {
         Llama::random(LlamaConfig::smollm2_135m(), 8, &device)?
     } else {
-        let Some(path) = paths::model_path_for_tests() else {
+        let Some(path) = model_file(TestModel::SmolLM2) else {
             return Ok(());
         };
         ModelFile::open(&path)?.load(&device, WeightMode::F32, &mut |_| {})?

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use kvcache_api::{CausalConfig, Pos};
-use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
+use kvcache_engine::chat::{Chat, Reuse, TurnOutcome};
 use kvcache_engine::{EngineError, Result};
 use kvcache_models::argmax;
 use kvcache_models::{BatchToken, Llama};
@@ -243,7 +243,7 @@ pub struct E1Row {
     pub turn: usize,
     /// The trace's minimum prefill for this request.
     pub min_prefill: usize,
-    /// What the server did.
+    /// What the chat did.
     pub outcome: TurnOutcome,
 }
 
@@ -338,7 +338,7 @@ impl fmt::Display for E1Verdict {
     }
 }
 
-/// Runs the first `requests` requests of the E1 trace through a [`ChatServer`]
+/// Runs the first `requests` requests of the E1 trace through a [`Chat`]
 /// with `reuse`, each generating `n_predict` tokens greedily (end of sequence
 /// ignored) from the trace's token ids; `log` sees each request as it finishes.
 pub fn e1_chat_reuse(
@@ -351,10 +351,10 @@ pub fn e1_chat_reuse(
     log: &mut dyn FnMut(&E1Row),
 ) -> Result<E1Report> {
     let start = Instant::now();
-    let mut server = ChatServer::new(model, reuse, budget_bytes)?;
+    let mut chat = Chat::new(model, reuse, budget_bytes)?;
     let mut rows = Vec::new();
     for r in trace.requests.iter().take(requests) {
-        let outcome = server.generate(&r.token_ids, n_predict, None)?;
+        let outcome = chat.generate(&r.token_ids, n_predict, None)?;
         let row = E1Row {
             idx: r.idx,
             conv: r.conv,
@@ -372,8 +372,8 @@ pub fn e1_chat_reuse(
     })
 }
 
-/// Runs the first `requests` requests of the E1 trace through one [`ChatServer`]
-/// per policy in `policies`, alternating: each request goes to every server in
+/// Runs the first `requests` requests of the E1 trace through one [`Chat`]
+/// per policy in `policies`, alternating: each request goes to every chat in
 /// turn before the next request, so that the policies' times to first token are
 /// taken under the same machine load (a shared machine's load drifts over the
 /// tens of minutes a policy takes alone). `log` sees each request of each policy
@@ -388,9 +388,9 @@ pub fn e1_chat_reuse_interleaved(
     budget_bytes: usize,
     log: &mut dyn FnMut(Reuse, &E1Row),
 ) -> Result<Vec<E1Report>> {
-    let mut servers = policies
+    let mut chats = policies
         .iter()
-        .map(|&reuse| ChatServer::new(model, reuse, budget_bytes))
+        .map(|&reuse| Chat::new(model, reuse, budget_bytes))
         .collect::<Result<Vec<_>>>()?;
     let mut reports: Vec<E1Report> = policies
         .iter()
@@ -401,9 +401,9 @@ pub fn e1_chat_reuse_interleaved(
         })
         .collect();
     for r in trace.requests.iter().take(requests) {
-        for (server, report) in servers.iter_mut().zip(&mut reports) {
+        for (chat, report) in chats.iter_mut().zip(&mut reports) {
             let start = Instant::now();
-            let outcome = server.generate(&r.token_ids, n_predict, None)?;
+            let outcome = chat.generate(&r.token_ids, n_predict, None)?;
             report.elapsed += start.elapsed();
             let row = E1Row {
                 idx: r.idx,

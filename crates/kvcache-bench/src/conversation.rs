@@ -1,14 +1,14 @@
 //! Several multi-turn conversations answered in interleaved turns through one
-//! chat server: the workload that shows prefix reuse across conversations.
+//! chat: the workload that shows prefix reuse across conversations.
 //!
 //! Every conversation opens with [`SYSTEM_PROMPT`] and its own first question;
 //! later turns ask the [`FOLLOW_UPS`] in order. Turn `t` of every conversation
-//! is answered before turn `t + 1` of any, so a trie-backed server switches
+//! is answered before turn `t + 1` of any, so a trie-backed chat switches
 //! conversations on every request and must page them in and out.
 //!
-//! The server is any `generate(prompt, n_predict, eos)` function
-//! ([`Generate`]): [`ChatServer::generate`](kvcache_engine::chat::ChatServer::generate)
-//! on candle, or the mlx chat server.
+//! The chat is any `generate(prompt, n_predict, eos)` function
+//! ([`Generate`]): [`Chat::generate`](kvcache_engine::chat::Chat::generate)
+//! on candle, or the mlx chat.
 
 use kvcache_engine::chat::TurnOutcome;
 use kvcache_engine::{EngineError, Result};
@@ -28,7 +28,7 @@ pub const FOLLOW_UPS: &[&str] = &[
     "Thank you!",
 ];
 
-/// A chat server's `generate(prompt, n_predict, eos)`: greedy tokens for
+/// A chat's `generate(prompt, n_predict, eos)`: greedy tokens for
 /// `prompt`, at most `n_predict`, stopping after `eos` if given.
 pub type Generate<'a> = dyn FnMut(&[u32], usize, Option<u32>) -> Result<TurnOutcome> + 'a;
 
@@ -55,7 +55,7 @@ pub struct ConversationTurn {
     pub user: String,
     /// The assistant's reply, decoded, without the end-of-turn token and trimmed.
     pub reply: String,
-    /// What the server did for it.
+    /// What the chat did for it.
     pub outcome: TurnOutcome,
 }
 

@@ -8,7 +8,7 @@
 //! - [`workloads`]: continuous batching, a sliding window and a context shift,
 //!   each as an engine ready to run.
 //! - [`conversation`]: several multi-turn conversations answered in interleaved
-//!   turns through a chat server.
+//!   turns through a chat.
 //! - [`replica`]: an engine process answering trace requests over a shared
 //!   store, the handle that drives one (started by a command its caller
 //!   builds: the flags belong to the binary that serves replicas), and a

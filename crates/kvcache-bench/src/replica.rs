@@ -4,7 +4,7 @@
 //!
 //! A *replica* is a process that calls [`run_process`] with the
 //! [`ReplicaOptions`] its command line gave (kvcache-demo's `--replica` is
-//! one; its flags are the demo's own): it loads the model, opens a chat server
+//! one; its flags are the demo's own): it loads the model, opens a chat
 //! over the prefix trie and the store the options name, prints `ready`, then
 //! answers one command per line on stdin with one JSON line on stdout:
 //!
@@ -26,7 +26,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use candle_core::Device;
-use kvcache_engine::chat::{ChatServer, Reuse, TurnOutcome};
+use kvcache_engine::chat::{Chat, Reuse, TurnOutcome};
 use kvcache_engine::store::{self, StoreOptions};
 use kvcache_engine::{EngineError, Result};
 use kvcache_models::{Llama, ModelFile, WeightMode};
@@ -63,11 +63,11 @@ pub fn run_process(options: &ReplicaOptions, input: impl BufRead, output: impl W
     let model = ModelFile::open(&options.model)?.load(&options.device, options.weights, &mut |_| {})?;
     let trace = Trace::load(&options.trace)?;
     if options.store.dir.is_none() && options.store.redis.is_none() {
-        let mut server = ChatServer::new(&model, Reuse::Trie, TRIE_BUDGET)?;
+        let mut chat = Chat::new(&model, Reuse::Trie, TRIE_BUDGET)?;
         return serve(
             &model,
             &trace,
-            &mut server,
+            &mut chat,
             &|| {},
             options.n_predict,
             input,
@@ -76,12 +76,12 @@ pub fn run_process(options: &ReplicaOptions, input: impl BufRead, output: impl W
     }
     let fingerprint = store::model_fingerprint(&options.model, options.weights)?;
     let store = store::open(fingerprint, store::kv_layout(&model), &options.store)?;
-    let mut server = ChatServer::with_store(&model, TRIE_BUDGET, store.clone(), STORE_DEADLINE)?;
+    let mut chat = Chat::with_store(&model, TRIE_BUDGET, store.clone(), STORE_DEADLINE)?;
     let flush = || store.flush();
     serve(
         &model,
         &trace,
-        &mut server,
+        &mut chat,
         &flush,
         options.n_predict,
         input,
@@ -133,12 +133,12 @@ impl TurnLine {
 }
 
 /// Serves replica commands from `input` to `output` (see the module docs) with
-/// `server` for `run` and a fresh no-reuse server per `recompute`; `flush`
+/// `chat` for `run` and a fresh no-reuse chat per `recompute`; `flush`
 /// waits for `store` to drain.
 pub fn serve(
     model: &Llama,
     trace: &Trace,
-    server: &mut ChatServer<'_>,
+    chat: &mut Chat<'_>,
     flush: &dyn Fn(),
     n_predict: usize,
     input: impl BufRead,
@@ -164,9 +164,9 @@ pub fn serve(
                     EngineError::InvalidArgument(format!("request {i} of {}", trace.requests.len()))
                 })?;
                 let outcome = if *command == "run" {
-                    server.generate(&request.token_ids, n_predict, None)?
+                    chat.generate(&request.token_ids, n_predict, None)?
                 } else {
-                    ChatServer::new(model, Reuse::None, 0)?.generate(&request.token_ids, n_predict, None)?
+                    Chat::new(model, Reuse::None, 0)?.generate(&request.token_ids, n_predict, None)?
                 };
                 serde_json::to_string(&TurnLine::new(request, &outcome))
                     .map_err(|e| EngineError::Format(e.to_string()))?
@@ -439,13 +439,13 @@ mod tests {
                  "best_prefix_with_earlier":4,"token_ids":[1,2,3,4,9,9],"min_prefill":2}]}"#,
         )
         .unwrap();
-        let mut server = ChatServer::new(&model, Reuse::Trie, 1 << 20).unwrap();
+        let mut chat = Chat::new(&model, Reuse::Trie, 1 << 20).unwrap();
         let mut out = Vec::new();
         // One token each: the trie keeps exactly the evaluated prompt.
         serve(
             &model,
             &trace,
-            &mut server,
+            &mut chat,
             &|| {},
             1,
             "run 0\nrun 1\nrecompute 1\n".as_bytes(),
@@ -459,7 +459,7 @@ mod tests {
         assert_eq!((turn(2).idx, turn(2).cached, turn(2).evaluated), (1, 4, 2));
         assert_eq!((turn(3).cached, turn(3).evaluated), (0, 6));
         for bad in ["run 7\n", "jump 1\n", "run x\n"] {
-            let err = serve(&model, &trace, &mut server, &|| {}, 1, bad.as_bytes(), Vec::new()).unwrap_err();
+            let err = serve(&model, &trace, &mut chat, &|| {}, 1, bad.as_bytes(), Vec::new()).unwrap_err();
             assert!(matches!(err, EngineError::InvalidArgument(_)), "{bad:?}: {err}");
         }
     }

@@ -81,8 +81,10 @@ pub fn continuous_batching<'m>(
 }
 
 /// Sliding window: `sequences` requests (at most as many as questions) that
-/// attend to their last `window` positions, `max_new` tokens each, in a cache
-/// of 4096 positions per sequence whose memory keeps only what the window needs.
+/// attend to their last `window` positions, `max_new` tokens each (ending at
+/// the end of turn), in a cache of 4096 positions per sequence whose memory
+/// keeps only what the window needs. A sequence reaches the window once its
+/// prompt and answer together are longer: ask for long answers.
 pub fn sliding_window<'m>(
     model: &'m Llama,
     tokenizer: &ChatTokenizer,
@@ -109,6 +111,7 @@ pub fn sliding_window<'m>(
         EngineConfig {
             max_batch: 128,
             prefill_chunk: 64,
+            stop_tokens: tokenizer.end_of_turn_ids(),
             ..EngineConfig::default()
         },
     )?;
@@ -123,10 +126,12 @@ pub fn sliding_window<'m>(
 }
 
 /// Context shift: one request asking `question` in a context of `context`
-/// positions that generates one and a half contexts' worth of tokens, so the
-/// engine drops old positions (keeping the prompt, up to half the context) and
-/// re-rotates the later keys. `None` when the prompt leaves no room to
-/// generate (it needs `context - 2` positions at most).
+/// positions, allowed one and a half contexts' worth of tokens and ending at
+/// the end of turn, so that an answer longer than what the context leaves
+/// after the prompt makes the engine drop old positions (keeping the prompt,
+/// up to half the context) and re-rotate the later keys. `None` when the
+/// prompt leaves no room to generate (it needs `context - 2` positions at
+/// most).
 pub fn context_shift<'m>(
     model: &'m Llama,
     tokenizer: &ChatTokenizer,
@@ -147,7 +152,7 @@ pub fn context_shift<'m>(
             prefill_chunk: 64,
             context: Some(context),
             keep: prompt.len().min(context / 2),
-            stop_tokens: Vec::new(),
+            stop_tokens: tokenizer.end_of_turn_ids(),
             block_tokens: None,
         },
     )?;

@@ -11,6 +11,7 @@ use kvcache_bench::bench::{e1_chat_reuse, e2_batched_decode, E2Config};
 use kvcache_bench::trace::Trace;
 use kvcache_engine::chat::Reuse;
 use kvcache_models::{paths, Llama, LlamaConfig, ModelFile, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 
 fn prompt(id: usize) -> Vec<u32> {
     (0..3 + (id * 5) % 9)
@@ -35,7 +36,7 @@ fn e2_modes_decode_the_same_tokens() {
 
 #[test]
 fn prefix_trie_evaluates_the_minimum_on_the_e1_trace() {
-    let Some(path) = paths::model_path_for_tests() else {
+    let Some(path) = model_file(TestModel::SmolLM2) else {
         return;
     };
     let model = ModelFile::open(&path)

@@ -18,8 +18,9 @@ use std::iter::once;
 
 use candle_core::{Device, Tensor};
 use kvcache_bench::e5::{self, E5Meta, E5Policy, E5Report, E5Trace, E5Turn};
-use kvcache_models::gemma::{gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaLayer};
+use kvcache_models::gemma::{Gemma, GemmaConfig, GemmaFile, GemmaLayer};
 use kvcache_models::WeightMode;
+use kvcache_testkit::models::{model_file, TestModel};
 use kvcache_trie::PrefixCache;
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -55,7 +56,7 @@ fn last_logits(model: &Gemma, tokens: &[u32], layers: &mut [GemmaLayer]) -> kvca
 
 #[test]
 fn the_trie_path_equals_recompute_past_three_narrowed_windows() {
-    let Some(path) = gemma_path_for_tests() else {
+    let Some(path) = model_file(TestModel::Gemma3) else {
         return;
     };
     const WINDOW: usize = 64;

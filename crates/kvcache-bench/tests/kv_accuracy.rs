@@ -13,6 +13,7 @@ use kvcache_api::KvStorage;
 use kvcache_bench::kv_accuracy::{measure, model_perplexity, AccuracyPlan};
 use kvcache_bench::trace::Trace;
 use kvcache_models::{paths, ModelFile, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -23,7 +24,7 @@ fn env_or(name: &str, default: usize) -> usize {
 
 #[test]
 fn storage_types_keep_perplexity_and_save_memory() {
-    let Some(path) = paths::model_path_for_tests() else {
+    let Some(path) = model_file(TestModel::SmolLM2) else {
         return;
     };
     let file = ModelFile::open(&path).unwrap();
@@ -99,7 +100,7 @@ fn weight_modes_keep_perplexity() {
             assert!(change.abs() <= limit, "{name} {mode}: {p} vs f32 {f32_ppl}");
         }
     };
-    if let Some(path) = paths::model_path_for_tests() {
+    if let Some(path) = model_file(TestModel::SmolLM2) {
         let file = ModelFile::open(&path).unwrap();
         let mut tokens = file.tokenizer().unwrap().encode(&text).unwrap();
         tokens.truncate(512);
@@ -108,7 +109,7 @@ fn weight_modes_keep_perplexity() {
             model_perplexity(&model, &tokens, 128).unwrap()
         });
     }
-    if let Some(path) = kvcache_models::gemma::gemma_path_for_tests() {
+    if let Some(path) = model_file(TestModel::Gemma3) {
         let file = kvcache_models::gemma::GemmaFile::open(&path).unwrap();
         let mut tokens = file.tokenizer().unwrap().encode(&text, true, false);
         tokens.truncate(512);

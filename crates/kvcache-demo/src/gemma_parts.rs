@@ -1,25 +1,30 @@
 //! The demo's windowed parts on Gemma 3 270M (`--model gemma3`), a model whose
 //! layers attend through a sliding window of 512 positions, five in six of them,
 //! through a `LayerGroupCache` (window layers keeping a memory beyond the
-//! window, global layers everything):
+//! window, global layers everything), both run by `kvcache_engine::Engine`
+//! as the SmolLM2 parts are:
 //!
 //! - chat past the window: conversations longer than the window, continued
-//!   turn after turn from the cache, then a question edited, which resumes
-//!   behind the end (where a cache holding only the window recomputes the
-//!   whole prompt, llama.cpp's "forcing full prompt re-processing"), its
-//!   first logits checked against a full recompute (f32 weights);
+//!   turn after turn from the cache (the engine's prefix reuse: each
+//!   conversation's finished turn stays in its sequence), then a question
+//!   edited, which resumes behind the end (where a cache holding only the
+//!   window recomputes the whole prompt, llama.cpp's "forcing full prompt
+//!   re-processing"), its first token's log-probabilities checked against a
+//!   full recompute (f32 weights);
 //! - a context shift: one sequence generating past its context, both kinds
 //!   of layers re-rotating their keys with their own RoPE base.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, IndexOp, Tensor, D};
-use kvcache_api::{CausalCache, CausalConfig, Pos, PosRange, SeqId};
+use candle_core::{Device, IndexOp};
+use kvcache_api::{CausalConfig, Namespace, SeqId};
 use kvcache_causal::LayerGroupCache;
-use kvcache_engine::Result;
+use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Finished, Request};
+use kvcache_engine::sampling::{log_softmax, Sampler, SamplingOptions, SamplingParams, TokenLogprobs};
+use kvcache_engine::{EngineError, Result};
 use kvcache_models::gemma::{Gemma, GemmaFile, GemmaTokenizer};
-use kvcache_models::{BatchToken, WeightMode};
+use kvcache_models::WeightMode;
 
 use crate::cli::{Cli, Part};
 use crate::{progress, report};
@@ -163,8 +168,16 @@ fn load(path: &Path, device: &Device, weights: WeightMode) -> Result<(Gemma, Gem
     Ok((model, tokenizer))
 }
 
+/// The engine the Gemma parts run on.
+type GemmaEngine<'m> = Engine<'m, LayerGroupCache, Gemma>;
+
+/// Top log-probabilities the edited turn's check compares.
+const CHECKED_LOGPROBS: usize = 20;
+
 /// Conversations past the window: each in its own sequence of one
-/// `LayerGroupCache`, turns interleaved, the last question of each edited.
+/// `LayerGroupCache` (its own namespace, so that the engine continues it in
+/// place and never shares its cells with another), turns interleaved, the
+/// last question of each edited.
 pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> {
     let window = model.config().window;
     let memory = window + MEMORY_BEYOND_WINDOW;
@@ -173,7 +186,7 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
     let mut chat = Chat::new(model, tokenizer, base, memory)?;
     println!(
         "\n== chat past the window: {conversations} conversations, one sequence each of a LayerGroupCache \
-         (window layers: window {window}, memory {memory}; global layers: everything) =="
+         (window layers: window {window}, memory {memory}; global layers: everything), on the engine =="
     );
     println!(
         "  each conversation opens with notes of {} tokens (the window is {window}) and a first exchange \
@@ -191,6 +204,8 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             ids
         })
         .collect();
+    // Where each conversation's last user turn starts.
+    let mut turn_starts = vec![0; conversations];
     let mut totals = Totals::default();
     let turns = QUESTIONS[0].len() + 1;
     for turn in 0..turns {
@@ -200,23 +215,24 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             if edit {
                 // The user rewrites the last question: the conversation goes
                 // back to before it.
-                history.truncate(chat.turn_starts[c]);
+                history.truncate(turn_starts[c]);
             }
-            chat.turn_starts[c] = history.len();
+            turn_starts[c] = history.len();
             let mut prompt = history.clone();
             prompt.extend(tokenizer.encode_user_turn(question, false));
-            let t = chat.turn(c as SeqId, &prompt, cli.demo.max_new)?;
+            let check = edit && c == 0 && cli.model.weights != WeightMode::Candle;
+            let t = chat.turn(c, &prompt, cli.demo.max_new, check)?;
             totals.add(&t);
             report_turn(tokenizer, c, turn, edit, question, &t, window)?;
             if edit && c == 0 {
-                if cli.model.weights == WeightMode::Candle {
-                    println!(
+                match &t.first_logprobs {
+                    _ if !check => println!(
                         "      (no check against a full recompute with --weights candle: its kernels round \
                          activations to 8 bits, so a recompute without a cache differs by ~1 in the \
                          logits; kvcache-models' tests/gemma.rs checks that run layer by layer)"
-                    );
-                } else {
-                    verify(model, &prompt, &t.first_logits)?;
+                    ),
+                    Some(first) => verify(model, &prompt, first)?,
+                    None => println!("      (no check: the first reply token is a control token, without log-probabilities)"),
                 }
             }
             *history = prompt;
@@ -224,11 +240,11 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             history.extend(tokenizer.encode_reply_end(""));
         }
     }
-    let groups = chat.cache.groups();
+    let groups = chat.engine.cache().groups();
     let per_cell: Vec<usize> = groups.iter().map(|g| g.storage_bytes_per_cell()).collect();
     println!("  per conversation, what the cache holds against a full-size cache of the same context (llama.cpp's --swa-full):");
-    for c in 0..conversations {
-        let kept: Vec<usize> = groups.iter().map(|g| g.positions(c as SeqId).len()).collect();
+    for (c, &seq) in chat.seqs.iter().enumerate() {
+        let kept: Vec<usize> = groups.iter().map(|g| g.positions(seq).len()).collect();
         let held: usize = kept.iter().zip(&per_cell).map(|(k, b)| k * b).sum();
         let full = kept[1] * per_cell.iter().sum::<usize>();
         println!(
@@ -288,24 +304,39 @@ fn report_turn(
         t.time_to_first_token.as_secs_f64() * 1e3
     );
     println!("      user: {question}");
-    let reply = tokenizer.decode(&t.reply)?;
+    let reply = tokenizer.decode_text(&t.reply)?;
     println!("      model: {}", reply.trim().replace('\n', "\n             "));
+    if !t.ended_turn {
+        println!(
+            "      (cut at --max-new {} tokens, before the model ended its turn)",
+            t.reply.len()
+        );
+    }
     report::flush();
     Ok(())
 }
 
-/// Compares the first reply token's logits through the cache with a full
-/// recompute of `prompt` (windowed attention from scratch, no cache).
-fn verify(model: &Gemma, prompt: &[u32], cached: &Tensor) -> Result<()> {
+/// Compares the first reply token's log-probabilities through the cache (the
+/// chosen token's and its `CHECKED_LOGPROBS` most likely alternatives') with
+/// those of a full recompute of `prompt` (windowed attention from scratch,
+/// no cache).
+fn verify(model: &Gemma, prompt: &[u32], cached: &TokenLogprobs) -> Result<()> {
     let t0 = Instant::now();
     let hidden = model.hidden_full(prompt)?;
     let n = prompt.len();
-    let full = model.logits(&hidden.i(n - 1..n)?)?.squeeze(0)?;
-    let diff = (cached - &full)?.abs()?.max(0)?.to_scalar::<f32>()?;
+    let row = model.logits(&hidden.i(n - 1..n)?)?.squeeze(0)?.to_vec1::<f32>()?;
+    let full = log_softmax(&row);
+    let diff = std::iter::once((cached.token, cached.logprob))
+        .chain(cached.top.iter().copied())
+        .map(|(token, lp)| (lp - full[token as usize]).abs())
+        .fold(0.0f32, f32::max);
+    let same = kvcache_models::argmax(&row) == cached.token;
     println!(
-        "      (check: these logits through the cache against a full recompute of the {n} tokens in \
-         {:.1} s: max difference {diff:.1e})",
-        t0.elapsed().as_secs_f64()
+        "      (check: the first reply token's log-probabilities (its {} most likely) through the cache against \
+         a full recompute of the {n} tokens in {:.1} s: max difference {diff:.1e}, {} token chosen)",
+        cached.top.len(),
+        t0.elapsed().as_secs_f64(),
+        if same { "the same" } else { "another" }
     );
     Ok(())
 }
@@ -316,59 +347,78 @@ fn mib(bytes: usize) -> f64 {
 
 /// One sequence generating past a context of `2 * --context` positions:
 /// when it is full, half of it (after the prompt) is removed and the later
-/// keys re-rotated.
+/// keys re-rotated. The prompt is the start of a story, not a chat turn (Gemma
+/// 3 270M continues text): the story runs on until the end of sequence token
+/// or the token limit, with no turn to end.
 pub fn shift(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> {
     let context = 2 * cli.demo.context;
     let generate = context + context / 2;
-    let prompt = tokenizer.encode("Once upon a time, in a small town by a river,", true, false);
+    let opening = "Once upon a time, in a small town by a river,";
+    let prompt = tokenizer.encode(opening, true, false);
     if prompt.len() + 2 > context {
         println!("\n== context shift: skipped (the prompt does not fit a context of {context}) ==");
         return Ok(());
     }
     println!(
-        "\n== context shift: one sequence with a context of {context} positions generating {generate} tokens =="
+        "\n== context shift: one sequence with a context of {context} positions generating up to {generate} \
+         tokens of a story, on the engine =="
     );
-    let base = CausalConfig::new(1, context, PREFILL_CHUNK);
-    let mut chat = Chat::new(model, tokenizer, base, context)?;
-    let keep = prompt.len();
-    let drop = (context - keep) / 2;
-    let t0 = Instant::now();
-    let mut logits = chat.eval(0, &prompt, 0)?;
-    let (mut len, mut shifts) = (prompt.len(), 0);
-    let mut generated = Vec::with_capacity(generate);
-    while generated.len() < generate {
-        let next = argmax(&logits)?;
-        if next == tokenizer.eos_token_id() {
-            break;
-        }
-        generated.push(next);
-        if len == context {
-            let removed = PosRange::from(keep as Pos..(keep + drop) as Pos);
-            chat.cache.remove(0, removed)?;
-            len -= drop;
-            shifts += 1;
-            println!(
-                "  [context shift] removed positions {keep}..{}; later keys re-rotated (RoPE base {} in \
-                 the window layers, {} in the global ones)",
-                keep + drop,
-                model.config().rope_base_window,
-                model.config().rope_base_global
-            );
-        }
-        logits = chat.eval(0, &[next], len)?;
-        len += 1;
-    }
-    let seconds = t0.elapsed().as_secs_f64();
+    let base = CausalConfig::new(1, context + 1, PREFILL_CHUNK);
+    let cache = model.new_cache(&base, context + 1, model.device())?;
+    let eos = tokenizer.eos_token_id();
+    let mut engine: GemmaEngine<'_> = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: PREFILL_CHUNK,
+            prefill_chunk: PREFILL_CHUNK,
+            context: Some(context),
+            keep: prompt.len(),
+            stop_tokens: vec![eos],
+            ..EngineConfig::default()
+        },
+    )?;
+    engine.submit(Request::new(0, prompt, generate))?;
+    let (window_base, global_base) = (model.config().rope_base_window, model.config().rope_base_global);
+    let mut finished = None;
+    engine.run(&mut |event| match event {
+        Event::ContextShift { removed, .. } => println!(
+            "  [context shift] removed positions {}..{}; later keys re-rotated (RoPE base {window_base} in \
+             the window layers, {global_base} in the global ones)",
+            removed.start, removed.end
+        ),
+        Event::Finished(f) => finished = Some(f.clone()),
+        _ => {}
+    })?;
+    let f = finished.ok_or_else(|| EngineError::InvalidArgument("the story never finished".into()))?;
+    let seconds = f.total.as_secs_f64();
+    let story = reply_tokens(&f);
     println!(
-        "  {} tokens in {seconds:.1} s ({:.1} tokens/s), {shifts} context shifts",
-        generated.len(),
-        generated.len() as f64 / seconds
+        "  {} tokens in {seconds:.1} s ({:.1} tokens/s), {} context shifts",
+        story.len(),
+        story.len() as f64 / seconds,
+        f.context_shifts
     );
     println!(
-        "  text: Once upon a time, in a small town by a river,{}",
-        tokenizer.decode(&generated)?.replace('\n', "\n        ")
+        "  text: {opening}{}",
+        tokenizer.decode_text(story)?.replace('\n', "\n        ")
+    );
+    println!(
+        "  ({})",
+        match f.reason {
+            FinishReason::StopToken => "the model ended the story with its end-of-sequence token",
+            _ => "cut at the token limit: a story has no end of turn to stop at",
+        }
     );
     Ok(())
+}
+
+/// A finished request's tokens without the stop token that ended it.
+fn reply_tokens(f: &Finished) -> &[u32] {
+    match f.reason {
+        FinishReason::StopToken => &f.generated[..f.generated.len() - 1],
+        _ => &f.generated,
+    }
 }
 
 /// One turn's outcome.
@@ -379,10 +429,13 @@ struct Turn {
     window_only: usize,
     /// How far behind the cached tokens' end the prompt left them.
     behind: usize,
+    /// The reply, without the token that ended the turn.
     reply: Vec<u32>,
+    /// Whether the model ended its turn (else `max_new` cut it).
+    ended_turn: bool,
     time_to_first_token: Duration,
-    /// The logits `[vocab_size]` the first reply token was chosen from.
-    first_logits: Tensor,
+    /// The first reply token's log-probabilities, when asked for.
+    first_logprobs: Option<TokenLogprobs>,
 }
 
 #[derive(Default)]
@@ -406,44 +459,61 @@ impl Totals {
     }
 }
 
-/// Greedy generation over a `LayerGroupCache`, the tokens each sequence holds
-/// beside it.
+/// The conversations on the engine, with prefix reuse: a conversation's
+/// finished turn stays in its sequence, and its next turn (or an edit of
+/// its last question) starts from the longest prefix the sequence can
+/// resume from.
 struct Chat<'m> {
-    model: &'m Gemma,
-    tokenizer: &'m GemmaTokenizer,
-    cache: LayerGroupCache,
+    engine: GemmaEngine<'m>,
+    /// The model's window.
+    window: usize,
+    /// Each conversation's namespace.
+    namespaces: Vec<Namespace>,
+    /// The tokens each conversation's sequence holds.
     held: Vec<Vec<u32>>,
-    /// Where each conversation's last user turn starts.
-    turn_starts: Vec<usize>,
+    /// The sequence each conversation's last turn ran in.
+    seqs: Vec<SeqId>,
+    /// Requests submitted so far (their ids).
+    requests: usize,
 }
 
 impl<'m> Chat<'m> {
-    fn new(
-        model: &'m Gemma,
-        tokenizer: &'m GemmaTokenizer,
-        base: CausalConfig,
-        memory: usize,
-    ) -> Result<Self> {
-        let sequences = base.max_sequences;
+    fn new(model: &'m Gemma, tokenizer: &GemmaTokenizer, base: CausalConfig, memory: usize) -> Result<Self> {
+        let conversations = base.max_sequences;
         let cache = model.new_cache(&base, memory, model.device())?;
-        Ok(Chat {
+        let mut engine = Engine::new(
             model,
-            tokenizer,
             cache,
-            held: vec![Vec::new(); sequences],
-            turn_starts: vec![0; sequences],
+            EngineConfig {
+                max_batch: PREFILL_CHUNK,
+                prefill_chunk: PREFILL_CHUNK,
+                stop_tokens: vec![tokenizer.end_of_turn_id(), tokenizer.eos_token_id()],
+                ..EngineConfig::default()
+            },
+        )?;
+        engine.set_prefix_reuse(true)?;
+        let namespaces = (0..conversations)
+            .map(|c| Namespace::new(&format!("conversation-{c}")))
+            .collect::<kvcache_api::Result<Vec<_>>>()?;
+        Ok(Chat {
+            engine,
+            window: model.config().window,
+            namespaces,
+            held: vec![Vec::new(); conversations],
+            seqs: vec![0; conversations],
+            requests: 0,
         })
     }
 
-    /// Answers `prompt` in sequence `seq`: reuses the longest prefix the
-    /// sequence holds (going back behind its end when the prompt leaves
-    /// it), evaluates the rest, then generates up to `max_new` tokens.
-    fn turn(&mut self, seq: SeqId, prompt: &[u32], max_new: usize) -> Result<Turn> {
-        let held = &self.held[seq];
+    /// Answers `prompt` in conversation `c` with up to `max_new` greedy
+    /// tokens, asking for the first token's log-probabilities when `logprobs`.
+    fn turn(&mut self, c: usize, prompt: &[u32], max_new: usize, logprobs: bool) -> Result<Turn> {
+        let window = self.window;
+        let held = &self.held[c];
+        // What the conversation's sequence shares with the prompt; at least
+        // the prompt's last token is evaluated, for its logits.
         let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        // At least the prompt's last token is evaluated, for its logits.
-        let mut start = common.min(prompt.len() - 1);
-        let window = self.model.config().window;
+        let start = common.min(prompt.len() - 1);
         // A window-only cache keeps the last `window` positions: it continues
         // only at the end of what it holds, or while nothing has left it.
         let window_only = if start == held.len() || held.len() < window {
@@ -452,64 +522,45 @@ impl<'m> Chat<'m> {
             prompt.len()
         };
         let behind = held.len() - start;
-        if start < held.len() {
-            if !self.cache.can_resume(seq, start as Pos) {
-                start = 0;
+        let id = self.requests;
+        self.requests += 1;
+        let request = Request {
+            namespace: self.namespaces[c].clone(),
+            ..Request::new(id, prompt.to_vec(), max_new)
+        };
+        let sampler = if logprobs {
+            let options = SamplingOptions {
+                logprobs: Some(CHECKED_LOGPROBS),
+                ..SamplingOptions::default()
+            };
+            Some(Sampler::with_options(SamplingParams::greedy(), options)?)
+        } else {
+            None
+        };
+        self.engine.submit_sampled(request, sampler)?;
+        let (mut finished, mut first_logprobs) = (None, None);
+        self.engine.run(&mut |event| match event {
+            Event::Token { logprobs, .. } if first_logprobs.is_none() => {
+                first_logprobs = Some(logprobs.clone())
             }
-            self.cache.remove(seq, PosRange::from(start as Pos..))?;
-        }
-        let t0 = Instant::now();
-        let mut logits = self.eval(seq, &prompt[start..], start)?;
-        let mut next = argmax(&logits)?;
-        let time_to_first_token = t0.elapsed();
-        let first_logits = logits.clone();
-        let mut reply = Vec::new();
-        let stop = [self.tokenizer.end_of_turn_id(), self.tokenizer.eos_token_id()];
-        while reply.len() < max_new && !stop.contains(&next) {
-            reply.push(next);
-            logits = self.eval(seq, &[next], prompt.len() + reply.len() - 1)?;
-            next = argmax(&logits)?;
-        }
-        let mut held = prompt.to_vec();
-        held.extend(&reply);
-        self.held[seq] = held;
+            Event::Finished(f) => finished = Some(f.clone()),
+            _ => {}
+        })?;
+        let f = finished.ok_or_else(|| EngineError::InvalidArgument(format!("turn {id} never finished")))?;
+        // The sequence holds the prompt and every generated token but the last.
+        let mut now_held = prompt.to_vec();
+        now_held.extend_from_slice(&f.generated[..f.generated.len() - 1]);
+        self.held[c] = now_held;
+        self.seqs[c] = f.seq;
         Ok(Turn {
             prompt: prompt.len(),
-            evaluated: prompt.len() - start,
+            evaluated: prompt.len() - f.reused,
             window_only,
             behind,
-            reply,
-            time_to_first_token,
-            first_logits,
+            reply: reply_tokens(&f).to_vec(),
+            ended_turn: f.reason == FinishReason::StopToken,
+            time_to_first_token: f.time_to_first_token,
+            first_logprobs: first_logprobs.flatten(),
         })
     }
-
-    /// Evaluates `tokens` at positions `from..` of `seq`, in passes of at most
-    /// [`PREFILL_CHUNK`]; returns the last token's logits `[vocab_size]`.
-    fn eval(&mut self, seq: SeqId, tokens: &[u32], from: usize) -> Result<Tensor> {
-        let mut last = None;
-        for (k, part) in tokens.chunks(PREFILL_CHUNK).enumerate() {
-            let at = from + k * PREFILL_CHUNK;
-            let batch: Vec<BatchToken> = part
-                .iter()
-                .enumerate()
-                .map(|(i, &token)| BatchToken {
-                    seq,
-                    pos: (at + i) as Pos,
-                    token,
-                })
-                .collect();
-            let hidden = self.model.hidden(&batch, &mut self.cache)?;
-            last = Some(hidden.i(part.len() - 1..part.len())?);
-        }
-        let last = last.expect("at least one token to evaluate");
-        Ok(self.model.logits(&last)?.squeeze(0)?)
-    }
-}
-
-fn argmax(logits: &Tensor) -> Result<u32> {
-    Ok(logits
-        .argmax(D::Minus1)?
-        .to_dtype(DType::U32)?
-        .to_scalar::<u32>()?)
 }

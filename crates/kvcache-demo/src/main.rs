@@ -1,4 +1,5 @@
-//! `kvcache-demo`: SmolLM2-135M-Instruct served through the kvcache-rs caches,
+//! `kvcache-demo`: SmolLM2-135M-Instruct (or, with `--model gemma3`, Gemma 3
+//! 270M in the windowed parts) served through the kvcache-rs caches,
 //! a thin program over `kvcache_engine`: parse the flags, run what they ask,
 //! print it.
 //!

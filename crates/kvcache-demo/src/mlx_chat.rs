@@ -17,7 +17,7 @@ pub fn run(path: &Path, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
     use std::time::Instant;
 
     use kvcache_engine::chat::Reuse;
-    use kvcache_engine::mlx::MlxChatServer;
+    use kvcache_engine::mlx::MlxChat;
     use kvcache_models::mlx::MlxLlama;
     use kvcache_models::ModelFile;
 
@@ -36,14 +36,14 @@ pub fn run(path: &Path, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
         "loaded the mlx model in {:.2} s (mlx default device: {device})",
         t0.elapsed().as_secs_f64()
     );
-    let mut server = MlxChatServer::new(&model, Reuse::Trie, 1 << 30)?;
+    let mut chat = MlxChat::new(&model, Reuse::Trie, 1 << 30)?;
     parts::conversations(
         "mlx-rs KvCaches (kvcache-mlx)",
         tokenizer,
         cli,
-        &mut |prompt, n, eos| server.generate(prompt, n, eos),
+        &mut |prompt, n, eos| chat.generate(prompt, n, eos),
     )?;
-    report::trie_stats(&server.trie_stats().expect("a trie server"));
+    report::trie_stats(&chat.trie_stats().expect("a trie chat"));
     Ok(())
 }
 

@@ -7,7 +7,8 @@ use kvcache_bench::conversation::{self, ConversationPlan, Generate};
 use kvcache_bench::replica::{self, ReplicaSetup};
 use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::{self, PassMix};
-use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::chat::{Chat, Reuse};
+use kvcache_engine::engine::{Event, FinishReason};
 use kvcache_engine::{EngineError, Result};
 use kvcache_models::{paths, ChatTokenizer, Llama};
 
@@ -17,14 +18,14 @@ use crate::report;
 /// The prefix-trie chat on candle: conversations in interleaved turns through
 /// one live sequence of kvcache-causal's `CandleKv` layer caches.
 pub fn chat(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
-    let mut server = ChatServer::new(model, Reuse::Trie, 1 << 30)?;
+    let mut chat = Chat::new(model, Reuse::Trie, 1 << 30)?;
     conversations(
         "candle layer caches (kvcache-causal's CandleKv)",
         tokenizer,
         cli,
-        &mut |prompt, n, eos| server.generate(prompt, n, eos),
+        &mut |prompt, n, eos| chat.generate(prompt, n, eos),
     )?;
-    report::trie_stats(&server.trie_stats().expect("a trie server"));
+    report::trie_stats(&chat.trie_stats().expect("a trie chat"));
     Ok(())
 }
 
@@ -114,9 +115,20 @@ pub fn batching(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<(
     Ok(())
 }
 
+/// What the sliding window asks when no `--prompt` is given: questions with
+/// long answers, so that prompt and answer together pass the window.
+const WINDOW_QUESTIONS: [&str; 2] = [
+    "Give me three tips for staying focused while studying.",
+    "Why is the sky blue?",
+];
+
 /// Two sequences attending through a sliding window.
 pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
-    let questions = cli.questions();
+    let questions = if cli.demo.prompts.is_empty() {
+        WINDOW_QUESTIONS.iter().map(|q| q.to_string()).collect()
+    } else {
+        cli.questions()
+    };
     let window = cli.demo.window;
     let mut engine = workloads::sliding_window(
         model,
@@ -129,7 +141,8 @@ pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()>
     )?;
     let config = engine.cache().config().clone();
     println!(
-        "\n== sliding window: {} sequences attending to their last {window} positions ==",
+        "\n== sliding window: {} sequences attending to their last {window} positions, questions with \
+         long answers ==",
         config.max_sequences
     );
     println!(
@@ -138,7 +151,34 @@ pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()>
         config.max_sequences,
         config.effective_memory().unwrap_or(config.capacity)
     );
-    let stats = engine.run(&mut report::events(tokenizer, &questions))?;
+    let mut print = report::events(tokenizer, &questions);
+    let mut finished = Vec::new();
+    let stats = engine.run(&mut |ev| {
+        if let Event::Finished(f) = ev {
+            finished.push(f.clone());
+        }
+        print(ev)
+    })?;
+    for f in &finished {
+        let (prompt, answer) = (f.prompt_tokens, f.generated.len());
+        let positions = prompt + answer;
+        println!(
+            "  conversation {}: {positions} positions ({prompt} of the prompt, {answer} of the answer{}){}",
+            f.id,
+            match f.reason {
+                FinishReason::StopToken => ", which ended its turn",
+                _ => ", cut at --max-new",
+            },
+            if positions > window {
+                format!(
+                    ": the first {} of them out of the window by the end",
+                    positions - window
+                )
+            } else {
+                ": all within the window".to_string()
+            }
+        );
+    }
     println!(
         "  (SmolLM2 was trained with full attention, so a short window changes what it writes; \
          the cache holds {} cells whatever the length of the replies)",
@@ -148,23 +188,50 @@ pub fn window(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()>
     Ok(())
 }
 
+/// What the context shift asks when no `--prompt` is given: a story, whose
+/// answer runs past the context and ends at its end of turn.
+const STORY: &str = "Tell me a story about a lighthouse keeper who finds a message in a bottle.";
+
 /// One sequence generating past its context.
 pub fn shift(model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
-    let questions = cli.questions();
+    let question = cli.demo.prompts.first().map_or(STORY, String::as_str);
     let ctx = cli.demo.context;
-    let Some(mut engine) = workloads::context_shift(model, tokenizer, &questions[0], ctx, cli.model.kv_type)?
+    let Some(mut engine) = workloads::context_shift(model, tokenizer, question, ctx, cli.model.kv_type)?
     else {
         println!(
             "\n== context shift: skipped (prompt of {} tokens does not fit --context {ctx}) ==",
-            tokenizer.encode_user(&questions[0])?.len()
+            tokenizer.encode_user(question)?.len()
         );
         return Ok(());
     };
     println!(
-        "\n== context shift: one sequence with a context of {ctx} positions generating {} tokens ==",
+        "\n== context shift: one sequence with a context of {ctx} positions generating up to {} tokens, \
+         ending at its end of turn ==",
         ctx + ctx / 2
     );
-    let stats = engine.run(&mut report::events(tokenizer, &questions))?;
+    let questions = [question.to_string()];
+    let mut print = report::events(tokenizer, &questions);
+    let mut finished = None;
+    let stats = engine.run(&mut |ev| {
+        if let Event::Finished(f) = ev {
+            finished = Some(f.clone());
+        }
+        print(ev)
+    })?;
+    if let Some(f) = finished {
+        let why = match (&f.reason, f.context_shifts) {
+            (FinishReason::StopToken, 0) => format!(
+                "the answer ended at its end of turn before the context of {ctx} filled: no shift; \
+                 ask for a longer answer with --prompt, or a smaller --context"
+            ),
+            (FinishReason::StopToken, _) => "the answer ended at its end of turn".to_string(),
+            _ => format!(
+                "the answer was cut at {} tokens, before its end of turn",
+                f.generated.len()
+            ),
+        };
+        println!("  ({why})");
+    }
     report::summary("context shift", &stats);
     Ok(())
 }

@@ -125,7 +125,7 @@ where
 pub enum Reuse {
     /// Evaluate every prompt from scratch.
     None,
-    /// Keep the last request's state; reuse its longest common prefix.
+    /// Keep the last request in the live caches; reuse its longest common prefix.
     SingleEntry,
     /// The prefix trie across conversations.
     Trie,
@@ -165,30 +165,31 @@ pub struct TurnOutcome {
     pub generated: Vec<u32>,
 }
 
-/// Where a chat server's live sequence is: in the trie's session, or in
-/// caches it keeps itself.
+/// Where a chat's live sequence is: in the trie's session, or in caches it
+/// keeps itself.
 enum Sequence<L> {
     Trie(Box<PrefixCache<L>>),
     Live { caches: Vec<L>, tokens: Vec<u32> },
 }
 
-/// A chat server in miniature: one model (any [`LayerModel`]: the Llama by
-/// default, Gemma, or either on mlx-rs), one live sequence, one reuse policy.
-pub struct ChatServer<'m, M: LayerModel = Llama> {
+/// Chat turns of any number of conversations, one at a time, through one
+/// model (any [`LayerModel`]: the Llama by default, Gemma, or either on
+/// mlx-rs), one live sequence and one reuse policy.
+pub struct Chat<'m, M: LayerModel = Llama> {
     model: &'m M,
     reuse: Reuse,
-    state: Sequence<M::Layer>,
+    sequence: Sequence<M::Layer>,
     namespace: Namespace,
 }
 
-impl<M: LayerModel> std::fmt::Debug for ChatServer<'_, M> {
+impl<M: LayerModel> std::fmt::Debug for Chat<'_, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatServer").field("reuse", &self.reuse).finish()
+        f.debug_struct("Chat").field("reuse", &self.reuse).finish()
     }
 }
 
-impl<'m, M: LayerModel> ChatServer<'m, M> {
-    /// A server with `reuse`; the trie keeps at most `budget_bytes` of snapshots.
+impl<'m, M: LayerModel> Chat<'m, M> {
+    /// A chat with `reuse`; the trie keeps at most `budget_bytes` of snapshots.
     pub fn new(model: &'m M, reuse: Reuse, budget_bytes: usize) -> Result<Self> {
         Self::with_layers(model, reuse, model.new_layers()?, budget_bytes)
     }
@@ -201,38 +202,38 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
         caches: Vec<M::Layer>,
         budget_bytes: usize,
     ) -> Result<Self> {
-        let state = match reuse {
+        let sequence = match reuse {
             Reuse::Trie => Sequence::Trie(Box::new(PrefixCache::new(caches, budget_bytes)?)),
             Reuse::None | Reuse::SingleEntry => Sequence::Live {
                 caches,
                 tokens: Vec::new(),
             },
         };
-        Ok(ChatServer {
+        Ok(Chat {
             model,
             reuse,
-            state,
+            sequence,
             namespace: Namespace::shared(),
         })
     }
 
-    /// A prefix-trie server whose trie also reads from and writes to `store`,
+    /// A prefix-trie chat whose trie also reads from and writes to `store`,
     /// waiting at most `deadline` for a read: conversations outlive the process
-    /// and are shared by every server on the same store.
+    /// and are shared by every chat (and server) on the same store.
     pub fn with_store(
         model: &'m M,
         budget_bytes: usize,
         store: Arc<dyn PrefixStore>,
         deadline: Duration,
     ) -> Result<Self> {
-        let mut server = Self::new(model, Reuse::Trie, budget_bytes)?;
-        if let Sequence::Trie(trie) = &mut server.state {
+        let mut chat = Self::new(model, Reuse::Trie, budget_bytes)?;
+        if let Sequence::Trie(trie) = &mut chat.sequence {
             trie.set_store(store, deadline)?;
         }
-        Ok(server)
+        Ok(chat)
     }
 
-    /// Serves the following requests in `namespace` (a tenant's cache salt):
+    /// Answers the following requests in `namespace` (a tenant's cache salt):
     /// they reuse only prefixes of the same namespace.
     pub fn set_namespace(&mut self, namespace: Namespace) {
         self.namespace = namespace;
@@ -246,7 +247,7 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
     /// The prefix trie, with [`Reuse::Trie`] (for its invariant checker and
     /// inspection).
     pub fn trie(&self) -> Option<&PrefixCache<M::Layer>> {
-        match &self.state {
+        match &self.sequence {
             Sequence::Trie(t) => Some(t),
             Sequence::Live { .. } => None,
         }
@@ -255,7 +256,7 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
     /// The prefix trie, mutably, with [`Reuse::Trie`]: to report its blocks
     /// to a router ([`PrefixCache::set_event_sink`]) or change its budget.
     pub fn trie_mut(&mut self) -> Option<&mut PrefixCache<M::Layer>> {
-        match &mut self.state {
+        match &mut self.sequence {
             Sequence::Trie(t) => Some(t),
             Sequence::Live { .. } => None,
         }
@@ -263,7 +264,7 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
 
     /// The trie's counters, with [`Reuse::Trie`].
     pub fn trie_stats(&self) -> Option<TrieStats> {
-        match &self.state {
+        match &self.sequence {
             Sequence::Trie(t) => Some(t.stats()),
             Sequence::Live { .. } => None,
         }
@@ -280,7 +281,7 @@ impl<'m, M: LayerModel> ChatServer<'m, M> {
         let t0 = Instant::now();
         let model = self.model;
         let done = |g: &[u32]| g.len() == n_predict || eos.is_some_and(|e| g.last() == Some(&e));
-        match &mut self.state {
+        match &mut self.sequence {
             Sequence::Trie(trie) => {
                 let forward =
                     |tokens: &[u32], caches: &mut [M::Layer]| Ok(model.hidden_layers(tokens, caches)?);

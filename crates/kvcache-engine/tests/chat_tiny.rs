@@ -7,7 +7,7 @@ use candle_core::{Device, IndexOp};
 use common::max_abs_diff;
 use kvcache_api::{LayerCache, SnapshotCache};
 use kvcache_causal::layer_cache::CandleKv;
-use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::chat::{Chat, Reuse};
 use kvcache_models::{Llama, LlamaConfig};
 
 fn model() -> Llama {
@@ -79,12 +79,12 @@ fn every_reuse_policy_generates_the_same_tokens() {
     }
     let mut results = Vec::new();
     for reuse in [Reuse::None, Reuse::SingleEntry, Reuse::Trie] {
-        let mut server = ChatServer::new(&model, reuse, 1 << 30).unwrap();
+        let mut chat = Chat::new(&model, reuse, 1 << 30).unwrap();
         let outs: Vec<_> = requests
             .iter()
-            .map(|p| server.generate(p, 4, None).unwrap())
+            .map(|p| chat.generate(p, 4, None).unwrap())
             .collect();
-        results.push((reuse, outs, server.trie_stats()));
+        results.push((reuse, outs, chat.trie_stats()));
     }
     let (_, base, _) = &results[0];
     for (reuse, outs, _) in &results {

@@ -15,17 +15,18 @@ use std::time::Instant;
 
 use kvcache_engine::detokenizer::{Detokenizer, Pushed};
 use kvcache_models::Tokenizer;
+use kvcache_testkit::models::{model_file, TestModel};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 fn smollm() -> Option<Arc<dyn Tokenizer>> {
-    let path = kvcache_models::paths::model_path_for_tests()?;
+    let path = model_file(TestModel::SmolLM2)?;
     let file = kvcache_models::ModelFile::open(path).unwrap();
     Some(Arc::new(file.tokenizer().unwrap()))
 }
 
 fn gemma() -> Option<Arc<dyn Tokenizer>> {
-    let path = kvcache_models::gemma::gemma_path_for_tests()?;
+    let path = model_file(TestModel::Gemma3)?;
     let file = kvcache_models::gemma::GemmaFile::open(path).unwrap();
     Some(Arc::new(file.tokenizer().unwrap()))
 }

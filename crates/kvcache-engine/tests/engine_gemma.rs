@@ -144,8 +144,8 @@ fn a_sequence_its_window_layers_no_longer_hold_is_not_resumed() {
 }
 
 #[test]
-fn the_chat_server_runs_gemma_through_the_trie_as_from_scratch() {
-    use kvcache_engine::chat::{ChatServer, Reuse};
+fn the_chat_runs_gemma_through_the_trie_as_from_scratch() {
+    use kvcache_engine::chat::{Chat, Reuse};
     let model = model();
     // Two conversations of three turns, interleaved, past the 8-position
     // window; each turn extends the conversation's previous prompt with a
@@ -161,12 +161,12 @@ fn the_chat_server_runs_gemma_through_the_trie_as_from_scratch() {
     }
     let mut answers = Vec::new();
     for reuse in [Reuse::None, Reuse::Trie] {
-        let mut server: ChatServer<'_, Gemma> = ChatServer::new(&model, reuse, 1 << 30).unwrap();
+        let mut chat: Chat<'_, Gemma> = Chat::new(&model, reuse, 1 << 30).unwrap();
         let outs: Vec<_> = requests
             .iter()
-            .map(|p| server.generate(p, 3, None).unwrap())
+            .map(|p| chat.generate(p, 3, None).unwrap())
             .collect();
-        if let Some(trie) = server.trie() {
+        if let Some(trie) = chat.trie() {
             trie.check();
         }
         answers.push(outs);

@@ -3,7 +3,7 @@
 //! logit row computed through the prefix trie and its mlx `KvCache`s equals a
 //! full recompute without any cache within 1e-5, on a tiny random-weight Llama.
 //! Also: the mlx full recompute equals the candle one on the same (tiny) GGUF,
-//! and the mlx chat server generates the tokens of full recomputation.
+//! and the mlx chat generates the tokens of full recomputation.
 #![cfg(any(target_os = "macos", kvcache_mlx))]
 
 mod mlx_support;
@@ -12,7 +12,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvcache_api::{LayerCache, SnapshotCache};
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::mlx::MlxChatServer;
+use kvcache_engine::mlx::MlxChat;
 use kvcache_mlx::layers::KvCache;
 use kvcache_models::argmax;
 use kvcache_models::mlx::model::to_host;
@@ -273,21 +273,21 @@ fn mlx_full_recompute_equals_candle_on_a_tiny_gguf() {
     assert!(d <= TOL, "{d}");
 }
 
-/// Interleaved conversations through the mlx chat server: the tokens it
+/// Interleaved conversations through the mlx chat: the tokens it
 /// generates are the greedy tokens of full recomputation, and later turns reuse
 /// their conversation's earlier prompt.
 #[test]
-fn chat_server_generates_the_tokens_of_full_recompute() {
+fn the_chat_generates_the_tokens_of_full_recompute() {
     let model = model();
-    let mut server = MlxChatServer::new(&model, Reuse::Trie, 1 << 30).unwrap();
+    let mut chat = MlxChat::new(&model, Reuse::Trie, 1 << 30).unwrap();
     let system: Vec<u32> = (0..20).map(|i| (i * 7 % 60) as u32).collect();
     let mut convs: Vec<Vec<u32>> = vec![system.clone(); 3];
     let mut outs = Vec::new();
     for turn in 0..3 {
         for (c, conv) in convs.iter_mut().enumerate() {
             conv.extend((0..5 + c).map(|i| ((turn * 17 + c * 5 + i * 3) % 64) as u32));
-            let out = server.generate(conv, 4, None).unwrap();
-            server.trie().expect("a trie server").check();
+            let out = chat.generate(conv, 4, None).unwrap();
+            chat.trie().expect("a trie chat").check();
             let mut all = conv.clone();
             for &t in &out.generated {
                 let logits = to_host(&model.forward_full(&all).unwrap()).unwrap();
@@ -312,6 +312,6 @@ fn chat_server_generates_the_tokens_of_full_recompute() {
             assert!(out.matched >= prev.prompt_tokens, "request {i}: {out:?}");
         }
     }
-    let stats = server.trie_stats().expect("a trie server");
+    let stats = chat.trie_stats().expect("a trie chat");
     assert!(stats.page_outs > 0 && stats.page_ins > 0, "{stats:?}");
 }

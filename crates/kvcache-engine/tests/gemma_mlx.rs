@@ -39,14 +39,15 @@ use kvcache_api::{LayerCache, MixedLayer, SnapshotCache};
 use kvcache_models::argmax;
 use std::time::Instant;
 
-use kvcache_engine::mlx::MlxGemmaChatServer;
+use kvcache_engine::mlx::MlxGemmaChat;
 use kvcache_mlx::layers::{KvCache, RotatingKvCache};
 use kvcache_models::gemma::tokenizer::end_of_reply;
-use kvcache_models::gemma::{chat_turn, gemma_path_for_tests, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
+use kvcache_models::gemma::{chat_turn, Gemma, GemmaConfig, GemmaFile, GemmaTokenizer};
 use kvcache_models::mlx::model::to_host;
 use kvcache_models::mlx::{MlxGemma, MlxGemmaLayer};
 use kvcache_models::ModelError;
 use kvcache_models::{paths, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 use kvcache_trie::PrefixCache;
 use mlx_rs::Array;
 
@@ -352,21 +353,21 @@ fn caches_of_the_wrong_kind_or_window_are_refused_unchanged() {
     assert!(caches.iter().all(|c| c.offset() == 3));
 }
 
-/// The chat server answers interleaved conversations with the greedy tokens of
+/// The chat answers interleaved conversations with the greedy tokens of
 /// a full recompute, resuming each at its previous prompt's end.
 #[test]
-fn tiny_chat_server_generates_the_recomputed_tokens() {
+fn the_tiny_chat_generates_the_recomputed_tokens() {
     let config = tiny_config();
     let model = MlxGemma::random(config.clone(), 9).unwrap();
     let (shared, conversations, _) = tiny_schedule(&mut 0x1234_5678, config.vocab_size);
-    let mut server = MlxGemmaChatServer::with_step(&model, usize::MAX, 16).unwrap();
+    let mut chat = MlxGemmaChat::with_step(&model, usize::MAX, 16).unwrap();
     let mut history = [shared.clone(), shared.clone()];
     let mut prompt_end = [0, 0];
     for t in 0..5 {
         for (c, conversation) in conversations.iter().enumerate() {
             let (user, reply) = &conversation[t];
             history[c].extend(user);
-            let out = server.generate(&history[c], 4, None).unwrap();
+            let out = chat.generate(&history[c], 4, None).unwrap();
             let mut ids = history[c].clone();
             for &got in &out.generated {
                 let logits = to_host(&model.forward_full(&ids).unwrap()).unwrap();
@@ -384,7 +385,7 @@ fn tiny_chat_server_generates_the_recomputed_tokens() {
             history[c].extend(reply);
         }
     }
-    server.trie().expect("a trie server").check();
+    chat.trie().expect("a trie chat").check();
 }
 
 /// The E1 trace in Gemma's turn format: its system prompt (after `<bos>`) as
@@ -415,7 +416,7 @@ fn real_schedule(t: &GemmaTokenizer, turns: usize) -> (Vec<u32>, [Turns; 2], Vec
 /// evicts) with every compared logit row within 1e-3 of the full recompute.
 #[test]
 fn real_gemma_through_the_trie_equals_recompute() {
-    let Some(path) = gemma_path_for_tests() else {
+    let Some(path) = model_file(TestModel::Gemma3) else {
         return;
     };
     let t0 = Instant::now();

@@ -17,6 +17,7 @@ use kvcache_causal::{CausalKvCache, RopeLayout, RopeShift};
 use kvcache_engine::engine::greedy;
 use kvcache_models::tokenizer::{chatml, Message, Role};
 use kvcache_models::{paths, BatchToken, ChatTokenizer, Llama, LlamaConfig, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 
 const TOL: f32 = 1e-3;
 
@@ -29,7 +30,7 @@ fn loaded() -> Option<&'static Loaded> {
     static LOADED: OnceLock<Option<Loaded>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let path = paths::model_path_for_tests()?;
+            let path = model_file(TestModel::SmolLM2)?;
             let file = kvcache_models::ModelFile::open(&path).unwrap();
             let model = file.load(&Device::Cpu, WeightMode::F32, &mut |_| {}).unwrap();
             let tokenizer = file.tokenizer().unwrap();

@@ -14,11 +14,12 @@ use std::sync::OnceLock;
 
 use candle_core::Device;
 use kvcache_engine::chat::Reuse;
-use kvcache_engine::mlx::MlxChatServer;
+use kvcache_engine::mlx::MlxChat;
 use kvcache_models::mlx::model::to_host;
 use kvcache_models::mlx::{HostWeights, MlxLlama};
 use kvcache_models::tokenizer::{chatml, Message, Role};
-use kvcache_models::{paths, ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
+use kvcache_models::{ChatTokenizer, LlamaConfig, ModelFile, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 use mlx_support::{bytes_per_position, max_abs_diff, Driver};
 
 const TOL: f32 = 1e-3;
@@ -35,7 +36,7 @@ fn loaded() -> Option<&'static Loaded> {
     static LOADED: OnceLock<Option<Loaded>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let path = paths::model_path_for_tests()?;
+            let path = model_file(TestModel::SmolLM2)?;
             let file = ModelFile::open(&path).unwrap();
             let weights = HostWeights::load(&file, &mut |_| {}).unwrap();
             let tokenizer = file.tokenizer().unwrap();
@@ -127,12 +128,12 @@ fn trie_schedule_equals_full_recompute() {
 fn mlx_chat_answers_a_simple_question() {
     let Some(l) = loaded() else { return };
     let model = MlxLlama::new(&l.weights).unwrap();
-    let mut server = MlxChatServer::new(&model, Reuse::Trie, 1 << 30).unwrap();
+    let mut chat = MlxChat::new(&model, Reuse::Trie, 1 << 30).unwrap();
     let ids = l.tokenizer.encode(&chatml(
         &[Message::new(Role::User, "What is the capital of France?")],
         true,
     ));
-    let out = server
+    let out = chat
         .generate(&ids.unwrap(), 12, Some(l.tokenizer.eos_token_id()))
         .unwrap();
     let text = l.tokenizer.decode(&out.generated).unwrap();

@@ -24,6 +24,7 @@ use kvcache_models::argmax;
 use kvcache_models::mlx::model::to_host;
 use kvcache_models::mlx::{HostWeights, MlxLlama};
 use kvcache_models::{paths, ModelFile};
+use kvcache_testkit::models::{model_file, TestModel};
 use kvcache_trie::PrefixCache;
 use mlx_support::max_abs_diff;
 
@@ -45,7 +46,7 @@ struct Run {
 
 /// Runs `requests` of the trace through a trie of one `KvCache` per layer
 /// keeping its snapshots as `encoding` says, under `budget` bytes: the loop of
-/// `MlxChatServer` (restore, prefill, greedy decode, close), keeping logits.
+/// `MlxChat` (restore, prefill, greedy decode, close), keeping logits.
 fn run(model: &MlxLlama, trace: &Trace, requests: usize, encoding: SnapshotEncoding, budget: usize) -> Run {
     let caches = (0..model.config().n_layers)
         .map(|_| KvCache::new().with_snapshot_encoding(encoding).unwrap())
@@ -100,7 +101,7 @@ fn nll(row: &[f32], token: u32) -> f64 {
 
 #[test]
 fn q8_snapshots_evaluate_fewer_tokens_within_the_q8_accuracy() {
-    let Some(path) = paths::model_path_for_tests() else {
+    let Some(path) = model_file(TestModel::SmolLM2) else {
         println!("skipped: no model (set KVCACHE_MODEL or run through cargo xtask test)");
         return;
     };

@@ -18,6 +18,7 @@ use kvcache_causal::layer_cache::CandleKv;
 use kvcache_engine::chat::{trie_turn, TurnOutcome};
 use kvcache_engine::store::{self, StoreOptions};
 use kvcache_models::{paths, Llama, ModelFile, WeightMode};
+use kvcache_testkit::models::{model_file, TestModel};
 use kvcache_trie::PrefixCache;
 
 const TOL: f32 = 1e-3;
@@ -70,7 +71,7 @@ fn turn(
 
 #[test]
 fn a_restarted_engine_continues_a_conversation_from_the_disk_store() {
-    let Some(path) = paths::model_path_for_tests() else {
+    let Some(path) = model_file(TestModel::SmolLM2) else {
         return;
     };
     let model = ModelFile::open(&path)

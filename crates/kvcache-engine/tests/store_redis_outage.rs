@@ -1,7 +1,7 @@
-//! A chat server whose prefix trie shares a Redis store, on the tiny random
-//! model: Redis killed in the middle of a run, the server keeps answering (by
+//! A chat whose prefix trie shares a Redis store, on the tiny random
+//! model: Redis killed in the middle of a run, the chat keeps answering (by
 //! recomputing, the same tokens), counts the errors, and uses Redis again once
-//! a server is back on the same socket.
+//! Redis is back on the same socket.
 //!
 //! Needs `redis-server` on `PATH`: under `cargo xtask test`
 //! (`KVCACHE_REQUIRE_REDIS=1`) a missing one fails the test, elsewhere it is
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use candle_core::Device;
 use kvcache_api::{DType, Fingerprint, KvLayout};
-use kvcache_engine::chat::{ChatServer, Reuse};
+use kvcache_engine::chat::{Chat, Reuse};
 use kvcache_models::{Llama, LlamaConfig};
 use kvcache_store::{RedisConfig, RedisTier, StoreConfig, TieredStore};
 use kvcache_testkit::redis_server::{self, RedisServer};
@@ -37,9 +37,9 @@ fn the_engine_answers_through_a_redis_outage_and_uses_redis_again() {
     let tier = RedisTier::new(config.context(), RedisConfig::new(redis.url())).unwrap();
     let store = Arc::new(TieredStore::new(config, vec![Box::new(tier)]).unwrap());
     let deadline = Duration::from_millis(500);
-    let server = || ChatServer::with_store(&model, 1 << 24, store.clone(), deadline).unwrap();
+    let chat = || Chat::with_store(&model, 1 << 24, store.clone(), deadline).unwrap();
     let alone = |p: &[u32]| {
-        ChatServer::new(&model, Reuse::None, 0)
+        Chat::new(&model, Reuse::None, 0)
             .unwrap()
             .generate(p, 3, None)
             .unwrap()
@@ -48,18 +48,18 @@ fn the_engine_answers_through_a_redis_outage_and_uses_redis_again() {
 
     let first = prompt(1, 20);
     let next = [&first[..], &prompt(2, 6)].concat();
-    server().generate(&first, 3, None).unwrap();
+    chat().generate(&first, 3, None).unwrap();
     store.flush();
-    let turn = server().generate(&next, 3, None).unwrap();
+    let turn = chat().generate(&next, 3, None).unwrap();
     assert_eq!((turn.restored, turn.tiers.clone()), (20, vec![("redis", 20)]));
     assert_eq!(turn.generated, alone(&next));
 
-    // Outage: the server answers every request by evaluating, and the same tokens.
+    // Outage: the chat answers every request by evaluating, and the same tokens.
     redis.kill();
     let errors_before = store.stats().tiers[0].errors;
     for seed in 3..6 {
         let p = [&first[..], &prompt(seed, 5)].concat();
-        let turn = server().generate(&p, 3, None).unwrap();
+        let turn = chat().generate(&p, 3, None).unwrap();
         assert_eq!((turn.restored, turn.evaluated), (0, p.len()));
         assert_eq!(turn.generated, alone(&p));
     }
@@ -70,14 +70,14 @@ fn the_engine_answers_through_a_redis_outage_and_uses_redis_again() {
         store.stats()
     );
 
-    // Back (empty: the server kept nothing): written and restored again.
+    // Back (empty: the chat kept nothing): written and restored again.
     redis.restart().unwrap();
     std::thread::sleep(Duration::from_millis(300)); // past the tier's back-off after errors
     let later = prompt(7, 18);
-    server().generate(&later, 3, None).unwrap();
+    chat().generate(&later, 3, None).unwrap();
     store.flush();
     let again = [&later[..], &prompt(8, 4)].concat();
-    let turn = server().generate(&again, 3, None).unwrap();
+    let turn = chat().generate(&again, 3, None).unwrap();
     assert_eq!((turn.restored, turn.tiers.clone()), (18, vec![("redis", 18)]));
     assert_eq!(turn.generated, alone(&again));
     drop(redis);

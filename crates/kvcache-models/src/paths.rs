@@ -35,6 +35,9 @@ pub fn model_path() -> Option<PathBuf> {
 /// # Panics
 /// When the model is missing and `CI` is set: CI prepares the model, so a
 /// missing one there is a broken set-up, not a reason to skip.
+///
+/// Kept for the server's tests until they move to
+/// `kvcache_testkit::models::model_file`, the one skip-or-fail rule.
 pub fn model_path_for_tests() -> Option<PathBuf> {
     let path = model_path();
     if path.is_none() {

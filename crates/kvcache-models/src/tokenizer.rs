@@ -475,7 +475,9 @@ mod tests {
     }
 
     fn real() -> Option<ChatTokenizer> {
-        let path = crate::paths::model_path_for_tests()?;
+        use kvcache_testkit::models::{model_file, TestModel};
+        // kvcache-testkit depends on this crate: only the path crosses over.
+        let path = model_file(TestModel::SmolLM2)?;
         Some(crate::ModelFile::open(path).unwrap().tokenizer().unwrap())
     }
 

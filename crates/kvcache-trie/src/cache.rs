@@ -171,8 +171,9 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// without them. An empty prompt is an
     /// [`InvalidArgument`](CacheError::InvalidArgument) error that changes nothing.
     ///
-    /// A backend error while paging frees the live caches, leaves the trie at
-    /// the namespace's root (consistent, with its snapshots kept) and is returned.
+    /// A backend error while paging, or layers that cannot be taken back after
+    /// a refused store restore, frees the live caches, leaves the trie at the
+    /// namespace's root (consistent, with its snapshots kept) and is returned.
     pub fn begin_in(&mut self, namespace: &Namespace, prompt: &[u32]) -> Result<Session<'_, C>> {
         if prompt.is_empty() {
             return Err(CacheError::InvalidArgument(
@@ -207,12 +208,16 @@ impl<C: SnapshotCache> PrefixCache<C> {
             end: cached,
             tiers,
             states,
-        } = self.restore_from_store(namespace, prompt, cached);
-        // A restore whose refusal could not be undone leaves the caches at 0.
-        let kept = from_trie.min(cached);
+        } = match self.restore_from_store(namespace, prompt, cached) {
+            Ok(restored) => restored,
+            Err(e) => {
+                self.prune_root(root);
+                return Err(e);
+            }
+        };
         let restored = Restored {
-            trie: kept,
-            store: cached - kept,
+            trie: from_trie,
+            store: cached - from_trie,
             tiers,
             states,
         };
@@ -509,13 +514,22 @@ impl<C: SnapshotCache> PrefixCache<C> {
     /// `cached`, or what it answers does not fit. When some layer refuses
     /// the rows or the state (or fails), every layer is taken back to
     /// `cached` (row layers rewound, state layers given back the state they
-    /// had); should that fail too, they are freed and the request starts from
-    /// the root.
-    fn restore_from_store(&mut self, namespace: &Namespace, prompt: &[u32], cached: usize) -> FromStore {
-        let nothing = |end| FromStore {
-            end,
-            tiers: Vec::new(),
-            states: 0,
+    /// had); should that fail too, the live caches are freed, the trie is
+    /// left at the root ([`fail`](Self::fail)) and the
+    /// [`InvalidState`](CacheError::InvalidState) error is returned, as for a
+    /// backend error while paging.
+    fn restore_from_store(
+        &mut self,
+        namespace: &Namespace,
+        prompt: &[u32],
+        cached: usize,
+    ) -> Result<FromStore> {
+        let nothing = |end| {
+            Ok(FromStore {
+                end,
+                tiers: Vec::new(),
+                states: 0,
+            })
         };
         let Some(client) = self.store.clone() else {
             return nothing(cached);
@@ -601,20 +615,19 @@ impl<C: SnapshotCache> PrefixCache<C> {
                 };
             }
             if !rewound {
-                let _ = self.fail(CacheError::InvalidState(format!(
+                return Err(self.fail(CacheError::InvalidState(format!(
                     "could not rewind the layers to {cached} after a refused store restore"
-                )));
-                return nothing(0);
+                ))));
             }
             return nothing(cached);
         }
         self.advance(&prompt[cached..end], false);
         client.record_restored(end - cached, &fetched.tiers, loaded);
-        FromStore {
+        Ok(FromStore {
             end,
             tiers: fetched.tiers,
             states: loaded,
-        }
+        })
     }
 
     /// The whole states the store holds for exactly `prefix`, by layer (of
@@ -1323,5 +1336,164 @@ mod tests {
         assert!(c(3, &n).is_some(), "one child: merged into it when evicted");
         n.n_snaps = 0;
         assert!(c(3, &n).is_none(), "nothing to free");
+    }
+}
+
+#[cfg(test)]
+mod store_tests {
+    use kvcache_api::{LayerRows, LayerRowsMut, Snapshot};
+
+    use super::*;
+    use crate::fake::{feed_all, Counters, FakeKv, FakeLayer, FakeRecurrent, MemStore};
+
+    /// How a [`Flaky`] layer takes a whole state.
+    #[derive(Clone, Copy)]
+    enum Loads {
+        /// As the layer it wraps.
+        Pass,
+        /// Never: `load_state` answers `Ok(false)`.
+        Refuse,
+        /// As the layer it wraps `n` times, then with a backend error.
+        FailAfter(usize),
+    }
+
+    /// A fake layer whose `load_state` refuses or fails on demand.
+    struct Flaky {
+        inner: Box<dyn FakeLayer>,
+        loads: Loads,
+        /// `load_state` calls so far.
+        loaded: usize,
+    }
+
+    impl Flaky {
+        fn new(inner: Box<dyn FakeLayer>, loads: Loads) -> Self {
+            Flaky {
+                inner,
+                loads,
+                loaded: 0,
+            }
+        }
+    }
+
+    impl SnapshotCache for Flaky {
+        fn offset(&self) -> usize {
+            self.inner.offset()
+        }
+        fn snapshot(&mut self, from: usize) -> Result<Option<BoxedSnapshot>> {
+            self.inner.snapshot(from)
+        }
+        fn restore(&mut self, snapshot: Option<&dyn Snapshot>, target: usize) -> Result<bool> {
+            self.inner.restore(snapshot, target)
+        }
+        fn merge(
+            &mut self,
+            parent: Option<BoxedSnapshot>,
+            child: Option<BoxedSnapshot>,
+        ) -> Result<Option<BoxedSnapshot>> {
+            self.inner.merge(parent, child)
+        }
+        fn split(
+            &mut self,
+            snapshot: BoxedSnapshot,
+            at: usize,
+        ) -> Result<(Option<BoxedSnapshot>, Option<BoxedSnapshot>)> {
+            self.inner.split(snapshot, at)
+        }
+        fn free(&mut self) {
+            self.inner.free()
+        }
+        fn holds_whole_state(&self) -> bool {
+            self.inner.holds_whole_state()
+        }
+        fn read_rows(&self, rows: std::ops::Range<usize>, out: LayerRowsMut<'_>) -> Result<bool> {
+            self.inner.read_rows(rows, out)
+        }
+        fn append_rows(&mut self, src: LayerRows<'_>, rows: std::ops::Range<usize>) -> Result<bool> {
+            self.inner.append_rows(src, rows)
+        }
+        fn read_state(&self) -> Result<Option<HostState>> {
+            self.inner.read_state()
+        }
+        fn load_state(&mut self, state: &HostState) -> Result<bool> {
+            let before = self.loaded;
+            self.loaded += 1;
+            match self.loads {
+                Loads::Pass => self.inner.load_state(state),
+                Loads::Refuse => Ok(false),
+                Loads::FailAfter(n) if before < n => self.inner.load_state(state),
+                Loads::FailAfter(_) => Err(CacheError::Backend("injected load failure".into())),
+            }
+        }
+    }
+
+    impl FakeLayer for Flaky {
+        fn feed(&mut self, tokens: &[u32]) {
+            self.inner.feed(tokens)
+        }
+        fn holds(&self, tokens: &[u32]) -> bool {
+            self.inner.holds(tokens)
+        }
+    }
+
+    /// `prompt` through `trie` and closed, nothing generated.
+    fn request<C: FakeLayer>(trie: &mut PrefixCache<C>, prompt: &[u32]) -> usize {
+        let mut session = trie.begin(prompt).unwrap();
+        let cached = session.cached();
+        session
+            .prefill(|tokens, caches| -> Result<()> {
+                feed_all(caches, tokens);
+                Ok(())
+            })
+            .unwrap();
+        session.close().unwrap();
+        cached
+    }
+
+    #[test]
+    fn layers_that_cannot_be_taken_back_after_a_refused_restore_fail_the_begin() {
+        const DEADLINE: Duration = Duration::from_millis(50);
+        let store = Arc::new(MemStore::new(FakeKv::layout(3), 2));
+        let long: Vec<u32> = (1..=10).collect();
+        let n = Counters::new();
+        {
+            // A KV layer and two recurrent ones: rows for the first, whole
+            // states at the prompt's end for the others.
+            let layers: Vec<Box<dyn FakeLayer>> = vec![
+                Box::new(FakeKv::new(&n)),
+                Box::new(FakeRecurrent::new(&n)),
+                Box::new(FakeRecurrent::new(&n)),
+            ];
+            let mut writer = PrefixCache::new(layers, usize::MAX).unwrap();
+            writer.set_store(store.clone(), DEADLINE).unwrap();
+            request(&mut writer, &long);
+        }
+
+        // The first recurrent layer loads the stored state, the second refuses
+        // it; giving the first back the state it held then fails.
+        let layers = vec![
+            Flaky::new(Box::new(FakeKv::new(&n)), Loads::Pass),
+            Flaky::new(Box::new(FakeRecurrent::new(&n)), Loads::FailAfter(1)),
+            Flaky::new(Box::new(FakeRecurrent::new(&n)), Loads::Refuse),
+        ];
+        let mut c = PrefixCache::new(layers, usize::MAX).unwrap();
+        c.set_store(store.clone(), DEADLINE).unwrap();
+        store.set_offline(true);
+        assert_eq!(request(&mut c, &long[..5]), 0);
+        store.set_offline(false);
+        let prompt = [&long[..], &[70]].concat();
+        match c.begin(&prompt) {
+            Err(CacheError::InvalidState(message)) => {
+                assert!(message.contains("could not rewind the layers to 5"), "{message}")
+            }
+            Err(other) => panic!("not an InvalidState error: {other}"),
+            Ok(session) => panic!(
+                "begun at {} although the layers could not be taken back",
+                session.cached()
+            ),
+        }
+        assert_eq!(c.stats().store_rejected, 1);
+        // The live caches are freed and the trie is consistent.
+        assert!(c.caches().iter().all(|cache| cache.offset() == 0));
+        c.check();
     }
 }

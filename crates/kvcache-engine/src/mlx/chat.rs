@@ -1,7 +1,7 @@
-//! [`ChatServer`] (the same loop as on candle) on the mlx models, which are
+//! [`Chat`] (the same loop as on candle) on the mlx models, which are
 //! [`kvcache_models::LayerModel`]s: [`MlxLlama`] with one
 //! `kvcache_mlx::layers::KvCache` per layer, or [`kvcache_models::mlx::MlxGemma`] over its
-//! mixed layers ([`super::MlxGemmaChatServer`]). Each request begins a trie
+//! mixed layers ([`super::MlxGemmaChat`]). Each request begins a trie
 //! session (paging the longest cached prefix in), prefills the rest (pausing
 //! where the trie wants branch-point snapshots), then decodes greedily, and
 //! closing the session stores what the caches hold.
@@ -9,15 +9,15 @@
 use kvcache_mlx::layers::{KvCache, SnapshotEncoding};
 use kvcache_models::mlx::MlxLlama;
 
-use crate::chat::{ChatServer, Reuse};
+use crate::chat::{Chat, Reuse};
 use crate::Result;
 
-/// The chat server on mlx: [`ChatServer`] with the mlx Llama by default (or
+/// The chat on mlx: [`Chat`] with the mlx Llama by default (or
 /// [`kvcache_models::mlx::MlxGemma`]), usually with [`Reuse::Trie`].
-pub type MlxChatServer<'m, M = MlxLlama> = ChatServer<'m, M>;
+pub type MlxChat<'m, M = MlxLlama> = Chat<'m, M>;
 
-impl<'m> MlxChatServer<'m, MlxLlama> {
-    /// A server whose layer caches keep their snapshots as `encoding` says
+impl<'m> MlxChat<'m, MlxLlama> {
+    /// A chat whose layer caches keep their snapshots as `encoding` says
     /// ([`SnapshotEncoding::Q8`]: 8-bit, so the same `budget_bytes` holds about
     /// 2x the snapshots of f16 layers, 3.6x of f32 ones).
     pub fn with_snapshot_encoding(

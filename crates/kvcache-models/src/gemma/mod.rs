@@ -22,6 +22,9 @@ pub const GEMMA_ENV: &str = "KVCACHE_GEMMA";
 
 /// The Gemma file for tests and benchmarks: `$KVCACHE_GEMMA` when it names a
 /// file, else `None` after printing why the caller skips.
+///
+/// Kept for the server's tests until they move to
+/// `kvcache_testkit::models::model_file`, the one skip-or-fail rule.
 pub fn gemma_path_for_tests() -> Option<PathBuf> {
     match std::env::var_os(GEMMA_ENV)
         .filter(|p| !p.is_empty())

@@ -134,8 +134,9 @@ impl GemmaTokenizer {
     }
 
     /// Builds the tokenizer from its vocabulary: `pieces[i]`, `scores[i]` and
-    /// `kinds[i]` describe token `i`; the vocabulary needs all 256 byte tokens
-    /// and the turn markers `<start_of_turn>` and `<end_of_turn>`.
+    /// `kinds[i]` describe token `i`; the vocabulary needs exactly one byte
+    /// token for each of the 256 bytes and the turn markers `<start_of_turn>`
+    /// and `<end_of_turn>` ([`ModelError::Format`] otherwise).
     pub fn from_parts(
         pieces: Vec<String>,
         scores: Vec<f32>,
@@ -176,7 +177,14 @@ impl GemmaTokenizer {
                         .and_then(|rest| rest.strip_suffix('>'))
                         .and_then(|hex| u8::from_str_radix(hex, 16).ok())
                         .ok_or_else(|| ModelError::Format(format!("byte token {i} is {piece:?}")))?;
-                    bytes[usize::from(byte)] = i;
+                    let slot = &mut bytes[usize::from(byte)];
+                    if *slot != u32::MAX {
+                        return Err(ModelError::Format(format!(
+                            "two byte tokens for <0x{byte:02X}>: {} and {i}",
+                            *slot
+                        )));
+                    }
+                    *slot = i;
                 }
                 _ => {}
             }
@@ -398,9 +406,12 @@ impl GemmaTokenizer {
         bytes
     }
 
+    /// The byte that byte token `id` stands for.
     fn byte_of(&self, id: u32) -> u8 {
         let b = self.bytes.iter().position(|&t| t == id);
-        b.expect("byte token ids come from the byte table") as u8
+        // `from_parts` refuses a vocabulary with two tokens for one byte, so
+        // every byte token is in the table.
+        b.expect("every byte token is in the byte table") as u8
     }
 
     /// One user turn and the start of the model's reply, with `<bos>` first
@@ -664,6 +675,12 @@ mod tests {
 
     /// A vocabulary of the byte tokens, turn markers and a few pieces.
     fn toy() -> GemmaTokenizer {
+        let (pieces, scores, kinds) = toy_parts();
+        GemmaTokenizer::from_parts(pieces, scores, kinds, 2, 1).unwrap()
+    }
+
+    /// The pieces, scores and kinds of [`toy`].
+    fn toy_parts() -> (Vec<String>, Vec<f32>, Vec<TokenKind>) {
         let mut pieces = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into()];
         let mut kinds = vec![TokenKind::Control; 3];
         let mut scores = vec![0.0; 3];
@@ -694,7 +711,39 @@ mod tests {
             kinds.push(TokenKind::Normal);
             scores.push(score);
         }
-        GemmaTokenizer::from_parts(pieces, scores, kinds, 2, 1).unwrap()
+        (pieces, scores, kinds)
+    }
+
+    #[test]
+    fn a_byte_with_two_tokens_or_none_is_refused_at_load() {
+        let format_error = |(pieces, scores, kinds): (Vec<String>, Vec<f32>, Vec<TokenKind>)| {
+            match GemmaTokenizer::from_parts(pieces, scores, kinds, 2, 1) {
+                Err(ModelError::Format(message)) => message,
+                Err(other) => panic!("not a format error: {other}"),
+                Ok(_) => panic!("a broken byte table was accepted"),
+            }
+        };
+        // Two tokens for byte 0x41: the toy's and one more at the end.
+        let (mut pieces, mut scores, mut kinds) = toy_parts();
+        let first = pieces.iter().position(|p| p == "<0x41>").unwrap();
+        pieces.push("<0x41>".into());
+        scores.push(0.0);
+        kinds.push(TokenKind::Byte);
+        let last = pieces.len() - 1;
+        assert_eq!(
+            format_error((pieces, scores, kinds)),
+            format!("two byte tokens for <0x41>: {first} and {last}")
+        );
+        // No token for byte 0x41: its slot unused.
+        let (pieces, scores, mut kinds) = toy_parts();
+        kinds[first] = TokenKind::Unused;
+        assert_eq!(format_error((pieces, scores, kinds)), "no byte token <0x41>");
+        // The toy itself decodes every byte token to its byte.
+        let t = toy();
+        for b in 0..=255u8 {
+            let id = id(&t, &format!("<0x{b:02X}>"));
+            assert_eq!(t.token_bytes(id), vec![b]);
+        }
     }
 
     fn id(t: &GemmaTokenizer, piece: &str) -> u32 {
@@ -779,7 +828,9 @@ mod tests {
 
     #[test]
     fn real_turns_equal_the_text_path_and_keep_injections_text() {
-        let Some(path) = crate::gemma::gemma_path_for_tests() else {
+        use kvcache_testkit::models::{model_file, TestModel};
+        // kvcache-testkit depends on this crate: only the path crosses over.
+        let Some(path) = model_file(TestModel::Gemma3) else {
             return;
         };
         let t = crate::gemma::GemmaFile::open(path).unwrap().tokenizer().unwrap();

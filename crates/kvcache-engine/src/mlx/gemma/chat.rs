@@ -1,7 +1,7 @@
-//! [`MlxGemmaChatServer`]: multi-conversation chat on Gemma 3 through the
+//! [`MlxGemmaChat`]: multi-conversation chat on Gemma 3 through the
 //! prefix trie on mlx.
 //!
-//! The loop of [`crate::mlx::MlxChatServer`] over
+//! The loop of [`crate::mlx::MlxChat`] over
 //! [`kvcache_models::mlx::MlxGemmaLayer`]s (a rotating
 //! window per window layer, a full KV cache per global layer), with one
 //! difference: each turn keeps a restore point at the end of its prompt
@@ -14,15 +14,15 @@
 use kvcache_models::mlx::MlxGemma;
 
 use crate::chat::Reuse;
-use crate::mlx::chat::MlxChatServer;
+use crate::mlx::chat::MlxChat;
 use crate::Result;
 
-/// A chat server in miniature on mlx: one Gemma, one live sequence of
+/// The chat on mlx over Gemma: one live sequence of
 /// [`kvcache_models::mlx::MlxGemmaLayer`]s, and the prefix trie shared across conversations.
-pub type MlxGemmaChatServer<'m> = MlxChatServer<'m, MlxGemma>;
+pub type MlxGemmaChat<'m> = MlxChat<'m, MlxGemma>;
 
-impl<'m> MlxChatServer<'m, MlxGemma> {
-    /// A prefix-trie server whose layer caches grow in steps of `step`
+impl<'m> MlxChat<'m, MlxGemma> {
+    /// A prefix-trie chat whose layer caches grow in steps of `step`
     /// positions.
     pub fn with_step(model: &'m MlxGemma, budget_bytes: usize, step: usize) -> Result<Self> {
         Self::with_layers(model, Reuse::Trie, model.new_caches(step)?, budget_bytes)

@@ -1,10 +1,10 @@
 //! Gemma 3 on mlx-rs through the prefix trie.
 //!
-//! - [`chat`]: [`MlxGemmaChatServer`], multi-conversation chat through
+//! - [`chat`]: [`MlxGemmaChat`], multi-conversation chat through
 //!   [`kvcache_trie::PrefixCache`] over [`kvcache_models::mlx::MlxGemma`]'s
 //!   per-layer caches, keeping a restore point at every prompt's end so the
 //!   next turn resumes there.
 
 pub mod chat;
 
-pub use chat::MlxGemmaChatServer;
+pub use chat::MlxGemmaChat;
