@@ -520,7 +520,7 @@ impl Run {
     /// After an accepted `start_forward`: every token sits in its own cell of its
     /// sequence at its position and sees itself; padding rows see nothing.
     fn verify_pass(&self, batch: &Batch, reserve: bool) {
-        let state = self.cache.state().unwrap();
+        let state = self.cache.picture().unwrap();
         let pass = state.pass.as_ref().expect("a pass in progress");
         let cols = pass.range.len();
         let rows = pass.mask.len().checked_div(cols).unwrap_or(0);
@@ -589,13 +589,13 @@ pub fn run(setup: &Setup, ops: &[Op]) -> Tally {
         puts: 0,
     };
     for op in ops {
-        let before = run.cache.state().expect("state");
+        let before = run.cache.picture().expect("picture");
         match run.apply(op, &mut tally) {
             Ok(()) => tally.accepted += 1,
             Err(e) => {
                 tally.rejected += 1;
                 run.cache.check();
-                let after = run.cache.state().expect("state");
+                let after = run.cache.picture().expect("picture");
                 assert!(after == before, "{op:?} was rejected ({e}) but changed the cache");
             }
         }

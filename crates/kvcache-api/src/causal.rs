@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::block_key::{BlockKey, Scope};
 use crate::retention::{BlockChain, BlockChange, Prefix};
-use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqState};
+use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqKv};
 
 /// Whether a forward pass computes or only sizes the graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -314,10 +314,10 @@ pub trait CausalCache {
     }
 
     /// Copies positions `range` of `seq`, every layer, into a host
-    /// [`SeqState`] (llama.cpp's per-sequence state get), for a store or
+    /// [`SeqKv`] (llama.cpp's per-sequence state get), for a store or
     /// another cache of the same model. Changes nothing. The default answers
     /// [`NotSupported`](crate::CacheError::NotSupported).
-    fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqState> {
+    fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqKv> {
         let _ = (seq, range);
         Err(crate::CacheError::NotSupported("sequence export".into()))
     }
@@ -327,7 +327,7 @@ pub trait CausalCache {
     /// model or layout is a [`LayoutMismatch`](crate::CacheError::LayoutMismatch)
     /// error that changes nothing. The default answers
     /// [`NotSupported`](crate::CacheError::NotSupported).
-    fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+    fn import_seq(&mut self, seq: SeqId, state: &SeqKv) -> Result<()> {
         let _ = (seq, state);
         Err(crate::CacheError::NotSupported("sequence import".into()))
     }

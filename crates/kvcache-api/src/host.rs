@@ -455,14 +455,14 @@ impl std::fmt::Debug for HostKv {
 /// `kv` holds positions `kv.start() .. kv.end()` of every layer: per layer, keys
 /// `[kv_heads, tokens, head_dim]` and values `[kv_heads, tokens, head_dim_v]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeqState {
+pub struct SeqKv {
     /// The model that computed the keys and values.
     pub fingerprint: Fingerprint,
     /// The keys and values; token offset `i` is position `i`.
     pub kv: HostKv,
 }
 
-impl SeqState {
+impl SeqKv {
     /// The positions held, `kv.start() .. kv.end()`; an
     /// [`InvalidArgument`](CacheError::InvalidArgument) error when they do not
     /// fit a [`Pos`] (the last usable position is `Pos::MAX - 1`).

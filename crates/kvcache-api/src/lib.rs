@@ -56,7 +56,7 @@ pub use error::{CacheError, Result};
 pub use events::{EventBatch, EventLog, KvEvent, KvEventSink, Medium};
 pub use host::{
     Fetched, Fingerprint, HostArray, HostKv, HostState, KvLayout, LayerRows, LayerRowsMut, Namespace,
-    PrefixStore, SeqState, Submitted,
+    PrefixStore, SeqKv, Submitted,
 };
 pub use mixed::MixedLayer;
 pub use paged::{CellRun, PagedKv, RowRuns, StoredKv};

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::host::{Fetched, Fingerprint, HostKv, HostState, KvLayout, Namespace, PrefixStore, SeqState};
+use crate::host::{Fetched, Fingerprint, HostKv, HostState, KvLayout, Namespace, PrefixStore, SeqKv};
 use crate::{CacheError, Result, Submitted};
 
 /// A [`PrefixStore`] and the deadline of its reads: what the prefix trie and
@@ -278,8 +278,8 @@ impl StoreClient {
     /// An imported sequence of `kv`: keys and values of the store's model
     /// (its [`fingerprint`](Self::fingerprint)), what
     /// [`CausalCache::import_seq`](crate::CausalCache::import_seq) takes.
-    pub fn seq_state(&self, kv: HostKv) -> SeqState {
-        SeqState {
+    pub fn seq_state(&self, kv: HostKv) -> SeqKv {
+        SeqKv {
             fingerprint: self.fingerprint(),
             kv,
         }

@@ -33,7 +33,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use kvcache_api::{CausalConfig, KvStorage, Pos, SeqState};
+use kvcache_api::{CausalConfig, KvStorage, Pos, SeqKv};
 use kvcache_bench::knobs::{knob, list};
 use kvcache_bench::trace::Trace;
 use kvcache_bench::workloads::causal_cache;
@@ -100,7 +100,7 @@ fn prompts(shape: &Shape) -> Result<Vec<Vec<u32>>, Error> {
 
 /// Prefills every prompt interleaved into an f32 cache; returns each sequence's
 /// exported state and its first decoded token.
-fn prefill(model: &Llama, shape: &Shape, prompts: &[Vec<u32>]) -> Result<(Vec<SeqState>, Vec<u32>), Error> {
+fn prefill(model: &Llama, shape: &Shape, prompts: &[Vec<u32>]) -> Result<(Vec<SeqKv>, Vec<u32>), Error> {
     let mut cache = causal_cache(model, shape.config(KvStorage::F32))?;
     let mut first = vec![0; shape.seqs];
     let t0 = Instant::now();
@@ -129,16 +129,11 @@ fn prefill(model: &Llama, shape: &Shape, prompts: &[Vec<u32>]) -> Result<(Vec<Se
 
 /// A cache of storage `kv` holding `states`, imported in the prefill's
 /// interleaved order.
-fn imported(
-    model: &Llama,
-    shape: &Shape,
-    kv: KvStorage,
-    states: &[SeqState],
-) -> Result<CausalKvCache, Error> {
+fn imported(model: &Llama, shape: &Shape, kv: KvStorage, states: &[SeqKv]) -> Result<CausalKvCache, Error> {
     let mut cache = causal_cache(model, shape.config(kv))?;
     for (seq, start) in shape.chunks() {
         let end = (start + shape.chunk).min(shape.prompt);
-        let part = SeqState {
+        let part = SeqKv {
             fingerprint: states[seq].fingerprint,
             kv: states[seq].kv.slice(start..end)?,
         };

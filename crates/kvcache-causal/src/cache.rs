@@ -9,7 +9,7 @@ use kvcache_api::block_key::{BlockKey, Scope};
 use kvcache_api::retention::{BlockChain, BlockChange, Prefix};
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KeyShift, KvView, PagedKv, Pos,
-    PosRange, Result, SeqId, SeqState,
+    PosRange, Result, SeqId, SeqKv,
 };
 
 use crate::book::{Book, RemovePlan};
@@ -303,9 +303,10 @@ impl CausalKvCache {
         Ok(CellData { keys, values })
     }
 
-    /// Everything observable about the cache (metadata, pass, mask, stored data),
-    /// for comparing states. Copies every tensor to the host: meant for tests.
-    pub fn state(&self) -> Result<CachePicture> {
+    /// A picture of everything observable about the cache (metadata, pass,
+    /// mask, stored data), for comparing two caches or one before and after.
+    /// Copies every tensor to the host: meant for tests.
+    pub fn picture(&self) -> Result<CachePicture> {
         let cells = self.book.cells();
         let pass = match self.book.pass().mode() {
             None => None,
@@ -774,12 +775,12 @@ impl CausalCache for CausalKvCache {
         self.book.drain_block_changes()
     }
 
-    fn export_seq(&self, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqState> {
+    fn export_seq(&self, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqKv> {
         self.storage.bind_to_thread()?;
         CausalKvCache::export_seq(self, seq, range)
     }
 
-    fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+    fn import_seq(&mut self, seq: SeqId, state: &SeqKv) -> Result<()> {
         self.storage.bind_to_thread()?;
         CausalKvCache::import_seq(self, seq, state)
     }

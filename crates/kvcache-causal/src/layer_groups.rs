@@ -128,9 +128,9 @@ impl LayerGroupCache {
         self.groups[self.current()?].visible_cells(row)
     }
 
-    /// The state of every group.
-    pub fn state(&self) -> Result<Vec<CachePicture>> {
-        self.groups.iter().map(CausalKvCache::state).collect()
+    /// A picture of every group ([`CausalKvCache::picture`]).
+    pub fn picture(&self) -> Result<Vec<CachePicture>> {
+        self.groups.iter().map(CausalKvCache::picture).collect()
     }
 
     /// Panics unless every group's invariants hold.

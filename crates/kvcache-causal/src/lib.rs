@@ -28,11 +28,11 @@
 //!
 //! Every operation validates its input before changing anything: a rejected call
 //! returns a typed [`CacheError`](kvcache_api::CacheError) and leaves the cache
-//! exactly as it was ([`CausalKvCache::state`] lets tests prove it), and
+//! exactly as it was ([`CausalKvCache::picture`] lets tests prove it), and
 //! [`CausalKvCache::check`] verifies every invariant.
 //!
 //! [`CausalKvCache::export_seq`] copies one sequence's keys and values over a range
-//! of positions into a compact host [`SeqState`], and [`CausalKvCache::import_seq`]
+//! of positions into a compact host [`SeqKv`], and [`CausalKvCache::import_seq`]
 //! writes one into a sequence of any cache of the same model and layout (llama.cpp's
 //! per-sequence state get and set; see [`transfer`]).
 //!
@@ -81,7 +81,7 @@ mod window;
 
 pub use cache::{key_shift, CausalKvCache, SharedKeyShift};
 pub use inspect::{CachePicture, CellData, CellInfo, LayerData, PassPicture};
-pub use kvcache_api::SeqState;
+pub use kvcache_api::SeqKv;
 pub use layer_groups::LayerGroupCache;
 pub use rope::{RopeLayout, RopeShift};
 pub use storage::MAX_LAYERS;

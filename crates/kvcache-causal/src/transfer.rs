@@ -54,7 +54,7 @@
 
 use std::ops::Range;
 
-use kvcache_api::{CacheError, Fingerprint, HostKv, KvLayout, Pos, Result, SeqId, SeqState};
+use kvcache_api::{CacheError, Fingerprint, HostKv, KvLayout, Pos, Result, SeqId, SeqKv};
 
 use crate::cache::CausalKvCache;
 
@@ -92,13 +92,13 @@ impl CausalKvCache {
     /// no layer has storage, a layer below a stored one has none (a cache that is
     /// one group of a [`crate::LayerGroupCache`]) or layers differ in head
     /// dimensions; [`CacheError::Backend`] if a tensor copy fails.
-    pub fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqState> {
+    pub fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqKv> {
         let runs = self.book.cells_of_range(seq, range.clone())?;
         let layout = self.storage.export_layout(self.book.config().dtype)?;
         let start = usize::try_from(range.start).expect("validated: not negative");
         let mut kv = HostKv::zeroed(layout, start, range.len());
         self.storage.read_rows(&runs, &mut kv)?;
-        Ok(SeqState {
+        Ok(SeqKv {
             fingerprint: self.fingerprint,
             kv,
         })
@@ -121,7 +121,7 @@ impl CausalKvCache {
     /// start; [`CacheError::Full`] when the kept positions do not fit even after
     /// trimming windows. [`CacheError::Backend`] if a tensor copy fails (after
     /// validation, as in a forward pass).
-    pub fn import_seq(&mut self, seq: SeqId, state: &SeqState) -> Result<()> {
+    pub fn import_seq(&mut self, seq: SeqId, state: &SeqKv) -> Result<()> {
         let config = self.book.config();
         if seq >= config.max_sequences {
             return Err(CacheError::SequenceOutOfRange {

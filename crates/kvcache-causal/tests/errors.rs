@@ -320,7 +320,7 @@ fn bad_configurations_change_nothing() {
 #[test]
 fn reserve_passes_leave_metadata_and_data_untouched() {
     let mut cache = cache_with(None);
-    let before = cache.state().unwrap();
+    let before = cache.picture().unwrap();
     let batch = Batch::from_tokens([(0, 4), (1, 3), (0, 5)]).unwrap();
     cache.start_forward(&batch, ForwardMode::Reserve).unwrap();
     cache.set_layer(0);
@@ -329,7 +329,7 @@ fn reserve_passes_leave_metadata_and_data_untouched() {
     assert_eq!(view.keys.dims(), &[8, 2, 4]);
     assert_eq!(view.mask.dims(), &[3, 8]);
     assert!(common::host(&view.mask).iter().all(|&v| v == f32::NEG_INFINITY));
-    let after = cache.state().unwrap();
+    let after = cache.picture().unwrap();
     assert_eq!(after.cells, before.cells);
     assert_eq!(after.layers, before.layers);
     cache.check();
@@ -339,7 +339,7 @@ fn reserve_passes_leave_metadata_and_data_untouched() {
 fn clones_are_deep_and_views_alias_storage() {
     let mut cache = cache_with(None);
     let copy = cache.try_clone().unwrap();
-    assert_eq!(copy.state().unwrap(), cache.state().unwrap());
+    assert_eq!(copy.picture().unwrap(), cache.picture().unwrap());
     cache
         .start_forward(&Batch::sequence(0, 4, 1).unwrap(), ForwardMode::Compute)
         .unwrap();
@@ -352,7 +352,7 @@ fn clones_are_deep_and_views_alias_storage() {
     let seen = common::host(&view_before.keys.narrow(0, cell - range.start, 1).unwrap());
     assert!(seen.iter().all(|&x| x == 42.0));
     // The deep copy is untouched.
-    assert_ne!(copy.state().unwrap(), cache.state().unwrap());
+    assert_ne!(copy.picture().unwrap(), cache.picture().unwrap());
     assert_eq!(copy.read_cell(0, cell).unwrap().keys[0], 0.0);
     copy.check();
 }
@@ -393,7 +393,7 @@ fn copying_into_an_existing_cache_makes_an_independent_equal_copy() {
     target.set_layer(0);
     target.put(&kv(&[7.0; 3]), &kv(&[7.0; 3])).unwrap();
     target.try_clone_from(&source).unwrap();
-    assert_eq!(target.state().unwrap(), source.state().unwrap());
+    assert_eq!(target.picture().unwrap(), source.picture().unwrap());
     target.check();
     // Both now evolve alike, and neither sees the other's writes.
     let mut twin = source.try_clone().unwrap();
@@ -404,13 +404,13 @@ fn copying_into_an_existing_cache_makes_an_independent_equal_copy() {
         cache.set_layer(1);
         cache.put(&kv(&[5.0]), &kv(&[5.0])).unwrap();
     }
-    assert_eq!(target.state().unwrap(), twin.state().unwrap());
-    assert_ne!(target.state().unwrap(), source.state().unwrap());
+    assert_eq!(target.picture().unwrap(), twin.picture().unwrap());
+    assert_ne!(target.picture().unwrap(), source.picture().unwrap());
     target.check();
     // A different configuration is copied too.
     let mut other = CausalKvCache::new(CausalConfig::new(1, 8, 2), common::device(), None).unwrap();
     other.try_clone_from(&source).unwrap();
-    assert_eq!(other.state().unwrap(), source.state().unwrap());
+    assert_eq!(other.picture().unwrap(), source.picture().unwrap());
     assert_eq!(other.config(), source.config());
 }
 

@@ -111,7 +111,7 @@ mod visible_cells {
 
     /// Every row of the pass in progress, padding included, equals the mask's.
     fn agrees(cache: &CausalKvCache) -> Result<(), TestCaseError> {
-        let pass = cache.state().unwrap().pass.expect("a pass in progress");
+        let pass = cache.picture().unwrap().pass.expect("a pass in progress");
         let width = pass.range.len();
         let rows = pass.mask.len().checked_div(width).unwrap_or(0);
         for row in 0..rows {

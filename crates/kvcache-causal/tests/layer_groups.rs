@@ -74,7 +74,7 @@ fn a_group_that_rejects_a_batch_leaves_every_group_unchanged() {
         .start_forward(&Batch::sequence(0, 0, 3).unwrap(), ForwardMode::Compute)
         .unwrap();
     put_layers(&mut cache, 2, &[1.0, 2.0, 3.0]);
-    let before = cache.state().unwrap();
+    let before = cache.picture().unwrap();
     let err = cache
         .start_forward(&Batch::sequence(0, 3, 2).unwrap(), ForwardMode::Compute)
         .unwrap_err();
@@ -86,7 +86,7 @@ fn a_group_that_rejects_a_batch_leaves_every_group_unchanged() {
             batch: 2
         }
     );
-    assert_eq!(cache.state().unwrap(), before);
+    assert_eq!(cache.picture().unwrap(), before);
     cache.check();
 }
 
@@ -99,10 +99,10 @@ fn a_group_that_rejects_a_removal_leaves_every_group_unchanged() {
         .start_forward(&Batch::sequence(0, 0, 4).unwrap(), ForwardMode::Compute)
         .unwrap();
     put_layers(&mut cache, 4, &[1.0, 2.0, 3.0, 4.0]);
-    let before = cache.state().unwrap();
+    let before = cache.picture().unwrap();
     let err = cache.remove(0, PosRange::from(1..2)).unwrap_err();
     assert!(matches!(err, CacheError::NotSupported(_)));
-    assert_eq!(cache.state().unwrap(), before);
+    assert_eq!(cache.picture().unwrap(), before);
     // Open-ended removals need no shift and reach both groups.
     cache.remove(0, PosRange::from(2..)).unwrap();
     assert_eq!(cache.groups()[0].used_cells(), 2);
@@ -155,18 +155,18 @@ fn copy_prefix_resume_and_configuration() {
     // The local group keeps positions 3.. only after the next pass; resuming at 6
     // needs 5 (window 2), which both groups hold.
     assert!(cache.can_resume(1, 6));
-    let before = cache.state().unwrap();
+    let before = cache.picture().unwrap();
     assert!(matches!(
         cache.copy_prefix(0, 2, 1),
         Err(CacheError::SequenceOutOfRange { .. })
     ));
-    assert_eq!(cache.state().unwrap(), before);
+    assert_eq!(cache.picture().unwrap(), before);
     assert!(matches!(
         cache.configure(global.clone()),
         Err(CacheError::NotSupported(_))
     ));
     assert!(cache.configure_groups(vec![global.clone()]).is_err());
-    assert_eq!(cache.state().unwrap(), before);
+    assert_eq!(cache.picture().unwrap(), before);
     cache.configure_groups(vec![local, global]).unwrap();
     assert_eq!(cache.groups()[1].used_cells(), 0);
     cache.check();
@@ -233,7 +233,7 @@ mod random_schedules {
         let mut val = 0.0;
         let mut stored = false;
         for step in steps {
-            let before = cache.state().unwrap();
+            let before = cache.picture().unwrap();
             let expect = |apply: &dyn Fn(&mut Reference) -> Result<(), CacheError>| {
                 let mut trial = models.clone();
                 for m in trial.iter_mut() {
@@ -273,7 +273,10 @@ mod random_schedules {
                 (Ok(()), Ok(trial)) => models = trial,
                 (Err(e), Err(w)) => {
                     prop_assert!(same_error(&e, &w), "{step:?}: got {e:?}, expected {w:?}");
-                    prop_assert!(cache.state().unwrap() == before, "{step:?}: rejected but changed");
+                    prop_assert!(
+                        cache.picture().unwrap() == before,
+                        "{step:?}: rejected but changed"
+                    );
                     continue;
                 }
                 (got, want) => {

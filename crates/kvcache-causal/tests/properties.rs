@@ -283,7 +283,7 @@ impl Run {
         want: CacheError,
         call: impl FnOnce(&mut CausalKvCache) -> Result<(), CacheError>,
     ) -> Result<(), TestCaseError> {
-        let before = self.cache.state().unwrap();
+        let before = self.cache.picture().unwrap();
         let got = call(&mut self.cache);
         match got {
             Err(e) => prop_assert!(same_error(&e, &want), "{what}: got {e:?}, expected {want:?}"),
@@ -291,7 +291,7 @@ impl Run {
         }
         self.cache.check();
         prop_assert!(
-            self.cache.state().unwrap() == before,
+            self.cache.picture().unwrap() == before,
             "{what}: a rejected call changed the cache"
         );
         Ok(())
@@ -667,7 +667,7 @@ impl Run {
     fn checkpoint(&mut self) {
         let cache = self.cache.try_clone().unwrap();
         assert!(
-            cache.state().unwrap() == self.cache.state().unwrap(),
+            cache.picture().unwrap() == self.cache.picture().unwrap(),
             "checkpoint differs"
         );
         cache.check();
@@ -686,7 +686,7 @@ impl Run {
         };
         self.cache.try_clone_from(&saved.cache).unwrap();
         prop_assert!(
-            self.cache.state().unwrap() == saved.cache.state().unwrap(),
+            self.cache.picture().unwrap() == saved.cache.picture().unwrap(),
             "rollback differs"
         );
         self.model = saved.model.clone();

@@ -160,18 +160,22 @@ fn side_by_side(ops: &[Op], layout: VLayout, placement: Placement, on_grid: bool
     let mut f = cache(config(KvStorage::F32, layout, placement));
     let mut shifted = false;
     for op in ops {
-        let before = q.state().unwrap();
+        let before = q.picture().unwrap();
         let (rq, rf) = (apply(&mut q, op, on_grid), apply(&mut f, op, on_grid));
         assert_eq!(rq, rf, "{op:?}: both caches accept or reject alike");
         q.check();
         f.check();
         if rq.is_err() {
             if !matches!(op, Op::Forward(..)) {
-                assert_eq!(q.state().unwrap(), before, "{op:?} was rejected: nothing changes");
+                assert_eq!(
+                    q.picture().unwrap(),
+                    before,
+                    "{op:?} was rejected: nothing changes"
+                );
             }
             continue;
         }
-        shifted |= matches!(op, Op::Shift(..)) && q.state().unwrap() != before;
+        shifted |= matches!(op, Op::Shift(..)) && q.picture().unwrap() != before;
         let (got, want) = (contents(&q), quantized(&contents(&f)));
         if on_grid && !shifted {
             assert_eq!(got, want, "after {op:?}");
@@ -363,19 +367,19 @@ fn q8_0_rejects_head_dims_off_the_block_and_changes_nothing() {
     let mut q = cache(config(KvStorage::Q8_0, VLayout::Normal, Placement::Scattered));
     q.start_forward(&Batch::sequence(0, 0, 2).unwrap(), ForwardMode::Compute)
         .unwrap();
-    let before = q.state().unwrap();
+    let before = q.picture().unwrap();
     let k = Tensor::zeros((2, HEADS, 48), CandleDType::F32, q.device()).unwrap();
     let e = q.put(&k, &k).unwrap_err();
     assert!(
         matches!(&e, CacheError::InvalidArgument(m) if m.contains("q8_0") && m.contains("48")),
         "{e}"
     );
-    assert_eq!(q.state().unwrap(), before);
+    assert_eq!(q.picture().unwrap(), before);
     assert_eq!(q.storage_bytes(), 0);
     // Wrong dtype: the cache takes its compute dtype, not the storage type.
     let h = Tensor::zeros((2, HEADS, DIM), CandleDType::F16, q.device()).unwrap();
     assert!(matches!(q.put(&h, &h), Err(CacheError::DTypeMismatch { .. })));
-    assert_eq!(q.state().unwrap(), before);
+    assert_eq!(q.picture().unwrap(), before);
     q.check();
 
     // An import whose head dimension is off the block.
@@ -386,12 +390,12 @@ fn q8_0_rejects_head_dims_off_the_block_and_changes_nothing() {
     small.put(&k, &k).unwrap();
     let state = small.export_seq(0, 0..2).unwrap();
     let mut q = cache(config(KvStorage::Q8_0, VLayout::Normal, Placement::Scattered));
-    let before = q.state().unwrap();
+    let before = q.picture().unwrap();
     assert!(matches!(
         q.import_seq(0, &state),
         Err(CacheError::InvalidArgument(_))
     ));
-    assert_eq!(q.state().unwrap(), before);
+    assert_eq!(q.picture().unwrap(), before);
 }
 
 #[test]

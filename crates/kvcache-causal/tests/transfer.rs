@@ -12,7 +12,7 @@ use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, DType, Fingerprint, ForwardMode, HostKv, KvLayout,
     Placement, Pos, SeqId, SlidingWindow, VLayout,
 };
-use kvcache_causal::{CausalKvCache, SeqState};
+use kvcache_causal::{CausalKvCache, SeqKv};
 
 use common::{candle, host, rejected};
 
@@ -182,9 +182,12 @@ fn states_round_trip_between_caches_layouts_and_sequences() {
                     dtype
                 })
             );
-            let before = src.state().unwrap();
+            let before = src.picture().unwrap();
             let state = src.export_seq(0, 3..17).unwrap();
-            assert!(src.state().unwrap() == before, "{what}: export changed the cache");
+            assert!(
+                src.picture().unwrap() == before,
+                "{what}: export changed the cache"
+            );
             assert_eq!(state.fingerprint, print);
             assert_eq!(state.kv.range(), 3..17);
             assert_eq!(state.positions().unwrap(), 3..17);
@@ -470,8 +473,8 @@ fn invalid(e: &CacheError) -> bool {
 
 /// A state of `layout` for positions `start..start + tokens` with the default
 /// fingerprint.
-fn zeroed(layout: KvLayout, start: usize, tokens: usize) -> SeqState {
-    SeqState {
+fn zeroed(layout: KvLayout, start: usize, tokens: usize) -> SeqKv {
+    SeqKv {
         fingerprint: Fingerprint::default(),
         kv: HostKv::zeroed(layout, start, tokens),
     }
@@ -502,7 +505,7 @@ fn rejected_imports_change_nothing() {
             }
         },
     );
-    let other_model = SeqState {
+    let other_model = SeqKv {
         fingerprint: Fingerprint([1; 32]),
         ..good.clone()
     };
@@ -639,7 +642,7 @@ fn rejected_exports_name_the_problem() {
         &mut rng,
         &mut History::new(),
     );
-    let before = c.state().unwrap();
+    let before = c.picture().unwrap();
     for range in [0..3, 0..4, 2..3, 3..5, 1..1, -1..1] {
         assert!(
             matches!(
@@ -656,7 +659,7 @@ fn rejected_exports_name_the_problem() {
             max_sequences: 2
         }
     );
-    assert!(c.state().unwrap() == before);
+    assert!(c.picture().unwrap() == before);
     assert_eq!(c.export_seq(0, 0..2).unwrap().kv.range(), 0..2);
     assert_eq!(c.export_seq(0, 3..4).unwrap().kv.range(), 3..4);
 

@@ -29,27 +29,6 @@ pub fn model_path() -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
-/// The model path for tests that need the real model: `None`, with a line saying
-/// the test is skipped, when [`model_path`] finds nothing.
-///
-/// # Panics
-/// When the model is missing and `CI` is set: CI prepares the model, so a
-/// missing one there is a broken set-up, not a reason to skip.
-///
-/// Kept for the server's tests until they move to
-/// `kvcache_testkit::models::model_file`, the one skip-or-fail rule.
-pub fn model_path_for_tests() -> Option<PathBuf> {
-    let path = model_path();
-    if path.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI is set but the model is missing: run `cargo xtask prepare` or set {MODEL_ENV}"
-        );
-        println!("skipped: no model ({MODEL_ENV} unset and nothing cached)");
-    }
-    path
-}
-
 /// The project's copy of the E1 trace (`fixtures/e1_trace.json` at the repository root).
 pub fn e1_trace_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/e1_trace.json")

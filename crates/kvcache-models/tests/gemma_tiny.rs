@@ -64,7 +64,7 @@ fn window_layers_keep_only_their_memory() {
         .unwrap();
     let mut pair = Pair::new(&model, cache, 1);
     pair.feed(0, &tokens(40, 4), 10);
-    let state = pair.cache.state().unwrap();
+    let state = pair.cache.picture().unwrap();
     let used = |g: usize| state[g].cells.iter().flatten().count();
     // The window group keeps its memory (plus at most one batch), the global group all.
     assert!(used(0) <= 12 + 10, "window group holds {}", used(0));
@@ -86,12 +86,12 @@ fn bad_tokens_are_rejected_before_the_cache_changes() {
         token: 3,
     };
     model.forward(&[ok], &mut cache).unwrap();
-    let before = cache.state().unwrap();
+    let before = cache.picture().unwrap();
     let bad = BatchToken {
         seq: 0,
         pos: 1,
         token: 64,
     };
     assert!(model.forward(&[bad], &mut cache).is_err());
-    assert_eq!(cache.state().unwrap(), before);
+    assert_eq!(cache.picture().unwrap(), before);
 }

@@ -420,7 +420,7 @@ pub fn run(text: &str, dtype: DType, layout: VLayout, device: &Device) -> Result
         if words[0] == "fail" {
             let (head, step) = line.split_once(':').ok_or_else(|| at("fail NAME: step".into()))?;
             let want = head.trim_start_matches("fail").trim();
-            let before = r.cache.state().map_err(|e| at(e.to_string()))?;
+            let before = r.cache.picture().map_err(|e| at(e.to_string()))?;
             match r.step(step.trim()) {
                 Ok(()) => return Err(at(format!("`{}` should fail with {want}", step.trim()))),
                 Err(e) if error_name(&e) == want => {
@@ -429,7 +429,7 @@ pub fn run(text: &str, dtype: DType, layout: VLayout, device: &Device) -> Result
                 Err(e) => return Err(at(format!("failed with {e}, expected {want}"))),
             }
             r.cache.check();
-            if r.cache.state().map_err(|e| at(e.to_string()))? != before {
+            if r.cache.picture().map_err(|e| at(e.to_string()))? != before {
                 return Err(at("a rejected step changed the cache".into()));
             }
             continue;

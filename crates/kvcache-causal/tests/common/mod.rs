@@ -220,12 +220,12 @@ pub fn rejected(
     call: impl FnOnce(&mut CausalKvCache) -> Result<()>,
     is_expected: impl Fn(&CacheError) -> bool,
 ) {
-    let before = cache.state().unwrap();
+    let before = cache.picture().unwrap();
     let err = call(cache).expect_err("the call should be rejected");
     assert!(is_expected(&err), "unexpected error: {err:?}");
     cache.check();
     assert!(
-        cache.state().unwrap() == before,
+        cache.picture().unwrap() == before,
         "rejected call ({err}) changed the cache"
     );
 }

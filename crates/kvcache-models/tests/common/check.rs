@@ -38,7 +38,7 @@ pub enum Op {
 const TRIMMED: u64 = u64::MAX;
 
 #[derive(Debug, Clone, Default)]
-struct SeqState {
+struct SeqKv {
     tokens: Vec<u32>,
     /// Abstract identity of the cell holding each position ([`TRIMMED`] once a
     /// sliding window's memory dropped it).
@@ -69,7 +69,7 @@ pub struct Checker<'m> {
     window: Option<usize>,
     memory: Option<usize>,
     capacity: usize,
-    seqs: Vec<SeqState>,
+    seqs: Vec<SeqKv>,
     next_cell: u64,
     rng: u64,
     report: CheckReport,
@@ -84,7 +84,7 @@ impl<'m> Checker<'m> {
             window: config.window.map(|w| w.window()),
             memory: config.effective_memory(),
             capacity: config.capacity,
-            seqs: vec![SeqState::default(); config.max_sequences],
+            seqs: vec![SeqKv::default(); config.max_sequences],
             next_cell: 0,
             rng: 0x2545_F491_4F6C_DD1D,
             report: CheckReport::default(),
@@ -145,7 +145,7 @@ impl<'m> Checker<'m> {
             Op::Leave(seq) => {
                 let seq = seq % n_seqs;
                 cache.remove(seq, PosRange::from(0..))?;
-                self.seqs[seq] = SeqState::default();
+                self.seqs[seq] = SeqKv::default();
             }
             Op::Truncate(seq, frac) => {
                 let seq = seq % n_seqs;
@@ -198,7 +198,7 @@ impl<'m> Checker<'m> {
                     return Ok(());
                 }
                 cache.copy_prefix(src, dst, len as Pos)?;
-                let prefix = SeqState {
+                let prefix = SeqKv {
                     tokens: self.seqs[src].tokens[..len].to_vec(),
                     cells: self.seqs[src].cells[..len].to_vec(),
                 };
@@ -218,7 +218,7 @@ impl<'m> Checker<'m> {
         let len = self.seqs[seq].tokens.len() as Pos;
         if self.window.is_some() && !cache.can_resume(seq, len) {
             cache.remove(seq, PosRange::from(0..))?;
-            self.seqs[seq] = SeqState::default();
+            self.seqs[seq] = SeqKv::default();
         }
         Ok(())
     }
