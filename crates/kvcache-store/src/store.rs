@@ -25,6 +25,16 @@ use crate::stats::{add, bump, StoreCounters, StoreStats};
 use crate::tier::{Block, RunBlock, Tier, TierContext};
 use crate::writer::{Refused, Writer};
 
+/// What a planned fetch (`TieredStore::fetch_planned`) came to.
+enum Planned {
+    /// The answer: what the tiers hold past `from`, or nothing (none held,
+    /// or out of time).
+    Answered(Option<Fetched>),
+    /// The plan did not hold up (an entry vanished or failed its checks, or
+    /// the plan was too long): read block by block instead.
+    Unplanned,
+}
+
 /// The most blocks a planned fetch reads at once (one open reader each);
 /// longer answers are read block by block.
 const MAX_PLANNED_BLOCKS: usize = 256;
@@ -678,7 +688,7 @@ impl Core {
             .checked_add(budget)
             .unwrap_or(now + Duration::from_secs(86_400 * 365));
         if self.local {
-            if let Some(answer) = self.fetch_planned(namespace, tokens, from, deadline) {
+            if let Planned::Answered(answer) = self.fetch_planned(namespace, tokens, from, deadline) {
                 return answer;
             }
         }
@@ -737,14 +747,14 @@ impl Core {
     /// the tiers' row readers into the answer (one copy, checksums verified on
     /// the way). `None` when the plan does not hold up (an entry vanished or
     /// failed its checks): the caller falls back to reading block by block,
-    /// which counts and removes what is damaged.
+    /// which counts and removes what is damaged ([`Planned::Unplanned`]).
     fn fetch_planned(
         &self,
         namespace: &Namespace,
         tokens: &[u32],
         from: usize,
         deadline: Instant,
-    ) -> Option<Option<Fetched>> {
+    ) -> Planned {
         let scope = Scope::new(&self.config.fingerprint, namespace);
         let mut chain = KeyChain::new(scope, self.config.block_tokens, tokens);
         chain.skip_to(from);
@@ -770,16 +780,16 @@ impl Core {
         }
         let Some(end) = plan.last().map(|(range, ..)| range.end).filter(|&end| end > from) else {
             self.tiers.iter().for_each(|t| bump(&t.counters().misses));
-            return Some(None);
+            return Planned::Answered(None);
         };
         if plan.len() > MAX_PLANNED_BLOCKS {
-            return None;
+            return Planned::Unplanned;
         }
         let mut readers = Vec::with_capacity(plan.len());
         for (range, key, _, tier) in &plan {
             match self.tiers[*tier].open_rows(namespace, key, deadline) {
                 Ok(Some((held, reader))) if held == *range => readers.push(reader),
-                _ => return None,
+                _ => return Planned::Unplanned,
             }
         }
         let layout = &self.config.layout;
@@ -788,7 +798,7 @@ impl Core {
         for _layer in 0..layout.layers {
             if Instant::now() >= deadline {
                 bump(&self.counters.fetch_timeouts);
-                return Some(None);
+                return Planned::Answered(None);
             }
             for dim in [layout.head_dim, layout.head_dim_v] {
                 let row = dim * elem;
@@ -799,7 +809,7 @@ impl Core {
                             .skip(skip * row)
                             .and_then(|()| reader.read_to((range.len() - skip) * row, &mut out));
                         if read.is_err() {
-                            return None;
+                            return Planned::Unplanned;
                         }
                     }
                 }
@@ -807,10 +817,12 @@ impl Core {
         }
         for reader in readers {
             if !matches!(reader.finish(), Ok(true)) {
-                return None;
+                return Planned::Unplanned;
             }
         }
-        let kv = HostKv::from_bytes(*layout, from, end - from, out).ok()?;
+        let Ok(kv) = HostKv::from_bytes(*layout, from, end - from, out) else {
+            return Planned::Unplanned;
+        };
         let mut served = vec![0usize; self.tiers.len()];
         for (range, key, parent, tier) in &plan {
             let counters = self.tiers[*tier].counters();
@@ -820,7 +832,7 @@ impl Core {
             self.known.insert(*key);
             self.promote(namespace, &kv, range, key, parent, *tier, deadline);
         }
-        Some(Some(self.fetched(kv, served)))
+        Planned::Answered(Some(self.fetched(kv, served)))
     }
 
     /// Copies a block of the answer `kv`, served by tier `from_tier`, into the
