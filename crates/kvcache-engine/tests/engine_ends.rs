@@ -3,69 +3,17 @@
 //! `max_new_tokens`; a request ended by a stop sequence keeps its cells for
 //! the next turn like any other finished request.
 
-use std::sync::Arc;
+mod common;
 
-use candle_core::{Device, Tensor};
-use kvcache_api::{CausalConfig, KeyShift};
+use common::letters::{self, cache, model, Letters};
 use kvcache_causal::CausalKvCache;
 use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, FinishReason, Finished, Request};
 use kvcache_engine::EngineError;
-use kvcache_models::tokenizer::Message;
-use kvcache_models::{Llama, LlamaConfig, Tokenizer};
+use kvcache_models::{Llama, Tokenizer};
 
-/// Token `i` is the letter `a + i % 26`; no control tokens.
-#[derive(Debug)]
-struct Letters;
-
-impl Tokenizer for Letters {
-    fn encode(&self, text: &str) -> kvcache_models::Result<Vec<u32>> {
-        Ok(text.bytes().map(|b| u32::from(b - b'a')).collect())
-    }
-    fn chat_ids(&self, _: &[Message], _: bool) -> kvcache_models::Result<Vec<u32>> {
-        Err(kvcache_models::ModelError::InvalidArgument("no template".into()))
-    }
-    fn decode(&self, ids: &[u32]) -> kvcache_models::Result<String> {
-        Ok(ids.iter().map(|&i| char::from(b'a' + (i % 26) as u8)).collect())
-    }
-    fn decode_text(&self, ids: &[u32]) -> kvcache_models::Result<String> {
-        self.decode(ids)
-    }
-    fn token_bytes(&self, id: u32) -> Vec<u8> {
-        vec![b'a' + (id % 26) as u8]
-    }
-    fn eos_token_id(&self) -> u32 {
-        63
-    }
-    fn end_of_turn_ids(&self) -> Vec<u32> {
-        vec![63]
-    }
-    fn vocab_size(&self) -> usize {
-        64
-    }
-}
-
-fn model() -> Llama {
-    Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()
-}
-
-fn cache(model: &Llama) -> CausalKvCache {
-    let shift: Box<dyn KeyShift<Tensor>> = Box::new(model.rope().clone());
-    CausalKvCache::new(CausalConfig::new(4, 64, 16), Device::Cpu, Some(shift)).unwrap()
-}
-
+/// The letters engine with prefix reuse on.
 fn engine(model: &Llama, stop_tokens: Vec<u32>) -> Engine<'_, CausalKvCache> {
-    let mut engine = Engine::new(
-        model,
-        cache(model),
-        EngineConfig {
-            max_batch: 16,
-            prefill_chunk: 4,
-            stop_tokens,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    engine.set_tokenizer(Arc::new(Letters));
+    let mut engine = letters::engine(model, stop_tokens);
     engine.set_prefix_reuse(true).unwrap();
     engine
 }

@@ -1,72 +1,14 @@
 //! The request fields vLLM adds to OpenAI's, as the engine honours them:
 //! `ignore_eos`, `min_tokens`, `stop_token_ids`, and the sampler's `top_k`.
 
-use std::sync::Arc;
+mod common;
 
-use candle_core::{Device, Tensor};
-use kvcache_api::{CausalConfig, KeyShift};
+use common::letters::{cache, engine, model, Letters};
 use kvcache_causal::CausalKvCache;
-use kvcache_engine::engine::{greedy, Engine, EngineConfig, Event, FinishReason, Finished, Request};
+use kvcache_engine::engine::{greedy, Engine, Event, FinishReason, Finished, Request};
 use kvcache_engine::sampling::{Sampler, SamplingOptions, SamplingParams};
 use kvcache_engine::EngineError;
-use kvcache_models::tokenizer::Message;
-use kvcache_models::{Llama, LlamaConfig, Tokenizer};
-
-/// Token `i` is the letter `a + i % 26`; no control tokens.
-#[derive(Debug)]
-struct Letters;
-
-impl Tokenizer for Letters {
-    fn encode(&self, text: &str) -> kvcache_models::Result<Vec<u32>> {
-        Ok(text.bytes().map(|b| u32::from(b - b'a')).collect())
-    }
-    fn chat_ids(&self, _: &[Message], _: bool) -> kvcache_models::Result<Vec<u32>> {
-        Err(kvcache_models::ModelError::InvalidArgument("no template".into()))
-    }
-    fn decode(&self, ids: &[u32]) -> kvcache_models::Result<String> {
-        Ok(ids.iter().map(|&i| char::from(b'a' + (i % 26) as u8)).collect())
-    }
-    fn decode_text(&self, ids: &[u32]) -> kvcache_models::Result<String> {
-        self.decode(ids)
-    }
-    fn token_bytes(&self, id: u32) -> Vec<u8> {
-        vec![b'a' + (id % 26) as u8]
-    }
-    fn eos_token_id(&self) -> u32 {
-        63
-    }
-    fn end_of_turn_ids(&self) -> Vec<u32> {
-        vec![63]
-    }
-    fn vocab_size(&self) -> usize {
-        64
-    }
-}
-
-fn model() -> Llama {
-    Llama::random(LlamaConfig::tiny(), 5, &Device::Cpu).unwrap()
-}
-
-fn cache(model: &Llama) -> CausalKvCache {
-    let shift: Box<dyn KeyShift<Tensor>> = Box::new(model.rope().clone());
-    CausalKvCache::new(CausalConfig::new(4, 64, 16), Device::Cpu, Some(shift)).unwrap()
-}
-
-fn engine(model: &Llama, stop_tokens: Vec<u32>) -> Engine<'_, CausalKvCache> {
-    let mut engine = Engine::new(
-        model,
-        cache(model),
-        EngineConfig {
-            max_batch: 16,
-            prefill_chunk: 4,
-            stop_tokens,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    engine.set_tokenizer(Arc::new(Letters));
-    engine
-}
+use kvcache_models::{Llama, Tokenizer};
 
 const PROMPT: [u32; 6] = [3, 1, 4, 1, 5, 9];
 const MAX: usize = 16;

@@ -5,34 +5,14 @@
 
 mod common;
 
-use common::{tokenizer, Server};
+use common::{chat_body, post, tokenizer, Server};
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
 
-async fn post(server: &Server, path: &str, body: &Value) -> (u16, Value) {
-    let response = reqwest::Client::new()
-        .post(format!("{}{path}", server.base))
-        .json(body)
-        .send()
-        .await
-        .expect("POST");
-    let status = response.status().as_u16();
-    (status, response.json().await.expect("JSON body"))
-}
-
 /// A chat request whose greedy answer is short, with `extra` fields.
 fn chat(extra: Value) -> Value {
-    let mut body = json!({
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 64,
-        "temperature": 0,
-    });
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body
+    chat_body("What is the capital of France?", 64, extra)
 }
 
 /// The answer's text, finish reason and completion tokens.

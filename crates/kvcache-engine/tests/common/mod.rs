@@ -6,6 +6,7 @@
 #[path = "../../../kvcache-models/tests/common/check.rs"]
 pub mod check;
 pub mod engine_run;
+pub mod letters;
 #[path = "../../../kvcache-models/tests/common/simple_cache.rs"]
 pub mod simple_cache;
 #[path = "../../../kvcache-models/tests/common/testing.rs"]

@@ -267,3 +267,30 @@ pub fn access_lines(log: &Mutex<Vec<String>>) -> Vec<serde_json::Value> {
         .filter(|v| v["target"] == "kvcache_server::access")
         .collect()
 }
+
+/// POSTs `body` as JSON to `path` of `server`: the status and the JSON answer.
+pub async fn post(server: &Server, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let response = reqwest::Client::new()
+        .post(format!("{}{path}", server.base))
+        .json(body)
+        .send()
+        .await
+        .expect("POST");
+    let status = response.status().as_u16();
+    (status, response.json().await.expect("JSON body"))
+}
+
+/// A greedy chat request to SmolLM2 asking `question`, at most `max_tokens`
+/// tokens, with the fields of `extra` added (or replacing the defaults).
+pub fn chat_body(question: &str, max_tokens: u32, extra: serde_json::Value) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    });
+    body.as_object_mut()
+        .expect("an object")
+        .extend(extra.as_object().expect("extra fields as an object").clone());
+    body
+}
