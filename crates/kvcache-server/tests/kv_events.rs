@@ -192,14 +192,7 @@ impl Vocabulary {
 
 /// `POST /v1/completions` with `body`; the answer, which must be a 200.
 async fn post_completion(server: &Server, body: &Value) -> Value {
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/completions", server.base))
-        .json(body)
-        .send()
-        .await
-        .expect("POST /v1/completions");
-    let status = response.status();
-    let answer: Value = response.json().await.expect("the completion's JSON");
+    let (status, answer) = common::post(server, "/v1/completions", body).await;
     assert_eq!(status, 200, "{answer}");
     answer
 }
