@@ -305,8 +305,16 @@ fn start(args: &[String]) -> Option<Server> {
 const SYSTEM: &str = "You are a patient guide at a museum of maps. You answer visitors' questions about \
                       rivers, mountains, coasts and the old cities built beside them, in plain words.";
 
+/// The tests of this file one at a time: each runs model servers and a
+/// Dynamo indexer of its own, and side by side on a 2-core machine they
+/// compete for it (once, in a fresh clone's full run, the indexer still
+/// lacked a replica's newest block when the 20 s a check waits ran out;
+/// it passed on every rerun).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamos_indexer_routes_between_two_real_replicas() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let Some(python) = python_or_skip() else { return };
     if model_file(TestModel::SmolLM2).is_none() {
         let _ = writeln!(std::io::stderr(), "skipped: kv_events: no model");
@@ -473,6 +481,7 @@ async fn complete_gemma(server: &Server, prompt: &[u32], max_tokens: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_models_kept_sequences_are_routed_by_block() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let Some(python) = python_or_skip() else { return };
     if model_file(TestModel::Gemma3).is_none() {
         let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
