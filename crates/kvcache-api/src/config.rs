@@ -272,6 +272,12 @@ pub struct CausalConfig {
     /// this fraction of the pass's cell range (holes cost attention work).
     /// `None` compacts only when contiguous placement finds no room.
     pub compact_threshold: Option<f32>,
+    /// Cells beyond the sequences' own, for blocks kept for later sequences,
+    /// in a cache whose window memory bounds each sequence (a full-attention
+    /// cache's `max_sequences * capacity` cells hold kept blocks already, and
+    /// ignore this). A layer-group cache's window groups keep the tails of
+    /// retained prefixes there.
+    pub kept_cells: usize,
 }
 
 impl CausalConfig {
@@ -292,7 +298,14 @@ impl CausalConfig {
             v_layout: VLayout::Normal,
             placement: Placement::Scattered,
             compact_threshold: None,
+            kept_cells: 0,
         }
+    }
+
+    /// Sets [`kept_cells`](Self::kept_cells).
+    pub fn with_kept_cells(mut self, cells: usize) -> Self {
+        self.kept_cells = cells;
+        self
     }
 
     /// Sets a sliding window.
@@ -414,16 +427,17 @@ impl CausalConfig {
         (memory.saturating_sub(1) < self.capacity).then_some(memory)
     }
 
-    /// Number of cells the cache allocates: `max_sequences * (M - 1) + max_batch`
-    /// with bounded memory `M`, else `max_sequences * capacity`, rounded up to the
-    /// cache padding. Saturates rather than panics for a configuration that
+    /// Number of cells the cache allocates: `max_sequences * (M - 1) + max_batch
+    /// + kept_cells` with bounded memory `M`, else `max_sequences * capacity`,
+    /// rounded up to the cache padding. Saturates rather than panics for a configuration that
     /// [`CausalConfig::validate`] rejects.
     pub fn num_cells(&self) -> usize {
         let cells = match self.effective_memory() {
             Some(m) => self
                 .max_sequences
                 .saturating_mul(m.saturating_sub(1))
-                .saturating_add(self.max_batch),
+                .saturating_add(self.max_batch)
+                .saturating_add(self.kept_cells),
             None => self.max_sequences.saturating_mul(self.capacity),
         };
         let padding = self.cache_padding.max(1);

@@ -21,10 +21,19 @@
 //! ([`BlockIndex::drain_changes`]), written where the change is made so no
 //! caller can forget to report one.
 //!
+//! A cache whose windows trim the positions a chain starts with keeps *tails*
+//! instead ([`BlockIndex::tails`]): blocks of a chain near one of its ends,
+//! each standing alone (its parent need not be indexed, and no block is
+//! another's child), so every block is a leaf and eviction takes the least
+//! recently used block, the oldest positions of a chain first. Which tails
+//! make a prefix resumable is decided above this index, by the layer-group
+//! cache that keeps a chain's whole run of blocks in its global group.
+//!
 //! Invariants ([`BlockIndex::check`]): every parent is indexed and ends where
-//! its children start; each parent's list of children is exactly the blocks
-//! naming it; every block holds as many tokens as cells, and its key is the
-//! one its scope, parent and tokens hash to (no block's tokens can go stale).
+//! its children start (a forest; tails: no children at all); each parent's
+//! list of children is exactly the blocks naming it; every block holds as
+//! many tokens as cells, and its key is the one its scope, parent and tokens
+//! hash to (no block's tokens can go stale).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -94,17 +103,39 @@ impl Block {
 /// Indexed blocks by key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct BlockIndex {
+    /// Whether blocks stand alone (tails of chains) rather than form a forest.
+    tails: bool,
     blocks: HashMap<BlockKey, Block>,
     /// Per parent (the root included), its children in the order indexed.
     children: HashMap<BlockKey, Vec<BlockKey>>,
     /// Cells pinned by blocks, counted with multiplicity.
     cells: usize,
     clock: u64,
+    /// Blocks removed ever (tells a caller whether anything went).
+    removed: u64,
     /// Changes since the last [`BlockIndex::drain_changes`].
     journal: Vec<BlockChange>,
 }
 
 impl BlockIndex {
+    /// An empty index of chain tails: blocks that stand alone, each a leaf.
+    pub fn tails() -> Self {
+        BlockIndex {
+            tails: true,
+            ..BlockIndex::default()
+        }
+    }
+
+    /// Whether blocks stand alone ([`BlockIndex::tails`]).
+    pub fn keeps_tails(&self) -> bool {
+        self.tails
+    }
+
+    /// How many blocks were removed since the index was made.
+    pub fn removed(&self) -> u64 {
+        self.removed
+    }
+
     /// Number of blocks.
     pub fn len(&self) -> usize {
         self.blocks.len()
@@ -140,7 +171,12 @@ impl BlockIndex {
             "block {key:?}: a token per cell"
         );
         assert!(!self.blocks.contains_key(&key), "block {key:?} indexed twice");
-        if !parent.is_root() {
+        if self.tails {
+            assert!(
+                parent.is_root() || start > 0,
+                "block {key:?}: a first block starts at 0"
+            );
+        } else if !parent.is_root() {
             let p = self.blocks.get(&parent).expect("the parent is indexed");
             assert_eq!(
                 p.end(),
@@ -150,7 +186,9 @@ impl BlockIndex {
         } else {
             assert_eq!(start, 0, "a first block starts at 0");
         }
-        self.children.entry(parent).or_default().push(key);
+        if !self.tails {
+            self.children.entry(parent).or_default().push(key);
+        }
         self.cells += block.cells.len();
         block.used = self.tick();
         self.journal.push(BlockChange::Stored {
@@ -254,12 +292,15 @@ impl BlockIndex {
             "removing block {key:?}, which has children"
         );
         let block = self.blocks.remove(key).expect("an indexed block");
-        let siblings = self.children.get_mut(&block.parent).expect("listed");
-        siblings.retain(|k| k != key);
-        if siblings.is_empty() {
-            self.children.remove(&block.parent);
+        if !self.tails {
+            let siblings = self.children.get_mut(&block.parent).expect("listed");
+            siblings.retain(|k| k != key);
+            if siblings.is_empty() {
+                self.children.remove(&block.parent);
+            }
         }
         self.cells -= block.cells.len();
+        self.removed += 1;
         self.journal.push(BlockChange::Removed {
             key: *key,
             len: block.cells.len(),
@@ -298,6 +339,9 @@ impl BlockIndex {
     /// unpins every cell).
     pub fn clear(&mut self) -> Vec<(BlockKey, Block)> {
         let mut order: Vec<BlockKey> = Vec::with_capacity(self.blocks.len());
+        if self.tails {
+            order.extend(self.unused_for(Duration::ZERO));
+        }
         for root in self.children(&BlockKey::ROOT).to_vec() {
             order.extend(self.subtree_leaves_first(&root));
         }
@@ -336,6 +380,8 @@ impl BlockIndex {
             );
             if b.parent.is_root() {
                 assert_eq!(b.start, 0, "first block {key:?} starts at {}", b.start);
+            } else if self.tails {
+                assert!(b.start > 0, "block {key:?} follows another but starts at 0");
             } else {
                 let parent = self
                     .blocks
@@ -347,7 +393,9 @@ impl BlockIndex {
                     "block {key:?} does not start where its parent ends"
                 );
             }
-            children.entry(b.parent).or_default().push(*key);
+            if !self.tails {
+                children.entry(b.parent).or_default().push(*key);
+            }
             cells += b.cells.len();
         }
         let sorted = |m: &HashMap<BlockKey, Vec<BlockKey>>| {

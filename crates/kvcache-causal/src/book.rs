@@ -154,7 +154,12 @@ impl Book {
             attention: Attention::new(&config),
             cells: Cells::new(cells, config.max_sequences),
             reservations: Reservations::new(config.max_sequences),
-            blocks: BlockIndex::default(),
+            // A window trims the positions a chain starts with: keep tails.
+            blocks: if Attention::new(&config).bounded() {
+                BlockIndex::tails()
+            } else {
+                BlockIndex::default()
+            },
             // Room for a few runs per row from the start, so that a pass's runs
             // grow only when the cells are fragmented more than ever before.
             pass: Pass {

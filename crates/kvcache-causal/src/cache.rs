@@ -746,6 +746,7 @@ impl CausalCache for CausalKvCache {
 
     /// Bookkeeping only, like `copy_prefix`; ends any pass in progress.
     fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
+        self.book.blocks_supported()?;
         self.book.prepare_adopt(seq, blocks, len)?;
         self.book.commit_adopt(seq, blocks, len);
         Ok(())

@@ -5,14 +5,30 @@
 //! pass and every sequence edit must reach all of them. Operations are two-phase:
 //! every group validates (and computes anything fallible, such as re-rotated keys)
 //! before any group changes, so an error leaves every group as it was.
+//!
+//! **Blocks by group.** With a group without a window (the *global* group),
+//! the cache keeps finished sequences by block as a single causal cache does:
+//! the global group keeps each chain whole, and each window group keeps only
+//! the chain's tail within its window memory before the chain's end
+//! ([`ends`]). A prompt resumes at the longest prefix every group can serve
+//! (global: every block before it; window: the blocks over the window before
+//! it), so the engine drives a Gemma-shaped model with the same retention
+//! as a Llama.
+
+mod ends;
+
+use std::time::Duration;
 
 use candle_core::Tensor;
+use kvcache_api::block_key::{BlockKey, Scope};
+use kvcache_api::retention::{BlockChain, BlockChange, Prefix};
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KvView, PagedKv, Pos, PosRange, Result, SeqId,
 };
 
 use crate::cache::CausalKvCache;
 use crate::inspect::CachePicture;
+use ends::{End, Ends};
 
 /// Several [`CausalKvCache`]s behind one [`CausalCache`], routed by layer.
 ///
@@ -47,6 +63,11 @@ pub struct LayerGroupCache {
     groups: Vec<CausalKvCache>,
     group_of_layer: Vec<usize>,
     layer: usize,
+    /// The first group without a window: where whole chains are kept and
+    /// looked up (`None`: every group has a window, and no block is kept).
+    global: Option<usize>,
+    /// The ends kept, and the window blocks each needs.
+    ends: Ends,
 }
 
 impl LayerGroupCache {
@@ -68,9 +89,11 @@ impl LayerGroupCache {
             )));
         }
         Ok(LayerGroupCache {
+            global: global_group(&groups),
             groups,
             group_of_layer,
             layer: 0,
+            ends: Ends::default(),
         })
     }
 
@@ -113,7 +136,9 @@ impl LayerGroupCache {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        self.global = global_group(&fresh);
         self.groups = fresh;
+        self.ends.clear();
         let layer = self.layer;
         self.set_layer(layer);
         Ok(())
@@ -133,11 +158,165 @@ impl LayerGroupCache {
         self.groups.iter().map(CausalKvCache::picture).collect()
     }
 
-    /// Panics unless every group's invariants hold.
+    /// Prefix ends kept by block (see [`CausalCache::retain_blocks`]).
+    pub fn kept_ends(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Panics unless every group's invariants hold, and the kept ends agree
+    /// with the groups: every end's blocks indexed, and every block of a
+    /// window group kept for some end.
     pub fn check(&self) {
         for group in &self.groups {
             group.check();
         }
+        let Some(global) = self.global else {
+            assert_eq!(self.ends.len(), 0, "ends kept without a global group");
+            return;
+        };
+        for (last, end) in self.ends.iter() {
+            let b = self.groups[global]
+                .book
+                .blocks()
+                .get(last)
+                .unwrap_or_else(|| panic!("end {last:?}: its last block is not kept"));
+            assert_eq!(b.end(), end.len, "end {last:?} is not where its last block ends");
+            for (g, key) in &end.tails {
+                assert!(
+                    self.groups[*g].book.holds_block(key),
+                    "end {last:?}: group {g} lost block {key:?}"
+                );
+            }
+        }
+        if self.groups.iter().any(|g| g.book.blocks().keeps_tails()) {
+            for (key, _) in self.groups[global].book.blocks().iter() {
+                let leaf = self.groups[global].book.block_children(key).is_empty();
+                assert!(
+                    !leaf || self.ends.get(key).is_some(),
+                    "global block {key:?} leads to no kept end"
+                );
+            }
+        }
+        for (g, group) in self.groups.iter().enumerate() {
+            if group.book.blocks().keeps_tails() {
+                for (key, _) in group.book.blocks().iter() {
+                    assert!(
+                        self.ends.needs(g, key),
+                        "group {g} keeps block {key:?} for no end"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The longest part of `found` (a chain of the global group) that every
+    /// group can resume after: its length is `found.len` or the end of one
+    /// of its blocks.
+    fn resumable(&self, global: usize, found: Prefix) -> Prefix {
+        let spans = self.spans(global, &found.keys);
+        let len = found.len as Pos;
+        let candidates = std::iter::once(len).chain(spans.iter().rev().map(|s| s.1).filter(|&e| e < len));
+        for at in candidates.filter(|&at| at > 0) {
+            if self.groups.iter().all(|g| g.book.covers(&found.keys, &spans, at)) {
+                let n = spans.partition_point(|s| s.0 < at);
+                return Prefix {
+                    keys: found.keys[..n].to_vec(),
+                    len: at as usize,
+                };
+            }
+        }
+        Prefix::default()
+    }
+
+    /// Positions `start..end` of each of `keys` in the global group (empty
+    /// from the first key it does not keep).
+    fn spans(&self, global: usize, keys: &[BlockKey]) -> Vec<(Pos, Pos)> {
+        let blocks = self.groups[global].book.blocks();
+        keys.iter()
+            .map_while(|k| blocks.get(k).map(|b| (b.start, b.end())))
+            .collect()
+    }
+
+    /// Drops the ends a group lost a block of (after anything that may
+    /// have removed blocks), and the window blocks only they needed.
+    fn settle(&mut self) {
+        let Some(global) = self.global else {
+            return;
+        };
+        let removed = self.groups.iter().map(|g| g.book.blocks().removed()).collect();
+        if !self.ends.removals_since(removed) {
+            return;
+        }
+        let groups = &self.groups;
+        let broken = self.ends.broken(
+            |g, key| groups[g].book.holds_block(key),
+            |last| groups[global].book.holds_block(last),
+        );
+        for last in broken {
+            self.release(&last);
+        }
+        self.prune_leaves();
+        let removed = self.groups.iter().map(|g| g.book.blocks().removed()).collect();
+        self.ends.removals_since(removed);
+    }
+
+    /// Stops keeping the end `last`, forgetting the window blocks only it
+    /// needed and the global blocks that lead to no other end.
+    fn release(&mut self, last: &BlockKey) {
+        let Some((_, unneeded)) = self.ends.release(last) else {
+            return;
+        };
+        for (g, key) in unneeded {
+            self.groups[g].book.forget_blocks(&[key]);
+        }
+        self.prune(last);
+    }
+
+    /// Forgets the global blocks from `last` up its chain that lead to no
+    /// kept end: no prompt can resume in them (with window groups, only an
+    /// end's tail makes a prefix resumable), so they are not kept.
+    fn prune(&mut self, last: &BlockKey) {
+        let Some(global) = self.global else {
+            return;
+        };
+        if self.groups.iter().all(|g| g.book.indexes_blocks()) {
+            return; // no window group: every kept block is resumable
+        }
+        let book = &mut self.groups[global].book;
+        let mut key = *last;
+        while let Some(parent) = book.blocks().get(&key).map(|b| b.parent) {
+            if self.ends.get(&key).is_some() || !book.block_children(&key).is_empty() {
+                break;
+            }
+            book.forget_blocks(&[key]);
+            key = parent;
+        }
+    }
+
+    /// Prunes every global leaf that is no end (after blocks went in ways
+    /// that left no end to prune from: a chain forgotten from its middle).
+    fn prune_leaves(&mut self) {
+        let Some(global) = self.global else {
+            return;
+        };
+        let blocks = self.groups[global].book.blocks();
+        let leaves: Vec<BlockKey> = blocks
+            .iter()
+            .map(|(key, _)| *key)
+            .filter(|key| blocks.children(key).is_empty() && self.ends.get(key).is_none())
+            .collect();
+        for leaf in leaves {
+            self.prune(&leaf);
+        }
+    }
+
+    /// The global group, or the error for a cache without one.
+    fn global(&self) -> Result<usize> {
+        self.global.ok_or_else(|| {
+            CacheError::NotSupported(
+                "block retention in a layer-group cache whose every group has a window".into(),
+            )
+        })
     }
 
     fn current(&self) -> Result<usize> {
@@ -149,6 +328,11 @@ impl LayerGroupCache {
             ))
         })
     }
+}
+
+/// The first group that keeps whole chains.
+fn global_group(groups: &[CausalKvCache]) -> Option<usize> {
+    groups.iter().position(|g| g.book.indexes_blocks())
 }
 
 impl CausalCache for LayerGroupCache {
@@ -180,10 +364,13 @@ impl CausalCache for LayerGroupCache {
         for group in &mut self.groups {
             group.prepare_forward(batch, mode)?;
         }
-        for group in &mut self.groups {
-            group.commit_forward(batch, mode)?;
-        }
-        Ok(())
+        let committed = self
+            .groups
+            .iter_mut()
+            .try_for_each(|group| group.commit_forward(batch, mode));
+        // A pass that lacked cells may have evicted blocks.
+        self.settle();
+        committed
     }
 
     fn set_layer(&mut self, layer: usize) {
@@ -238,9 +425,224 @@ impl CausalCache for LayerGroupCache {
             .iter()
             .map(|g| g.prepare_remove(seq, range))
             .collect::<Result<Vec<_>>>()?;
-        for (group, prepared) in self.groups.iter_mut().zip(prepared) {
-            group.commit_remove(prepared)?;
+        if range.start <= 0 {
+            self.ends.take_origins(seq);
+        }
+        let committed = self
+            .groups
+            .iter_mut()
+            .zip(prepared)
+            .try_for_each(|(group, prepared)| group.commit_remove(prepared));
+        // A shifting removal forgets the blocks whose cells it moved.
+        self.settle();
+        committed
+    }
+
+    /// Yes with a group without a window (where whole chains are kept).
+    fn indexes_blocks(&self) -> bool {
+        self.global.is_some()
+    }
+
+    /// The global group's blocks.
+    fn block_children(&self, parent: &BlockKey) -> Vec<(BlockKey, usize)> {
+        self.global
+            .map_or_else(Vec::new, |g| self.groups[g].book.block_children(parent))
+    }
+
+    /// Whether the global group keeps `key`.
+    fn holds_block(&self, key: &BlockKey) -> bool {
+        self.global.is_some_and(|g| self.groups[g].book.holds_block(key))
+    }
+
+    /// The global group's longest chain of `tokens`, cut back to where every
+    /// window group holds the window before it.
+    fn longest_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> Prefix {
+        let Some(global) = self.global else {
+            return Prefix::default();
+        };
+        let found = self.groups[global].book.longest_prefix(scope, tokens, limit);
+        self.resumable(global, found)
+    }
+
+    /// The global group keeps the whole chain; each window group the blocks
+    /// within its window memory before the chain's end that `seq` holds
+    /// whole. The end is kept (and resumable) when every window group keeps
+    /// some; an end `seq` resumed from within its last block is replaced by
+    /// this one. Returns the indices of the blocks the global group newly
+    /// indexed.
+    fn retain_blocks(&mut self, seq: SeqId, chain: &BlockChain) -> Result<Vec<usize>> {
+        let global = self.global()?;
+        let plans = self
+            .groups
+            .iter()
+            .map(|g| match g.book.indexes_blocks() {
+                true => g.book.prepare_retain(seq, chain),
+                false => g.book.prepare_retain_tail(seq, chain),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut tails = Vec::new();
+        let mut added = Vec::new();
+        let mut every_window = true;
+        for (g, plan) in plans.into_iter().enumerate() {
+            let kept = plan.kept();
+            let new = self.groups[g].book.commit_retain(chain, plan);
+            if g == global {
+                added = new;
+            } else if self.groups[g].book.blocks().keeps_tails() {
+                every_window &= !kept.is_empty();
+                tails.extend(kept.map(|i| (g, chain.blocks()[i].0)));
+            }
+        }
+        let origins = self.ends.take_origins(seq);
+        let Some(&(last, _)) = chain.blocks().last() else {
+            return Ok(added);
+        };
+        let end = End {
+            len: chain.tokens().len() as Pos,
+            block: chain.blocks()[0].1 as Pos,
+            tails,
+        };
+        let unneeded = if every_window {
+            self.ends.insert(last, end)
+        } else {
+            // Not resumable: keep no tail for it.
+            end.tails
+                .into_iter()
+                .filter(|(g, key)| !self.ends.needs(*g, key))
+                .collect()
+        };
+        for (g, key) in unneeded {
+            self.groups[g].book.forget_blocks(&[key]);
+        }
+        if !every_window {
+            self.prune(&last);
+        }
+        for origin in origins.iter().filter(|&&o| o != last) {
+            self.release(origin);
+        }
+        self.settle();
+        Ok(added)
+    }
+
+    /// Adopts into every group what a query at `len` needs: the whole chain
+    /// in the global group, the blocks over the window before `len` in each
+    /// window group. `blocks` and `len` must be resumable (as
+    /// [`longest_prefix`](CausalCache::longest_prefix) finds them).
+    fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
+        let global = self.global()?;
+        let spans = self.spans(global, blocks);
+        if spans.len() < blocks.len() || spans.last().is_none_or(|s| len <= s.0 || len > s.1) {
+            return Err(CacheError::InvalidArgument(format!(
+                "adopting {len} positions of a chain of {} blocks that the global group does not                  keep to that length",
+                blocks.len()
+            )));
+        }
+        let runs = self
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                let first = group.book.first_block_needed(&spans, len);
+                if !group.book.covers(blocks, &spans, len) {
+                    return Err(CacheError::InvalidArgument(format!(
+                        "group {g} cannot resume the chain at {len}: it lacks the window before it"
+                    )));
+                }
+                group.book.prepare_adopt(seq, &blocks[first..], len)?;
+                Ok(first)
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        for (group, first) in self.groups.iter_mut().zip(&runs) {
+            group.book.commit_adopt(seq, &blocks[*first..], len);
+        }
+        if let Some(g) = (0..self.groups.len()).find(|&g| self.groups[g].book.blocks().keeps_tails()) {
+            let last = *blocks.last().expect("a chain");
+            self.ends.resumed(seq, g, &last, len);
         }
         Ok(())
+    }
+
+    /// Forgets `keys` and what follows them in the global group, and the
+    /// ends they held; returns what the global group forgot.
+    fn forget_blocks(&mut self, keys: &[BlockKey]) -> Vec<BlockKey> {
+        let Some(global) = self.global else {
+            return Vec::new();
+        };
+        let gone = self.groups[global].book.forget_blocks(keys);
+        self.settle();
+        gone
+    }
+
+    /// Ages every group; returns what the global group forgot.
+    fn forget_blocks_unused_for(&mut self, age: Duration) -> Vec<BlockKey> {
+        let Some(global) = self.global else {
+            return Vec::new();
+        };
+        let mut gone = Vec::new();
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let forgot = group.book.forget_blocks_unused_for(age);
+            if g == global {
+                gone = forgot;
+            }
+        }
+        self.settle();
+        gone
+    }
+
+    /// Evicts in every group until it has `cells` free cells; returns what
+    /// the global group evicted.
+    fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
+        let Some(global) = self.global else {
+            return Vec::new();
+        };
+        let mut gone = Vec::new();
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let evicted = group.book.evict_blocks(cells);
+            if g == global {
+                gone = evicted;
+            }
+        }
+        self.settle();
+        gone
+    }
+
+    fn clear_blocks(&mut self) -> Vec<BlockKey> {
+        let Some(global) = self.global else {
+            return Vec::new();
+        };
+        let mut gone = Vec::new();
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let cleared = group.book.clear_blocks();
+            if g == global {
+                gone = cleared;
+            }
+        }
+        self.ends.clear();
+        gone
+    }
+
+    /// The global group's blocks, and the cells every group keeps for them.
+    fn indexed_blocks(&self) -> (usize, usize) {
+        let Some(global) = self.global else {
+            return (0, 0);
+        };
+        let cells = self.groups.iter().map(|g| g.book.indexed_blocks().1).sum();
+        (self.groups[global].book.indexed_blocks().0, cells)
+    }
+
+    /// The global group's changes (the window groups' are dropped: a window
+    /// block is kept only as part of an end the global group names).
+    fn drain_block_changes(&mut self) -> Vec<BlockChange> {
+        let Some(global) = self.global else {
+            return Vec::new();
+        };
+        let mut changes = Vec::new();
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let drained = group.book.drain_block_changes();
+            if g == global {
+                changes = drained;
+            }
+        }
+        changes
     }
 }

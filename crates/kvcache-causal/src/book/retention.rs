@@ -4,10 +4,14 @@
 //! cannot be made room for changes nothing). Like every operation of the
 //! book, each validates first and changes nothing on error.
 //!
-//! Blocks are kept only where a sequence holds every position from 0 for as
-//! long as it lives: caches without a sliding window or chunked attention
+//! Whole chains are kept only where a sequence holds every position from 0
+//! for as long as it lives: caches without a sliding window
 //! ([`Book::indexes_blocks`]). A window trims a sequence's early positions, so
-//! no chain from position 0 would survive it.
+//! a cache with one keeps *tails* instead: the blocks of a chain within its
+//! window memory before the chain's end ([`Book::prepare_retain_tail`]), which
+//! a sequence adopts as a run of consecutive blocks that need not start at 0
+//! ([`Book::prepare_adopt_tail`]). The layer-group cache decides from its
+//! global group's chain and its window groups' tails where a prompt resumes.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -23,7 +27,17 @@ use crate::blocks::Block;
 /// it is new (`None`: indexed already).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RetainPlan {
+    /// The first block of the chain kept (0 for a whole chain).
+    from: usize,
+    /// Per block from `from` on.
     new: Vec<Option<Vec<u32>>>,
+}
+
+impl RetainPlan {
+    /// The indices, in the chain, of the blocks this plan keeps.
+    pub(crate) fn kept(&self) -> std::ops::Range<usize> {
+        self.from..self.from + self.new.len()
+    }
 }
 
 impl Book {
@@ -32,7 +46,9 @@ impl Book {
         !self.attention.bounded()
     }
 
-    fn blocks_supported(&self) -> Result<()> {
+    /// Refuses, as [`CacheError::NotSupported`], a cache that cannot keep
+    /// whole chains on its own.
+    pub(crate) fn blocks_supported(&self) -> Result<()> {
         if self.indexes_blocks() {
             return Ok(());
         }
@@ -84,11 +100,68 @@ impl Book {
         self.blocks.longest_prefix(scope, tokens, limit)
     }
 
+    /// Of a chain's blocks (`spans[i]`: the positions of block `i`), the first
+    /// one a query at `at` needs from this cache: 0 in a cache that keeps
+    /// whole chains (a sequence holds every position from 0 there).
+    pub(crate) fn first_block_needed(&self, spans: &[(Pos, Pos)], at: Pos) -> usize {
+        if !self.blocks.keeps_tails() {
+            return 0;
+        }
+        let from = self.attention.visible(at, false).0;
+        spans.partition_point(|s| s.1 <= from)
+    }
+
+    /// Whether this cache keeps every block of the chain `keys` (at
+    /// `spans`) that a query at `at` needs.
+    pub(crate) fn covers(&self, keys: &[BlockKey], spans: &[(Pos, Pos)], at: Pos) -> bool {
+        let first = self.first_block_needed(spans, at);
+        let last = spans.partition_point(|s| s.0 < at);
+        (first..last).all(|i| {
+            self.blocks
+                .get(&keys[i])
+                .is_some_and(|b| (b.start, b.end()) == spans[i])
+        })
+    }
+
     /// Validates indexing `seq`'s positions as `chain` (consecutive from
     /// position 0); changes nothing.
     pub(crate) fn prepare_retain(&self, seq: SeqId, chain: &BlockChain) -> Result<RetainPlan> {
-        self.check_seq(seq)?;
         self.blocks_supported()?;
+        self.plan_retain(seq, chain, 0)
+    }
+
+    /// Validates keeping, of `chain` (held by `seq` in this cache with a
+    /// window), the blocks a resume near the chain's end needs: those ending
+    /// within the window memory before the end that `seq` holds whole, as
+    /// tails. Changes nothing; a plan that keeps no block is no error (the
+    /// chain's end is then not resumable through this cache).
+    pub(crate) fn prepare_retain_tail(&self, seq: SeqId, chain: &BlockChain) -> Result<RetainPlan> {
+        assert!(
+            self.blocks.keeps_tails(),
+            "tails in a cache that keeps whole chains"
+        );
+        self.check_seq(seq)?;
+        let memory = self.config.effective_memory().unwrap_or(usize::MAX) as Pos;
+        let blocks = chain.blocks();
+        let end: Pos = blocks.iter().map(|b| b.1 as Pos).sum();
+        let index = self.cells.index(seq);
+        let mut from = blocks.len();
+        let mut block_end = end;
+        while from > 0 {
+            let start = block_end - blocks[from - 1].1 as Pos;
+            let held = (start..block_end).all(|p| index.cell_of(p).is_some());
+            if block_end <= end - memory + 1 || !held {
+                break;
+            }
+            from -= 1;
+            block_end = start;
+        }
+        self.plan_retain(seq, chain, from)
+    }
+
+    /// Validates `chain` and plans keeping its blocks from `from` on.
+    fn plan_retain(&self, seq: SeqId, chain: &BlockChain, from: usize) -> Result<RetainPlan> {
+        self.check_seq(seq)?;
         let blocks = chain.blocks();
         if !chain.keys_match() {
             return Err(CacheError::InvalidArgument(
@@ -97,7 +170,7 @@ impl Book {
                     .into(),
             ));
         }
-        let mut new = Vec::with_capacity(blocks.len());
+        let mut new = Vec::with_capacity(blocks.len() - from);
         let mut start: Pos = 0;
         for (i, &(key, len)) in blocks.iter().enumerate() {
             if len == 0 || key.is_root() {
@@ -111,6 +184,10 @@ impl Book {
                 )));
             }
             let end = start + len as Pos;
+            if i < from {
+                start = end;
+                continue;
+            }
             match self.blocks.get(&key) {
                 Some(b) if b.start != start || b.end() != end => {
                     return Err(CacheError::InvalidArgument(format!(
@@ -128,7 +205,7 @@ impl Book {
             }
             start = end;
         }
-        Ok(RetainPlan { new })
+        Ok(RetainPlan { from, new })
     }
 
     /// Carries out a validated retention; returns the indices of the blocks
@@ -136,8 +213,8 @@ impl Book {
     pub(crate) fn commit_retain(&mut self, chain: &BlockChain, plan: RetainPlan) -> Vec<usize> {
         let blocks = chain.blocks();
         let mut added = Vec::new();
-        let mut start: Pos = 0;
-        for (i, ((key, len), cells)) in blocks.iter().zip(plan.new).enumerate() {
+        let mut start: Pos = blocks[..plan.from].iter().map(|b| b.1 as Pos).sum();
+        for ((i, (key, len)), cells) in blocks.iter().enumerate().skip(plan.from).zip(plan.new) {
             match cells {
                 Some(cells) => {
                     let parent = if i == 0 { BlockKey::ROOT } else { blocks[i - 1].0 };
@@ -161,10 +238,10 @@ impl Book {
 
     /// Validates adopting the first `len` positions of the chain `blocks`
     /// into the empty `seq` (its last block in part, none of it unused);
-    /// changes nothing.
+    /// changes nothing. In a cache of tails, `blocks` is a run of the chain
+    /// that need not start at 0 (the window before `len`).
     pub(crate) fn prepare_adopt(&self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
         self.check_seq(seq)?;
-        self.blocks_supported()?;
         if !self.cells.index(seq).is_empty() {
             return Err(CacheError::InvalidArgument(format!(
                 "sequence {seq} must be empty to adopt blocks"
@@ -178,7 +255,8 @@ impl Book {
                     "block {i} of the chain ({key:?}) is not indexed"
                 )));
             };
-            if b.parent != parent {
+            let first_tail = i == 0 && self.blocks.keeps_tails();
+            if b.parent != parent && !first_tail {
                 return Err(CacheError::InvalidArgument(format!(
                     "block {i} of the chain ({key:?}) does not follow the block before it"
                 )));

@@ -290,10 +290,17 @@ impl Gemma {
     /// layers (window [`GemmaConfig::window`], keeping `memory` positions of
     /// each sequence so a conversation can resume behind the window's end),
     /// group 1 the global layers (everything). `base` gives sequences,
-    /// capacity and batch size.
+    /// capacity and batch size. The window group has room for as many kept
+    /// prefix tails (`memory` positions each) as there are sequences, beside
+    /// the sequences' own windows ([`CausalConfig::kept_cells`]).
     pub fn cache_configs(&self, base: &CausalConfig, memory: usize) -> [CausalConfig; 2] {
-        let window = SlidingWindow::with_memory(self.config.window, memory.max(self.config.window));
-        [base.clone().with_window(window), base.clone()]
+        let memory = memory.max(self.config.window);
+        let window = SlidingWindow::with_memory(self.config.window, memory);
+        let kept = base.max_sequences.saturating_mul(memory);
+        [
+            base.clone().with_window(window).with_kept_cells(kept),
+            base.clone(),
+        ]
     }
 
     /// A [`LayerGroupCache`] for this model on `device` (see
