@@ -3,7 +3,9 @@
 //! `LayerGroupCache`, written once over the `Model` trait: batched requests
 //! generate what each generates alone, a conversation's next turn continues
 //! its finished sequence, and a sequence whose window layers no longer hold
-//! what a prompt needs is not resumed (the prompt is evaluated whole).
+//! what a prompt needs is not resumed (the prompt is evaluated whole). With
+//! blocks of `block_tokens`, finished requests are kept by block per layer
+//! group, beyond the sequence ids, and reported to a router.
 
 use candle_core::Device;
 use kvcache_api::CausalConfig;
@@ -212,15 +214,8 @@ fn stored(names: &[u64], parent: Option<u64>, tokens: &[u32]) -> kvcache_api::Kv
     }
 }
 
-fn removed(names: &[u64]) -> kvcache_api::KvEvent {
-    kvcache_api::KvEvent::BlockRemoved {
-        block_hashes: names.to_vec(),
-        medium: kvcache_api::Medium::Device,
-    }
-}
-
 #[test]
-fn kept_sequences_are_reported_to_a_router_by_block_a_shared_prefix_once() {
+fn kept_prefixes_are_reported_to_a_router_by_block_a_shared_prefix_once() {
     let model = model();
     let mut engine = Engine::new(
         &model,
@@ -234,8 +229,7 @@ fn kept_sequences_are_reported_to_a_router_by_block_a_shared_prefix_once() {
     )
     .unwrap();
     engine.set_prefix_reuse(true).unwrap();
-    // No block index: finished requests are kept as whole sequences.
-    assert!(!engine.keeps_blocks());
+    assert!(engine.keeps_blocks(), "Gemma keeps finished requests by block");
     let log = std::sync::Arc::new(kvcache_api::EventLog::new());
     engine.set_event_sink(log.clone());
 
@@ -250,7 +244,11 @@ fn kept_sequences_are_reported_to_a_router_by_block_a_shared_prefix_once() {
 
     let b = [&shared[..], &prompt(3, 6)].concat();
     engine.submit(Request::new(1, b.clone(), 3)).unwrap();
-    let b_kept = kept(&b, &run(&mut engine)[0]);
+    let done = run(&mut engine).remove(0);
+    // The window layers kept A's last 12 positions, not the window before
+    // position 8: B is evaluated whole.
+    assert_eq!(done.reused, 0);
+    let b_kept = kept(&b, &done);
     let b_names = names(&b_kept);
     assert_eq!(b_names[..2], a_names[..2]);
     // Only B's own blocks are new, chained on the shared ones.
@@ -259,7 +257,7 @@ fn kept_sequences_are_reported_to_a_router_by_block_a_shared_prefix_once() {
         [stored(&b_names[2..], Some(b_names[1]), &b_kept[8..16])]
     );
 
-    // A's next turn continues A's sequence: its blocks stay reported, the
+    // A's next turn resumes at A's end: its blocks stay reported, the
     // blocks the new turn completes follow them.
     let a2 = [&a_kept[..], &prompt(4, 6)].concat();
     engine.submit(Request::new(2, a2.clone(), 2)).unwrap();
@@ -276,16 +274,66 @@ fn kept_sequences_are_reported_to_a_router_by_block_a_shared_prefix_once() {
             &a2_kept[12..a2_names.len() * 4]
         )]
     );
+    // One end per conversation: A2's replaced A's.
+    assert_eq!(engine.cache().kept_ends(), 2);
 
-    // Evicting both (A's sequence first, it was made first): each block is
-    // removed once, the shared ones with the last sequence holding them,
-    // children before parents, in one event (one operation's removals are
-    // one batch).
-    assert_eq!(engine.evict_idle(std::time::Duration::ZERO).unwrap(), 2);
-    let rev = |names: &[u64]| names.iter().rev().copied().collect::<Vec<_>>();
-    assert_eq!(
-        log.take(),
-        [removed(&[rev(&a2_names[2..]), rev(&b_names)].concat())]
-    );
+    // Ageing everything out removes each block once, in one event (one
+    // operation's removals are one batch).
+    assert!(engine.evict_idle(std::time::Duration::ZERO).unwrap() > 0);
+    let events = log.take();
+    assert_eq!(events.len(), 1);
+    let kvcache_api::KvEvent::BlockRemoved { block_hashes, .. } = &events[0] else {
+        panic!("not a removal: {events:?}");
+    };
+    let mut got = block_hashes.clone();
+    got.sort_unstable();
+    let mut want: Vec<u64> = a2_names.iter().chain(&b_names[2..]).copied().collect();
+    want.sort_unstable();
+    assert_eq!(got, want);
+    assert_eq!(engine.cache().kept_ends(), 0);
     engine.cache().check();
+}
+
+/// Five conversations on three sequence ids, turns interleaved: every
+/// conversation's next turn resumes where its last one ended, through both
+/// layer groups, whatever sequence ran it (idle sequences would keep only
+/// three of them).
+#[test]
+fn conversations_beyond_the_sequence_ids_keep_their_reuse_by_block() {
+    let model = model();
+    let cache = model
+        .new_cache(&CausalConfig::new(3, 128, 16), 12, &Device::Cpu)
+        .unwrap();
+    let mut engine = Engine::new(
+        &model,
+        cache,
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 5,
+            block_tokens: Some(4),
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_prefix_reuse(true).unwrap();
+    let mut convs: Vec<Vec<u32>> = (0..5).map(|c| prompt(10 + c, 6 + c)).collect();
+    let mut minimum = 0;
+    for turn in 0..3 {
+        for (c, conv) in convs.iter_mut().enumerate() {
+            let id = turn * 5 + c;
+            engine.submit(Request::new(id, conv.clone(), 3)).unwrap();
+            let done = run(&mut engine).remove(0);
+            assert_eq!(done.generated, alone(&model, conv, 3), "request {id}");
+            let resumable = if turn == 0 { 0 } else { conv.len() - 2 };
+            assert_eq!(done.reused, resumable, "request {id}");
+            minimum += conv.len() - resumable;
+            // The next turn: what the cache holds (the answer's first two
+            // tokens fed back) and a new message.
+            conv.extend_from_slice(&done.generated[..2]);
+            conv.extend(prompt(20 + id, 2));
+        }
+        assert_eq!(engine.cache().kept_ends(), 5, "one end per conversation");
+        engine.cache().check();
+    }
+    assert_eq!(engine.reuse_stats().evaluated_tokens, minimum);
 }
