@@ -26,6 +26,7 @@ use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KvView, PagedKv, Pos, PosRange, Result, SeqId,
 };
 
+use crate::book::Book;
 use crate::cache::CausalKvCache;
 use crate::inspect::CachePicture;
 use ends::{End, Ends};
@@ -310,6 +311,22 @@ impl LayerGroupCache {
         }
     }
 
+    /// Runs `f` on every group's bookkeeping; returns what it returned for
+    /// the global group (nothing without one, and then nothing runs).
+    fn in_every_group<T: Default>(&mut self, mut f: impl FnMut(&mut Book) -> T) -> T {
+        let Some(global) = self.global else {
+            return T::default();
+        };
+        let mut out = T::default();
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let got = f(&mut group.book);
+            if g == global {
+                out = got;
+            }
+        }
+        out
+    }
+
     /// The global group, or the error for a cache without one.
     fn global(&self) -> Result<usize> {
         self.global.ok_or_else(|| {
@@ -525,8 +542,9 @@ impl CausalCache for LayerGroupCache {
     }
 
     /// Adopts into every group what a query at `len` needs: the whole chain
-    /// in the global group, the blocks over the window before `len` in each
-    /// window group. `blocks` and `len` must be resumable (as
+    /// in the global group; in each window group the blocks it keeps within
+    /// its window memory before `len` (at least those over the window).
+    /// `blocks` and `len` must be resumable (as
     /// [`longest_prefix`](CausalCache::longest_prefix) finds them).
     fn adopt_blocks(&mut self, seq: SeqId, blocks: &[BlockKey], len: Pos) -> Result<()> {
         let global = self.global()?;
@@ -542,12 +560,12 @@ impl CausalCache for LayerGroupCache {
             .iter()
             .enumerate()
             .map(|(g, group)| {
-                let first = group.book.first_block_needed(&spans, len);
                 if !group.book.covers(blocks, &spans, len) {
                     return Err(CacheError::InvalidArgument(format!(
                         "group {g} cannot resume the chain at {len}: it lacks the window before it"
                     )));
                 }
+                let first = group.book.first_block_adopted(blocks, &spans, len);
                 group.book.prepare_adopt(seq, &blocks[first..], len)?;
                 Ok(first)
             })
@@ -575,16 +593,7 @@ impl CausalCache for LayerGroupCache {
 
     /// Ages every group; returns what the global group forgot.
     fn forget_blocks_unused_for(&mut self, age: Duration) -> Vec<BlockKey> {
-        let Some(global) = self.global else {
-            return Vec::new();
-        };
-        let mut gone = Vec::new();
-        for (g, group) in self.groups.iter_mut().enumerate() {
-            let forgot = group.book.forget_blocks_unused_for(age);
-            if g == global {
-                gone = forgot;
-            }
-        }
+        let gone = self.in_every_group(|book| book.forget_blocks_unused_for(age));
         self.settle();
         gone
     }
@@ -592,31 +601,13 @@ impl CausalCache for LayerGroupCache {
     /// Evicts in every group until it has `cells` free cells; returns what
     /// the global group evicted.
     fn evict_blocks(&mut self, cells: usize) -> Vec<BlockKey> {
-        let Some(global) = self.global else {
-            return Vec::new();
-        };
-        let mut gone = Vec::new();
-        for (g, group) in self.groups.iter_mut().enumerate() {
-            let evicted = group.book.evict_blocks(cells);
-            if g == global {
-                gone = evicted;
-            }
-        }
+        let gone = self.in_every_group(|book| book.evict_blocks(cells));
         self.settle();
         gone
     }
 
     fn clear_blocks(&mut self) -> Vec<BlockKey> {
-        let Some(global) = self.global else {
-            return Vec::new();
-        };
-        let mut gone = Vec::new();
-        for (g, group) in self.groups.iter_mut().enumerate() {
-            let cleared = group.book.clear_blocks();
-            if g == global {
-                gone = cleared;
-            }
-        }
+        let gone = self.in_every_group(Book::clear_blocks);
         self.ends.clear();
         gone
     }
@@ -633,16 +624,6 @@ impl CausalCache for LayerGroupCache {
     /// The global group's changes (the window groups' are dropped: a window
     /// block is kept only as part of an end the global group names).
     fn drain_block_changes(&mut self) -> Vec<BlockChange> {
-        let Some(global) = self.global else {
-            return Vec::new();
-        };
-        let mut changes = Vec::new();
-        for (g, group) in self.groups.iter_mut().enumerate() {
-            let drained = group.book.drain_block_changes();
-            if g == global {
-                changes = drained;
-            }
-        }
-        changes
+        self.in_every_group(Book::drain_block_changes)
     }
 }

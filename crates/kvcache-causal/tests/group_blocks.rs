@@ -124,6 +124,8 @@ struct Entry {
 struct MBlock {
     parent: BlockKey,
     entries: Vec<Entry>,
+    /// The tokens its key names.
+    tokens: Vec<u32>,
     used: u64,
     /// When it was indexed (children are looked up in this order).
     order: u64,
@@ -312,6 +314,7 @@ impl MGroup {
                         MBlock {
                             parent,
                             entries,
+                            tokens: chain.block_tokens(i).to_vec(),
                             used,
                             order: self.order,
                         },
@@ -384,6 +387,24 @@ impl MGroup {
         spans.partition_point(|s| s.1 <= from)
     }
 
+    /// The first block a sequence resuming at `at` adopts: back from `at`
+    /// while kept and within the memory.
+    fn first_adopted(&self, keys: &[BlockKey], spans: &[(Pos, Pos)], at: Pos) -> usize {
+        let Some(memory) = self.memory.filter(|_| self.tails) else {
+            return 0;
+        };
+        let mut first = spans.partition_point(|s| s.0 < at);
+        while first > 0 {
+            let i = first - 1;
+            let kept = self.blocks.get(&keys[i]).is_some_and(|b| b.span() == spans[i]);
+            if spans[i].1 <= at - memory + 1 || !kept {
+                break;
+            }
+            first = i;
+        }
+        first
+    }
+
     fn covers(&self, keys: &[BlockKey], spans: &[(Pos, Pos)], at: Pos) -> bool {
         let first = self.first_needed(spans, at);
         let last = spans.partition_point(|s| s.0 < at);
@@ -430,8 +451,7 @@ impl Model {
             children.sort_by_key(|(_, b)| b.order);
             let mut best: Option<(usize, BlockKey, usize)> = None;
             for (key, b) in children {
-                let chain_tokens = block_tokens(key);
-                let matched = chain_tokens.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                let matched = b.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count();
                 if matched > 0 && best.is_none_or(|(m, _, _)| matched > m) {
                     best = Some((matched, *key, b.entries.len()));
                 }
@@ -472,7 +492,7 @@ impl Model {
     fn adopt(&mut self, seq: SeqId, keys: &[BlockKey], len: Pos) {
         let spans = self.spans(keys);
         for g in &mut self.groups {
-            let first = g.first_needed(&spans, len);
+            let first = g.first_adopted(keys, &spans, len);
             g.adopt(seq, &keys[first..], len);
         }
         let Some(w) = self.window() else { return };
@@ -616,22 +636,6 @@ impl Model {
     }
 }
 
-/// The tokens a model block keeps, recovered by matching its key (the
-/// model keeps values, not tokens: the run keeps every request's tokens).
-fn block_tokens(key: &BlockKey) -> Vec<u32> {
-    TOKENS.with(|t| {
-        t.borrow()
-            .get(key)
-            .cloned()
-            .expect("every key's tokens are known")
-    })
-}
-
-thread_local! {
-    /// Every block key the run made, with its tokens.
-    static TOKENS: std::cell::RefCell<BTreeMap<BlockKey, Vec<u32>>> = std::cell::RefCell::new(BTreeMap::new());
-}
-
 // ---- the run ----
 
 struct Run {
@@ -653,7 +657,6 @@ impl Run {
             CausalKvCache::new(window.clone(), device.clone(), None).unwrap(),
             CausalKvCache::new(global.clone(), device, None).unwrap(),
         ];
-        TOKENS.with(|t| t.borrow_mut().clear());
         Run {
             cache: LayerGroupCache::new(groups, vec![0, 1]).unwrap(),
             model: Model {
@@ -668,14 +671,7 @@ impl Run {
 
     fn chain(&self, tokens: &[u32]) -> BlockChain {
         let (fp, ns) = scope_parts();
-        let chain = BlockChain::new(fp, ns, self.setup.block, tokens);
-        TOKENS.with(|t| {
-            let mut t = t.borrow_mut();
-            for i in 0..chain.blocks().len() {
-                t.insert(chain.blocks()[i].0, chain.block_tokens(i).to_vec());
-            }
-        });
-        chain
+        BlockChain::new(fp, ns, self.setup.block, tokens)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -700,8 +696,6 @@ impl Run {
         tokens.push(7); // every prompt ends in a token of its own turn
         tokens.truncate(LONGEST - usize::from(answer));
         let prompt_len = tokens.len();
-        // Register the prompt's keys so the model can read the tokens back.
-        self.chain(&tokens);
         let (fp, ns) = scope_parts();
         let found = self
             .cache

@@ -62,6 +62,23 @@ fn engine(model: &Gemma, sequences: usize, window_memory: usize) -> Engine<'_, L
     .unwrap()
 }
 
+/// An engine over `cache` keeping finished requests by blocks of 4 tokens.
+fn by_block(model: &Gemma, cache: LayerGroupCache) -> Engine<'_, LayerGroupCache, Gemma> {
+    let mut engine = Engine::new(
+        model,
+        cache,
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: 5,
+            block_tokens: Some(4),
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    engine.set_prefix_reuse(true).unwrap();
+    engine
+}
+
 #[test]
 fn batched_requests_past_the_window_generate_what_each_generates_alone() {
     let model = model();
@@ -217,18 +234,7 @@ fn stored(names: &[u64], parent: Option<u64>, tokens: &[u32]) -> kvcache_api::Kv
 #[test]
 fn kept_prefixes_are_reported_to_a_router_by_block_a_shared_prefix_once() {
     let model = model();
-    let mut engine = Engine::new(
-        &model,
-        cache(&model, 4, 16, 12),
-        EngineConfig {
-            max_batch: 16,
-            prefill_chunk: 5,
-            block_tokens: Some(4),
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    engine.set_prefix_reuse(true).unwrap();
+    let mut engine = by_block(&model, cache(&model, 4, 16, 12));
     assert!(engine.keeps_blocks(), "Gemma keeps finished requests by block");
     let log = std::sync::Arc::new(kvcache_api::EventLog::new());
     engine.set_event_sink(log.clone());
@@ -304,18 +310,7 @@ fn conversations_beyond_the_sequence_ids_keep_their_reuse_by_block() {
     let cache = model
         .new_cache(&CausalConfig::new(3, 128, 16), 12, &Device::Cpu)
         .unwrap();
-    let mut engine = Engine::new(
-        &model,
-        cache,
-        EngineConfig {
-            max_batch: 16,
-            prefill_chunk: 5,
-            block_tokens: Some(4),
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    engine.set_prefix_reuse(true).unwrap();
+    let mut engine = by_block(&model, cache);
     let mut convs: Vec<Vec<u32>> = (0..5).map(|c| prompt(10 + c, 6 + c)).collect();
     let mut minimum = 0;
     for turn in 0..3 {
@@ -336,4 +331,30 @@ fn conversations_beyond_the_sequence_ids_keep_their_reuse_by_block() {
         engine.cache().check();
     }
     assert_eq!(engine.reuse_stats().evaluated_tokens, minimum);
+}
+
+/// Kept prefixes of one namespace are never another's: the same prompt in
+/// another namespace is evaluated whole, and both are kept apart.
+#[test]
+fn a_salted_prompt_never_resumes_another_namespaces_blocks() {
+    use kvcache_api::Namespace;
+    let model = model();
+    let mut engine = by_block(&model, cache(&model, 2, 16, 12));
+    let first = prompt(30, 14);
+    engine.submit(Request::new(0, first.clone(), 3)).unwrap();
+    let done = run(&mut engine).remove(0);
+    let next = [&kept(&first, &done)[..], &prompt(31, 3)].concat();
+    let mut salted = Request::new(1, next.clone(), 2);
+    salted.namespace = Namespace::new("tenant-b").unwrap();
+    engine.submit(salted).unwrap();
+    let other = run(&mut engine).remove(0);
+    assert_eq!(other.reused, 0, "another namespace's blocks");
+    assert_eq!(other.generated, alone(&model, &next, 2));
+    // The shared namespace still resumes its own.
+    engine.submit(Request::new(2, next.clone(), 2)).unwrap();
+    let own = run(&mut engine).remove(0);
+    assert_eq!(own.reused, first.len() + 2);
+    assert_eq!(own.generated, other.generated);
+    assert_eq!(engine.cache().kept_ends(), 2, "one end per namespace");
+    engine.cache().check();
 }

@@ -107,6 +107,12 @@ pub trait Model: LayerModel<Array = Tensor> {
     /// How the pass through a causal cache attends.
     fn attention_path(&self) -> AttentionPath;
 
+    /// The widest sliding window of its layers (what a window memory counts
+    /// from), `None` when every layer sees every position.
+    fn window(&self) -> Option<usize> {
+        None
+    }
+
     /// A causal cache on `device` for this model: `base` gives the sequences,
     /// the cells, the batch size and the storage; layers with a sliding
     /// window keep `window_memory` positions of each sequence (at least the

@@ -1,8 +1,11 @@
 //! E5s: the E5 trace (Gemma 3, ten interleaved conversations of eight turns
 //! growing past three windows) replayed over HTTP against `kvcache-server
-//! --model gemma3`, one request at a time, as chat messages: the trace's
-//! instruction as the system message, the earlier turns as user and assistant
-//! messages, then the new user message (streamed, usage included).
+//! --model gemma3` as chat messages: the trace's instruction as the system
+//! message, the earlier turns as user and assistant messages, then the new
+//! user message (streamed, usage included). `--mode sequential` sends one
+//! request at a time in trace order; `--mode concurrent` runs the ten
+//! conversations as ten concurrent clients, each sending its turns one after
+//! another; `--mode both` runs one then the other, each on a fresh server.
 //!
 //! Reports the prompt tokens evaluated (`usage.prompt_tokens -
 //! usage.prompt_tokens_details.cached_tokens`) against the trace's minimum,
@@ -15,7 +18,8 @@
 //!
 //! ```text
 //! cargo build --release -p kvcache-server --bin kvcache-server --example e5s_serving
-//! target/release/examples/e5s_serving --server-bin target/release/kvcache-server --gemma $KVCACHE_GEMMA
+//! target/release/examples/e5s_serving --server-bin target/release/kvcache-server --gemma $KVCACHE_GEMMA \
+//!     [--mode sequential|concurrent|both]
 //! ```
 
 use std::path::PathBuf;
@@ -26,7 +30,7 @@ mod server;
 #[path = "common/stream.rs"]
 mod stream;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use server::Server;
@@ -47,12 +51,27 @@ struct Args {
     /// The first N conversations of the trace (all turns of each).
     #[arg(long, default_value_t = 10)]
     conversations: usize,
+    /// One request at a time, the conversations as concurrent clients, or
+    /// one run of each (a fresh server for each).
+    #[arg(long, value_enum, default_value_t = Mode::Sequential)]
+    mode: Mode,
     /// Print one line per request.
     #[arg(long)]
     verbose: bool,
     /// Extra flags for the server (e.g. `--server-arg=--window-memory=768`).
     #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
     server_args: Vec<String>,
+}
+
+/// How the requests are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// One at a time, in trace order.
+    Sequential,
+    /// Each conversation a client of its own, all at once.
+    Concurrent,
+    /// Sequential, then concurrent.
+    Both,
 }
 
 /// The parts of `fixtures/e5_trace.json` a replay needs.
@@ -86,6 +105,7 @@ struct TraceRequest {
 /// What one request gave.
 #[derive(Debug)]
 struct Outcome {
+    conv: usize,
     turn: usize,
     prompt_tokens: usize,
     cached_tokens: usize,
@@ -111,7 +131,7 @@ async fn chat(
     url: &str,
     messages: Vec<Value>,
     max_tokens: usize,
-    turn: usize,
+    r: &TraceRequest,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
     let body = json!({
         "model": "gemma-3-270m",
@@ -130,8 +150,16 @@ async fn chat(
     })
     .await
     .map_err(|e| e as Box<dyn std::error::Error>)?;
+    if streamed.prompt_tokens != r.prompt_tokens {
+        return Err(format!(
+            "conversation {} turn {}: the server's prompt has {} tokens, the trace's {}: the chat template differs",
+            r.conv, r.turn, streamed.prompt_tokens, r.prompt_tokens
+        )
+        .into());
+    }
     Ok(Outcome {
-        turn,
+        conv: r.conv,
+        turn: r.turn,
         prompt_tokens: streamed.prompt_tokens,
         cached_tokens: streamed.cached_tokens,
         completion_tokens: streamed.completion_tokens,
@@ -171,19 +199,43 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/e5_trace.json"));
     let trace: Trace = serde_json::from_str(&std::fs::read_to_string(&trace_path)?)?;
-    let config = kvcache_models::gemma::GemmaFile::open(&gemma)?.config()?;
+    let modes: &[bool] = match args.mode {
+        Mode::Sequential => &[false],
+        Mode::Concurrent => &[true],
+        Mode::Both => &[false, true],
+    };
+    let mut rates = Vec::new();
+    for &concurrent in modes {
+        rates.push(replay(&args, &trace, &gemma, concurrent)?);
+    }
+    if let [sequential, concurrent] = rates[..] {
+        println!(
+            "E5s: generated tokens/s concurrent / sequential = {concurrent:.2} / {sequential:.2} = {:.2}x",
+            concurrent / sequential
+        );
+    }
+    Ok(())
+}
+
+/// One replay on a fresh server; prints its report and returns its
+/// generated tokens per second.
+fn replay(
+    args: &Args,
+    trace: &Trace,
+    gemma: &std::path::Path,
+    concurrent: bool,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let mode = if concurrent { "concurrent" } else { "sequential" };
+    let config = kvcache_models::gemma::GemmaFile::open(gemma)?.config()?;
     // Keys and values of one position in every layer, f32: a full-size cache.
     let full_per_position = config.n_layers * config.n_kv_heads * config.head_dim * 2 * 4;
 
     let started = Instant::now();
-    let mut server_args = vec![
-        std::ffi::OsString::from("--model"),
-        gemma.clone().into_os_string(),
-    ];
+    let mut server_args = vec![std::ffi::OsString::from("--model"), gemma.as_os_str().to_owned()];
     server_args.extend(args.server_args.iter().map(Into::into));
     let server = Server::start(&args.server_bin, &server_args, &[("RUST_LOG", "warn")])?;
     println!(
-        "E5s: server up in {:.1} s at {}",
+        "E5s {mode}: server up in {:.1} s at {}",
         started.elapsed().as_secs_f64(),
         server.url
     );
@@ -196,40 +248,63 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .filter(|r| r.conv < args.conversations)
         .collect();
-    let mut outcomes = Vec::new();
-    let mut last_len = vec![0usize; args.conversations];
+    let n_predict = trace.meta.n_predict;
     let t0 = Instant::now();
-    for r in &requests {
-        let o = runtime.block_on(chat(
-            &http,
-            &server.url,
-            messages(&trace, r.conv, r.turn),
-            trace.meta.n_predict,
-            r.turn,
-        ))?;
-        if o.prompt_tokens != r.prompt_tokens {
-            return Err(format!(
-                "conversation {} turn {}: the server's prompt has {} tokens, the trace's {}: the chat template differs",
-                r.conv, r.turn, o.prompt_tokens, r.prompt_tokens
-            )
-            .into());
+    let outcomes: Vec<Outcome> = if concurrent {
+        // A client per conversation, each sending its turns in order.
+        let clients = (0..args.conversations).map(|conv| {
+            let turns: Vec<&TraceRequest> = requests.iter().copied().filter(|r| r.conv == conv).collect();
+            let (http, url) = (&http, &server.url);
+            async move {
+                let mut out = Vec::new();
+                for r in turns {
+                    out.push(chat(http, url, messages(trace, r.conv, r.turn), n_predict, r).await?);
+                }
+                Ok::<_, Box<dyn std::error::Error>>(out)
+            }
+        });
+        let results = runtime.block_on(futures_util::future::join_all(clients));
+        let mut all = Vec::new();
+        for r in results {
+            all.extend(r?);
         }
+        all
+    } else {
+        let mut all = Vec::new();
+        for r in &requests {
+            all.push(runtime.block_on(chat(
+                &http,
+                &server.url,
+                messages(trace, r.conv, r.turn),
+                n_predict,
+                r,
+            ))?);
+        }
+        all
+    };
+    let wall = t0.elapsed();
+    let minimum_of = |o: &Outcome| {
+        requests
+            .iter()
+            .find(|r| r.conv == o.conv && r.turn == o.turn)
+            .map_or(0, |r| r.min_prefill)
+    };
+    let mut last_len = vec![0usize; args.conversations];
+    for o in &outcomes {
         if args.verbose {
             println!(
                 "  conv {} turn {}: prompt {} cached {} evaluated {} (min {}) ttft {:.0} ms",
-                r.conv,
-                r.turn,
+                o.conv,
+                o.turn,
                 o.prompt_tokens,
                 o.cached_tokens,
                 o.prompt_tokens - o.cached_tokens,
-                r.min_prefill,
+                minimum_of(o),
                 o.ttft.as_secs_f64() * 1e3
             );
         }
-        last_len[r.conv] = o.prompt_tokens + o.completion_tokens;
-        outcomes.push(o);
+        last_len[o.conv] = last_len[o.conv].max(o.prompt_tokens + o.completion_tokens);
     }
-    let wall = t0.elapsed();
     // The engine publishes its gauges after the pass that ends a request,
     // which may come after the answer: wait for the last one to leave.
     let metrics = || {
@@ -251,12 +326,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let held =
         gauge(&page, "kvcache_cache_bytes_in_use").ok_or("no kvcache_cache_bytes_in_use in /metrics")?;
-    let idle = gauge(&page, "kvcache_sequences_idle").unwrap_or(0.0);
     let evictions = gauge(&page, "kvcache_evictions_total").unwrap_or(0.0);
 
     let evaluated: usize = outcomes.iter().map(|o| o.prompt_tokens - o.cached_tokens).sum();
     let minimum: usize = requests.iter().map(|r| r.min_prefill).sum();
     let prompt: usize = outcomes.iter().map(|o| o.prompt_tokens).sum();
+    let generated: usize = outcomes.iter().map(|o| o.completion_tokens).sum();
     let ms = |turns: &dyn Fn(usize) -> bool| {
         let v: Vec<f64> = outcomes
             .iter()
@@ -275,23 +350,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .sum::<f64>()
         / conversations;
     let mib = |b: f64| b / (1 << 20) as f64;
+    let rate = generated as f64 / wall.as_secs_f64();
     println!(
-        "E5s: {} requests in {:.1} s; prompt tokens {prompt}, evaluated {evaluated} / minimum {minimum} = {:.4}x",
+        "E5s {mode}: {} requests in {:.1} s; prompt tokens {prompt}, evaluated {evaluated} / minimum {minimum} = {:.4}x; \
+         {generated} generated, {rate:.2} tokens/s",
         outcomes.len(),
         wall.as_secs_f64(),
         evaluated as f64 / minimum as f64
     );
     println!(
-        "E5s: TTFT turn 1 mean / median {first_mean:.0} / {first_median:.0} ms; turns >= 2 {later_mean:.0} / {later_median:.0} ms"
+        "E5s {mode}: TTFT turn 1 mean / median {first_mean:.0} / {first_median:.0} ms; turns >= 2 {later_mean:.0} / {later_median:.0} ms"
     );
-    let per_conversation = held / idle.max(1.0);
+    let per_conversation = held / conversations;
     println!(
-        "E5s: cache holds {:.1} MiB for {idle} idle conversations ({evictions} evicted on the way): \
+        "E5s {mode}: cache holds {:.1} MiB for {conversations} conversations ({evictions} evicted on the way): \
          {:.2} MiB per conversation, a full-size cache {:.2} MiB ({:.2}x)",
         mib(held),
         mib(per_conversation),
         mib(full),
         per_conversation / full
     );
-    Ok(())
+    Ok(rate)
 }

@@ -7,6 +7,13 @@ use kvcache_models::attention::AttentionPath;
 use kvcache_models::loader::DeviceSpec;
 use kvcache_models::WeightMode;
 
+/// Positions a window layer keeps beyond its window by default
+/// ([`ServerConfig::window_memory`]): how far before a kept conversation's
+/// end its next turn may part and still resume (a client sending the last
+/// answer back as it came parts at the end; one that rewrites the answer's
+/// last tokens, or its template's, a little before).
+pub const WINDOW_MARGIN: usize = 128;
+
 /// How the server sizes its engine and guards its queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
@@ -28,21 +35,23 @@ pub struct ServerConfig {
     /// How the model's weights are held and multiplied (the store's
     /// fingerprint includes it).
     pub weights: WeightMode,
-    /// Positions of each sequence the sliding-window layers keep (a model
-    /// with such layers, e.g. Gemma 3): at least the window; a conversation
-    /// resumes without recomputing when its next turn parts from what the
-    /// cache holds at most `window_memory - window` positions before its end.
-    pub window_memory: usize,
+    /// Positions of each sequence, and of each kept prefix, the
+    /// sliding-window layers keep (a model with such layers, e.g. Gemma 3):
+    /// at least the window; a conversation resumes without recomputing when
+    /// its next turn parts from what the cache holds at most `window_memory -
+    /// window` positions before its end. `None`: the window and
+    /// [`WINDOW_MARGIN`] more.
+    pub window_memory: Option<usize>,
     /// Keep finished requests' cells by blocks of this many tokens, independent
-    /// of sequence ids, on a model whose cache indexes blocks (no sliding
-    /// window: SmolLM2); `None`, or a model with window layers: keep them as
-    /// idle sequences, at most `max_sequences` of them.
+    /// of sequence ids (a model with window layers, Gemma 3, keeps every block
+    /// in its global layers and, in its window layers, each kept prefix's last
+    /// `window_memory` positions); `None`: keep them as idle sequences, at
+    /// most `max_sequences` of them.
     pub block_tokens: Option<usize>,
     /// Publish the kept blocks as KV events in vLLM's schema on a ZMQ PUB
     /// socket bound here (`tcp://127.0.0.1:5557`), for a cache-aware router
     /// such as NVIDIA Dynamo's KV indexer (whole blocks of `block_tokens`:
-    /// the block index's, or those of the idle sequences a model with
-    /// window layers keeps).
+    /// the block index's, or those of the idle sequences kept without one).
     pub kv_events: Option<String>,
     /// Requests admitted beyond `max_sequences` before new ones are refused
     /// with 503 and `Retry-After`.
@@ -141,7 +150,7 @@ impl Default for ServerConfig {
             attention: AttentionPath::Paged,
             device: DeviceSpec::Cpu,
             weights: WeightMode::FASTEST,
-            window_memory: 1024,
+            window_memory: None,
             block_tokens: Some(16),
             kv_events: None,
             max_queue: 64,

@@ -72,15 +72,16 @@ struct Args {
     /// reused under another.
     #[arg(long, value_name = "MODE", default_value_t = WeightMode::FASTEST)]
     weights: WeightMode,
-    /// Positions of each sequence a sliding-window layer keeps (Gemma 3; at
-    /// least the window): a conversation's next turn reuses the cache when it
-    /// parts from what the cache holds at most this minus the window
-    /// positions before its end.
-    #[arg(long, value_name = "POSITIONS", default_value_t = 1024)]
-    window_memory: usize,
+    /// Positions of each sequence, and of each kept prefix, a sliding-window
+    /// layer keeps (Gemma 3; at least the window): a conversation's next turn
+    /// reuses the cache when it parts from what the cache holds at most this
+    /// minus the window positions before its end [default: the window + 128].
+    #[arg(long, value_name = "POSITIONS")]
+    window_memory: Option<usize>,
     /// Keep finished requests' prefixes by blocks of this many tokens, whatever
-    /// sequence ran them (models without sliding-window layers); 0 keeps them
-    /// as idle sequences, at most --max-sequences of them.
+    /// sequence ran them (Gemma 3's window layers keep each prefix's last
+    /// --window-memory positions); 0 keeps them as idle sequences, at most
+    /// --max-sequences of them.
     #[arg(long, value_name = "TOKENS", default_value_t = 16)]
     block_tokens: usize,
     /// Publish kept blocks as KV events (vLLM's schema, msgpack over a ZMQ PUB

@@ -277,7 +277,10 @@ fn build_engine<'m, M: Model>(
     fingerprint: Option<Fingerprint>,
 ) -> kvcache_engine::Result<Engine<'m, M::Cache, M>> {
     let cache_config = CausalConfig::new(config.max_sequences, config.context, config.max_batch);
-    let mut cache = model.new_cache(&cache_config, config.window_memory, model.device())?;
+    let window_memory = config
+        .window_memory
+        .unwrap_or_else(|| model.window().map_or(0, |w| w + crate::config::WINDOW_MARGIN));
+    let mut cache = model.new_cache(&cache_config, window_memory, model.device())?;
     if let Some(fingerprint) = fingerprint {
         cache.set_fingerprint(fingerprint);
     }

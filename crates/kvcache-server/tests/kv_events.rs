@@ -16,9 +16,10 @@
 //! and started again on the same endpoint has its blocks cleared
 //! (`AllBlocksCleared`) and indexed again after new requests; and blocks its
 //! idle TTL ages out are removed (`BlockRemoved`). A Gemma 3 replica, which
-//! keeps finished requests as whole idle sequences rather than by block,
-//! reports their whole blocks the same way: the next turn matches them, and
-//! they go when the sequence ages out.
+//! keeps finished requests by block per layer group (its global layers every
+//! block, its window layers the tail before each kept end), reports its
+//! global layers' blocks the same way: the next turn matches them, and they
+//! go when the prefix ages out.
 
 mod common;
 
@@ -489,9 +490,8 @@ async fn a_window_models_kept_sequences_are_routed_by_block() {
     }
     let endpoint = format!("tcp://127.0.0.1:{}", free_port());
     let indexer = Indexer::start(python, &[(A, &endpoint)]);
-    // Gemma 3 keeps finished requests as whole idle sequences (its window
-    // layers trim what a block index would need): their full blocks are
-    // what it reports.
+    // Gemma 3 keeps finished requests by block per layer group: its global
+    // layers' full blocks are what it reports.
     let Some(server) = Server::start_gemma(&[
         "--kv-events",
         &endpoint,

@@ -111,6 +111,33 @@ impl Book {
         spans.partition_point(|s| s.1 <= from)
     }
 
+    /// Of a chain's blocks, the first one a sequence resuming at `at` adopts
+    /// from this cache: in a cache of tails, back from `at` as far as this
+    /// cache keeps the chain's blocks within its window memory (so the
+    /// sequence holds what it would have held had it computed them: a later
+    /// turn may part from it up to the memory's margin before its end); 0 in
+    /// a cache that keeps whole chains. At most
+    /// [`first_block_needed`](Self::first_block_needed) when [`covers`](Self::covers) holds.
+    pub(crate) fn first_block_adopted(&self, keys: &[BlockKey], spans: &[(Pos, Pos)], at: Pos) -> usize {
+        if !self.blocks.keeps_tails() {
+            return 0;
+        }
+        let memory = self.config.effective_memory().unwrap_or(usize::MAX) as Pos;
+        let mut first = spans.partition_point(|s| s.0 < at);
+        while first > 0 {
+            let i = first - 1;
+            let kept = self
+                .blocks
+                .get(&keys[i])
+                .is_some_and(|b| (b.start, b.end()) == spans[i]);
+            if spans[i].1 <= at - memory + 1 || !kept {
+                break;
+            }
+            first = i;
+        }
+        first
+    }
+
     /// Whether this cache keeps every block of the chain `keys` (at
     /// `spans`) that a query at `at` needs.
     pub(crate) fn covers(&self, keys: &[BlockKey], spans: &[(Pos, Pos)], at: Pos) -> bool {

@@ -29,7 +29,10 @@
 //! cells of a running request when that is longer, then imports whatever the
 //! store holds beyond it; one whose prompt extends a prefix a running request
 //! is still evaluating waits for it instead of evaluating it again. Blocks are
-//! evicted least recently used first when a pass needs their cells.
+//! evicted least recently used first when a pass needs their cells. A
+//! [`LayerGroupCache`](kvcache_causal::LayerGroupCache) with window groups
+//! (Gemma 3) keeps blocks per group, and its longest prefix is one every
+//! group can resume at: the engine drives it as any other.
 //!
 //! The engine is a module per job: [`Engine`] here (submit, cancel, step),
 //! `scheduler` (what a pass evaluates, as a `Plan`), `store_io` (the prefix

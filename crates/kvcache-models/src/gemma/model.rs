@@ -605,6 +605,10 @@ impl Model for Gemma {
         self.attention
     }
 
+    fn window(&self) -> Option<usize> {
+        Some(self.config.window)
+    }
+
     fn new_cache(
         &self,
         base: &CausalConfig,

@@ -4,8 +4,7 @@
 //! - [`Nothing`]: a finished request's cells are freed;
 //! - [`IdleSequences`]: a finished sequence's cells are kept whole, one per
 //!   sequence id, continued in place or shared by copy-prefix (Ollama's input
-//!   cache, llama.cpp's slots; the only choice for a cache whose windows trim
-//!   the positions a chain of blocks starts with);
+//!   cache, llama.cpp's slots; for a cache that keeps no blocks);
 //! - [`Blocks`]: a finished sequence's cells are indexed by chained block
 //!   key in the cache's own block index and its sequence id is free at once
 //!   (vLLM's automatic prefix caching on Ollama's cells).
