@@ -250,6 +250,18 @@ pub trait CausalCache {
         Prefix::default()
     }
 
+    /// How far indexed blocks of `scope` hold `tokens` (at most `limit`),
+    /// whether or not a prompt can resume there: the length of
+    /// [`longest_prefix`](Self::longest_prefix) in a cache that resumes any
+    /// chain it keeps; more in one that resumes a chain only near the ends it
+    /// keeps (window layers). A driver that evaluates a prompt past this
+    /// point may keep the prefix up to it ([`retain_blocks`](Self::retain_blocks)
+    /// of the sequence, which goes on), so the next prompt sharing it
+    /// resumes there: a shared-prefix junction.
+    fn held_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> usize {
+        self.longest_prefix(scope, tokens, limit).len
+    }
+
     /// Indexes the cells holding `seq`'s positions as the blocks of `chain`
     /// (consecutive from position 0), with their tokens, so they outlive the
     /// sequence until evicted. Blocks already indexed are only marked used.

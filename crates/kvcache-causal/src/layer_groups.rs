@@ -481,12 +481,20 @@ impl CausalCache for LayerGroupCache {
         self.resumable(global, found)
     }
 
+    /// The global group's longest chain of `tokens`.
+    fn held_prefix(&self, scope: Scope<'_>, tokens: &[u32], limit: usize) -> usize {
+        self.global.map_or(0, |g| {
+            self.groups[g].book.longest_prefix(scope, tokens, limit).len
+        })
+    }
+
     /// The global group keeps the whole chain; each window group the blocks
     /// within its window memory before the chain's end that `seq` holds
     /// whole. The end is kept (and resumable) when every window group keeps
-    /// some; an end `seq` resumed from within its last block is replaced by
-    /// this one. Returns the indices of the blocks the global group newly
-    /// indexed.
+    /// some. A finished sequence's end replaces an end `seq` resumed from
+    /// within its last block; the end of a prefix of a sequence that goes on
+    /// (a junction: later prompts share it, then part) is never replaced.
+    /// Returns the indices of the blocks the global group newly indexed.
     fn retain_blocks(&mut self, seq: SeqId, chain: &BlockChain) -> Result<Vec<usize>> {
         let global = self.global()?;
         let plans = self
@@ -510,12 +518,19 @@ impl CausalCache for LayerGroupCache {
                 tails.extend(kept.map(|i| (g, chain.blocks()[i].0)));
             }
         }
-        let origins = self.ends.take_origins(seq);
         let Some(&(last, _)) = chain.blocks().last() else {
             return Ok(added);
         };
+        let len = chain.tokens().len() as Pos;
+        let junction = self.groups[global].book.cells().index(seq).last_pos() >= Some(len);
+        let origins = if junction {
+            Vec::new()
+        } else {
+            self.ends.take_origins(seq)
+        };
         let end = End {
-            len: chain.tokens().len() as Pos,
+            len,
+            junction,
             block: chain.blocks()[0].1 as Pos,
             tails,
         };

@@ -70,6 +70,9 @@ enum Op {
         answer: u8,
         chunk: u8,
         keep: bool,
+        /// Keep the prefix up to here (a fraction of the request, in 256ths)
+        /// once evaluated, while the request goes on: a junction.
+        junction: Option<u8>,
     },
     /// `evict_blocks` until all but `short` cells are free.
     Evict { short: u8 },
@@ -83,8 +86,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (0..SEQS, any::<u8>(), any::<u8>(), prop::collection::vec(0..3u32, 0..8), 0..6u8, 1..=BATCH as u8, prop::bool::weighted(0.85))
-            .prop_map(|(seq, base, cut, extra, answer, chunk, keep)| Op::Request { seq, base, cut, extra, answer, chunk, keep }),
+        8 => (0..SEQS, any::<u8>(), any::<u8>(), prop::collection::vec(0..3u32, 0..8), 0..6u8, 1..=BATCH as u8, prop::bool::weighted(0.85), prop::option::weighted(0.3, any::<u8>()))
+            .prop_map(|(seq, base, cut, extra, answer, chunk, keep, junction)| Op::Request { seq, base, cut, extra, answer, chunk, keep, junction }),
         1 => (0..12u8).prop_map(|short| Op::Evict { short }),
         1 => any::<u8>().prop_map(|pick| Op::Forget { pick }),
         1 => Just(Op::Age),
@@ -415,6 +418,7 @@ impl MGroup {
 #[derive(Debug, Clone)]
 struct MEnd {
     len: Pos,
+    junction: bool,
     block: Pos,
     tails: Vec<(usize, BlockKey)>,
 }
@@ -500,7 +504,9 @@ impl Model {
         let from: Vec<BlockKey> = self
             .ends
             .iter()
-            .filter(|(_, e)| len <= e.len && len > e.len - e.block && e.tails.contains(&(w, last)))
+            .filter(|(_, e)| {
+                !e.junction && len <= e.len && len > e.len - e.block && e.tails.contains(&(w, last))
+            })
             .map(|(k, _)| *k)
             .collect();
         self.origins.insert(seq, from);
@@ -609,10 +615,17 @@ impl Model {
                 tails.extend(chain.blocks()[from..].iter().map(|b| (g, b.0)));
             }
         }
-        let origins = self.origins.remove(&seq).unwrap_or_default();
         let last = chain.blocks().last().unwrap().0;
+        let len = chain.tokens().len() as Pos;
+        let junction = self.groups[global].seqs[seq].iter().map(|e| e.pos).max() >= Some(len);
+        let origins = if junction {
+            Vec::new()
+        } else {
+            self.origins.remove(&seq).unwrap_or_default()
+        };
         let end = MEnd {
-            len: chain.tokens().len() as Pos,
+            len,
+            junction,
             block: chain.blocks()[0].1 as Pos,
             tails,
         };
@@ -684,6 +697,7 @@ impl Run {
         answer: u8,
         chunk: u8,
         keep: bool,
+        junction: Option<u8>,
     ) -> Result<(), TestCaseError> {
         let mut tokens: Vec<u32> = match self.history.len() {
             0 => Vec::new(),
@@ -714,6 +728,8 @@ impl Run {
             tokens.push((tokens[prompt_len - 1 + k] + k as u32) % 3);
         }
         let vals = codes(&tokens);
+        let mut junction =
+            junction.map(|j| found.len + 1 + usize::from(j) * (tokens.len() - found.len) / 256);
         let mut at = found.len;
         while at < tokens.len() {
             let n = usize::from(chunk).min(tokens.len() - at);
@@ -734,6 +750,16 @@ impl Run {
             }
             self.put_and_check(seq, at, &vals, n)?;
             at += n;
+            if let Some(j) = junction.filter(|&j| j <= at && j < tokens.len()) {
+                junction = None;
+                let chain = self.chain(&tokens[..j]);
+                let added = self.cache.retain_blocks(seq, &chain).unwrap();
+                prop_assert_eq!(
+                    added,
+                    self.model.retain(seq, &chain),
+                    "a junction's new global blocks"
+                );
+            }
         }
         self.history.push(tokens.clone());
         if keep {
@@ -924,7 +950,8 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 answer,
                 chunk,
                 keep,
-            } => r.request(seq, base, cut, &extra, answer, chunk, keep)?,
+                junction,
+            } => r.request(seq, base, cut, &extra, answer, chunk, keep, junction)?,
             Op::Evict { short } => r.evict(short)?,
             Op::Forget { pick } => r.forget(pick)?,
             Op::Age => r.age()?,
@@ -957,7 +984,7 @@ fn a_conversation_keeps_one_end() {
     };
     let mut r = Run::new(setup);
     let first: Vec<u32> = vec![1, 2, 0, 1, 2, 2, 0];
-    r.request(0, 0, 0, &first, 2, 4, true).unwrap();
+    r.request(0, 0, 0, &first, 2, 4, true, None).unwrap();
     r.compare().unwrap();
     assert_eq!(r.cache.kept_ends(), 1);
     let turn = r.history[0].clone();
@@ -969,7 +996,8 @@ fn a_conversation_keeps_one_end() {
         .longest_prefix(Scope::new(&fp, &ns), &next, next.len() - 1);
     assert_eq!(found.len, turn.len(), "the whole last turn resumes");
     // The next turn: the first one whole, then more.
-    r.request(1, 0, turn.len() as u8, &[2, 1], 1, 3, true).unwrap();
+    r.request(1, 0, turn.len() as u8, &[2, 1], 1, 3, true, None)
+        .unwrap();
     r.compare().unwrap();
     assert_eq!(r.cache.kept_ends(), 1, "the new end replaced the old one");
     let window_cells = r.cache.groups()[0].indexed_blocks().1;

@@ -280,8 +280,9 @@ fn kept_prefixes_are_reported_to_a_router_by_block_a_shared_prefix_once() {
             &a2_kept[12..a2_names.len() * 4]
         )]
     );
-    // One end per conversation: A2's replaced A's.
-    assert_eq!(engine.cache().kept_ends(), 2);
+    // One end per conversation (A2's replaced A's), and the junction B
+    // kept where it parted from A (its 2 blocks were kept already: no event).
+    assert_eq!(engine.cache().kept_ends(), 3);
 
     // Ageing everything out removes each block once, in one event (one
     // operation's removals are one batch).
@@ -356,5 +357,32 @@ fn a_salted_prompt_never_resumes_another_namespaces_blocks() {
     assert_eq!(own.reused, first.len() + 2);
     assert_eq!(own.generated, other.generated);
     assert_eq!(engine.cache().kept_ends(), 2, "one end per namespace");
+    engine.cache().check();
+}
+
+/// Prompts that share a long prefix and part past the window of every kept
+/// end: the second keeps a junction where it parts from the first, and the
+/// third (and every later one) resumes there.
+#[test]
+fn a_shared_prefix_is_kept_where_prompts_part() {
+    let model = model();
+    let mut engine = by_block(&model, cache(&model, 2, 16, 12));
+    // A 20-token shared prefix, then 16 tokens of each request's own: a
+    // kept end's tail (12 positions) lies far past the prefix's end.
+    let shared = prompt(40, 20);
+    let ask = |i: usize| [&shared[..], &prompt(41 + i, 16)].concat();
+    let reused: Vec<usize> = (0..4)
+        .map(|i| {
+            engine.submit(Request::new(i, ask(i), 2)).unwrap();
+            let done = run(&mut engine).remove(0);
+            assert_eq!(done.generated, alone(&model, &ask(i), 2), "request {i}");
+            done.reused
+        })
+        .collect();
+    // The first has nothing to resume; the second parts from the first past
+    // every kept window and keeps a junction at 20; the others resume there.
+    assert_eq!(reused, [0, 0, 20, 20]);
+    // The junction and one end per request.
+    assert_eq!(engine.cache().kept_ends(), 5);
     engine.cache().check();
 }

@@ -15,6 +15,8 @@
 //! - a sequence that resumed from within its last block is kept in its turn
 //!   (the next turn of a conversation, or its last answer replaced): the new
 //!   end takes its place, so a conversation keeps one tail, not one per turn.
+//!   A *junction* (a prefix kept while its sequence went on, where later
+//!   prompts share a prefix and part) is never replaced this way.
 //!
 //! Invariants (checked by [`LayerGroupCache::check`](super::LayerGroupCache::check)):
 //! every end's blocks are indexed in their groups, every block of a window
@@ -33,6 +35,9 @@ pub(crate) struct End {
     pub len: Pos,
     /// Tokens per full block of its chain.
     pub block: Pos,
+    /// Kept while its sequence went on (a shared-prefix junction): no
+    /// sequence resuming from it replaces it.
+    pub junction: bool,
     /// The window blocks kept for it: `(group, key)`.
     pub tails: Vec<(usize, BlockKey)>,
 }
@@ -96,7 +101,9 @@ impl Ends {
         let from: Vec<BlockKey> = self
             .ends
             .iter()
-            .filter(|(_, e)| len <= e.len && len > e.len - e.block && e.tails.contains(&(group, *key)))
+            .filter(|(_, e)| {
+                !e.junction && len <= e.len && len > e.len - e.block && e.tails.contains(&(group, *key))
+            })
             .map(|(last, _)| *last)
             .collect();
         self.origins.insert(seq, from);
@@ -151,11 +158,13 @@ mod tests {
         let a = End {
             len: 40,
             block: 16,
+            junction: false,
             tails: vec![(0, key(1)), (0, key(2))],
         };
         let b = End {
             len: 48,
             block: 16,
+            junction: false,
             tails: vec![(0, key(2)), (0, key(3))],
         };
         assert!(ends.insert(key(10), a).is_empty());
@@ -173,6 +182,7 @@ mod tests {
         let end = |len| End {
             len,
             block: 16,
+            junction: false,
             tails: vec![(0, key(1))],
         };
         ends.insert(key(10), end(40));
@@ -184,6 +194,16 @@ mod tests {
         assert!(ends.take_origins(3).is_empty());
         ends.resumed(4, 0, &key(2), 38);
         assert!(ends.take_origins(4).is_empty(), "another block");
+        // A junction is never continued away.
+        ends.insert(
+            key(12),
+            End {
+                junction: true,
+                ..end(90)
+            },
+        );
+        ends.resumed(5, 0, &key(1), 88);
+        assert!(ends.take_origins(5).is_empty(), "a junction");
     }
 
     #[test]
@@ -194,6 +214,7 @@ mod tests {
             End {
                 len: 40,
                 block: 16,
+                junction: false,
                 tails: vec![(0, key(1))],
             },
         );
@@ -202,6 +223,7 @@ mod tests {
             End {
                 len: 40,
                 block: 16,
+                junction: false,
                 tails: vec![(0, key(2))],
             },
         );

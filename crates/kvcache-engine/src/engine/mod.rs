@@ -120,6 +120,9 @@ struct Slot {
     shifts: usize,
     restored: usize,
     reused: usize,
+    /// Where its prompt parts from kept prefixes it could not resume, to
+    /// keep once evaluated ([`Start::Join`]).
+    junction: Option<usize>,
     /// Picks the request's tokens; `None` is greedy.
     sampler: Option<Sampler>,
     /// The answer's text, with the engine's tokenizer.
@@ -497,8 +500,12 @@ where
                 self.queue[i].req.prompt.clone(),
             );
             let start = self.with_retention(|policy, cx| policy.start(cx, &namespace, &prompt))?;
-            let (seq, reused) = match start {
-                Start::Join { seq, reused } => (seq, reused),
+            let (seq, reused, junction) = match start {
+                Start::Join {
+                    seq,
+                    reused,
+                    junction,
+                } => (seq, reused, junction),
                 Start::Wait => {
                     let id = self.queue[i].req.id;
                     if !self.waiting.contains(&id) {
@@ -552,6 +559,7 @@ where
                 shifts: 0,
                 restored,
                 reused,
+                junction: junction.filter(|&j| j > reused + restored),
                 sampler,
                 text,
             });
@@ -596,6 +604,17 @@ where
             let seq = part.seq;
             let slot = self.slots[seq].as_mut().expect("planned slots are live");
             slot.cached += part.tokens;
+            // Kept once the sequence holds more than the junction, so the
+            // cache sees a prefix of a sequence that goes on.
+            if let Some(j) = slot.junction.filter(|&j| slot.cached > j) {
+                slot.junction = None;
+                let (namespace, prefix) = (slot.req.namespace.clone(), slot.tokens[..j].to_vec());
+                self.with_retention(|policy, cx| {
+                    policy.keep_prefix(cx, seq, &namespace, &prefix);
+                    Ok(())
+                })?;
+            }
+            let slot = self.slots[seq].as_mut().expect("planned slots are live");
             if part.pick_row.is_none() {
                 on_event(&Event::Prefilled {
                     id: slot.req.id,

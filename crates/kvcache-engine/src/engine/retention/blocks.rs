@@ -3,7 +3,10 @@
 //! id is free at once, so what is kept depends on cells, not on sequence
 //! slots. A new request adopts the longest indexed chain of its prompt, or
 //! shares a running request's cells where those go further, and waits while
-//! a running request is still evaluating a longer prefix it shares. The
+//! a running request is still evaluating a longer prefix it shares. Where
+//! kept blocks go further than the cache can resume (window layers keep
+//! only the tails of kept ends), the request keeps its prefix up to there
+//! once evaluated: a junction the next prompt sharing it resumes at. The
 //! index evicts its least recently used blocks itself when a pass needs their
 //! cells and journals every change, so this policy has no eviction and no
 //! events of its own.
@@ -36,9 +39,9 @@ impl Blocks {
 impl<C: CausalCache<Tensor = Tensor>> Retention<C> for Blocks {
     fn start(&mut self, cx: &mut Cx<'_, C>, namespace: &Namespace, prompt: &[u32]) -> Result<Start> {
         let limit = prompt.len() - 1;
-        let kept = cx
-            .cache
-            .longest_prefix(Scope::new(cx.fingerprint, namespace), prompt, limit);
+        let scope = Scope::new(cx.fingerprint, namespace);
+        let kept = cx.cache.longest_prefix(scope, prompt, limit);
+        let held = cx.cache.held_prefix(scope, prompt, limit);
         let running = longest_resumable(&*cx.cache, running(cx.slots, namespace), prompt);
         let best = kept.len.max(running.map_or(0, |r| r.1));
         // A running request still evaluating its prompt that shares more of
@@ -69,7 +72,21 @@ impl<C: CausalCache<Tensor = Tensor>> Retention<C> for Blocks {
             }
             _ => 0,
         };
-        Ok(Start::Join { seq, reused })
+        // Kept blocks go further than the request resumes (a cache whose
+        // window layers keep only kept ends' tails): keep a junction there.
+        let junction = (held > reused).then_some(held);
+        Ok(Start::Join {
+            seq,
+            reused,
+            junction,
+        })
+    }
+
+    fn keep_prefix(&mut self, cx: &mut Cx<'_, C>, seq: SeqId, namespace: &Namespace, tokens: &[u32]) {
+        let chain = BlockChain::new(*cx.fingerprint, namespace.clone(), self.block_tokens, tokens);
+        if let Err(error) = cx.cache.retain_blocks(seq, &chain) {
+            tracing::warn!(%error, seq, "block retention refused: the junction is not kept");
+        }
     }
 
     fn finish(&mut self, cx: &mut Cx<'_, C>, seq: SeqId, ended: Ended<'_>) -> Result<()> {

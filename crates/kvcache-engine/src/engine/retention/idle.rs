@@ -165,7 +165,11 @@ impl<C: CausalCache<Tensor = Tensor>> Retention<C> for IdleSequences {
                 0
             }
         };
-        Ok(Start::Join { seq, reused })
+        Ok(Start::Join {
+            seq,
+            reused,
+            junction: None,
+        })
     }
 
     fn finish(&mut self, cx: &mut Cx<'_, C>, seq: SeqId, ended: Ended<'_>) -> Result<()> {

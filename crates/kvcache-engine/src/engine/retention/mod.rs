@@ -42,8 +42,15 @@ use crate::Result;
 /// How a queued request starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Start {
-    /// In sequence `seq`, holding the first `reused` prompt tokens.
-    Join { seq: SeqId, reused: usize },
+    /// In sequence `seq`, holding the first `reused` prompt tokens; once
+    /// the first `junction` are in the cache, the policy keeps them
+    /// ([`Retention::keep_prefix`]): kept tokens of other prompts go that
+    /// far, but could not be resumed.
+    Join {
+        seq: SeqId,
+        reused: usize,
+        junction: Option<usize>,
+    },
     /// Not yet: a running request is evaluating a longer prefix it shares.
     Wait,
     /// No sequence id is free.
@@ -88,6 +95,13 @@ pub(super) trait Retention<C: CausalCache<Tensor = Tensor>>: Debug + Send {
     /// (the sequence id is free afterwards unless the policy keeps it idle).
     fn finish(&mut self, cx: &mut Cx<'_, C>, seq: SeqId, ended: Ended<'_>) -> Result<()>;
 
+    /// The running request in `seq` has its first `tokens.len()` tokens in
+    /// the cache, `tokens`, a prefix other prompts share: keep it (the
+    /// request goes on).
+    fn keep_prefix(&mut self, cx: &mut Cx<'_, C>, seq: SeqId, namespace: &Namespace, tokens: &[u32]) {
+        let _ = (cx, seq, namespace, tokens);
+    }
+
     /// Sequence `seq` now holds only its first `tokens` tokens (cancelled or
     /// failed: 0; shifted: the ones the shift kept in place).
     fn release(&mut self, cx: &mut Cx<'_, C>, seq: SeqId, tokens: usize) {
@@ -128,7 +142,11 @@ impl<C: CausalCache<Tensor = Tensor>> Retention<C> for Nothing {
         match empty_seq(cx.slots, |_| true) {
             Some(seq) => {
                 cx.cache.remove(seq, PosRange::from(0..))?;
-                Ok(Start::Join { seq, reused: 0 })
+                Ok(Start::Join {
+                    seq,
+                    reused: 0,
+                    junction: None,
+                })
             }
             None => Ok(Start::NoRoom),
         }
