@@ -480,6 +480,31 @@ async fn complete_gemma(server: &Server, prompt: &[u32], max_tokens: usize) {
     assert_eq!(answer["usage"]["prompt_tokens"], prompt.len(), "{answer}");
 }
 
+/// Sends probes to the Gemma replica until the indexer shows its blocks:
+/// probes of two blocks and one token (one token generated, so the replica
+/// keeps the prompt), each starting with a token no other prompt here
+/// starts with.
+async fn wait_gemma_subscribed(indexer: &Indexer, server: &Server) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    'subscribed: for attempt in 0u32.. {
+        let probe: Vec<u32> = (0..2 * BLOCK as u32 + 1)
+            .map(|i| 30_000 + 100 * attempt + i)
+            .collect();
+        complete_gemma(server, &probe, 1).await;
+        let seen_by = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < seen_by {
+            if indexer.matches(&probe).await == [(A, 2)] {
+                break 'subscribed;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the indexer never showed the Gemma replica's blocks"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_models_kept_sequences_are_routed_by_block() {
     let _alone = ONE_AT_A_TIME.lock().await;
@@ -503,27 +528,7 @@ async fn a_window_models_kept_sequences_are_routed_by_block() {
         return;
     };
 
-    // Until the indexer's subscriber is in: probes of two blocks and one
-    // token (one token generated, so the replica keeps the prompt), each
-    // starting with a token no other prompt here starts with.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    'subscribed: for attempt in 0u32.. {
-        let probe: Vec<u32> = (0..2 * BLOCK as u32 + 1)
-            .map(|i| 30_000 + 100 * attempt + i)
-            .collect();
-        complete_gemma(&server, &probe, 1).await;
-        let seen_by = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < seen_by {
-            if indexer.matches(&probe).await == [(A, 2)] {
-                break 'subscribed;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the indexer never showed the Gemma replica's blocks"
-        );
-    }
+    wait_gemma_subscribed(&indexer, &server).await;
 
     // A turn of 5 blocks and 3 tokens, answered in at most 4 tokens: the
     // replica keeps at most 86 tokens, at least the 83 of the prompt, so 5
@@ -543,6 +548,61 @@ async fn a_window_models_kept_sequences_are_routed_by_block() {
             Duration::from_secs(SHORT_TTL_S + 30),
         )
         .await;
+    drop(server);
+    drop(indexer);
+}
+
+/// A Gemma replica with room in its global layers but not in its window
+/// layers: one sequence id, so the window layers hold one sequence's window
+/// and one kept tail beside it (`--window-memory` positions each). Three
+/// 700-token prompts: the third's window evicts the oldest kept tail, the
+/// first prompt's end is no longer resumable, and its global blocks, which
+/// lead to no other end, are removed for the router though the global
+/// layers had room for them; the second's stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_models_prefix_ends_evicted_in_its_window_layers_are_removed() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let Some(python) = python_or_skip() else { return };
+    if model_file(TestModel::Gemma3).is_none() {
+        let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
+        return;
+    }
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let indexer = Indexer::start(python, &[(A, &endpoint)]);
+    let Some(server) = Server::start_gemma(&[
+        "--kv-events",
+        &endpoint,
+        "--block-tokens",
+        &BLOCK.to_string(),
+        "--max-sequences",
+        "1",
+        "--context",
+        "4096",
+    ]) else {
+        return;
+    };
+    wait_gemma_subscribed(&indexer, &server).await;
+
+    // 700 tokens kept of each (one generated, never fed back): 43 blocks.
+    let prompt = |k: u32| -> Vec<u32> { (0..700).map(|i| 5_000 + 20_000 * k + i).collect() };
+    let next = |k: u32| -> Vec<u32> { prompt(k).into_iter().chain(60_000..60_020).collect() };
+    for k in 0..2 {
+        complete_gemma(&server, &prompt(k), 1).await;
+        indexer
+            .expect("a kept prompt's next turn", &next(k), &[(A, 43)])
+            .await;
+    }
+    complete_gemma(&server, &prompt(2), 1).await;
+    indexer
+        .expect("the third prompt's next turn", &next(2), &[(A, 43)])
+        .await;
+    indexer
+        .expect("the first prompt, its window tail evicted", &next(0), &[])
+        .await;
+    indexer
+        .expect("the second prompt, still resumable", &next(1), &[(A, 43)])
+        .await;
+    assert!(server.metric("kvcache_blocks_evicted_total").await >= 43.0);
     drop(server);
     drop(indexer);
 }

@@ -65,8 +65,15 @@ impl Server {
     }
 
     fn spawn(model: &std::path::Path, args: &[&str], log: Option<Arc<Mutex<Vec<String>>>>) -> Server {
+        // A context of 1024 unless the test sets its own.
+        let context: &[&str] = if args.contains(&"--context") {
+            &[]
+        } else {
+            &["--context", "1024"]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
-            .args(["--host", "127.0.0.1", "--port", "0", "--context", "1024"])
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(context)
             .arg("--model")
             .arg(model)
             .args(args)
