@@ -480,6 +480,26 @@ async fn complete_gemma(server: &Server, prompt: &[u32], max_tokens: usize) {
     assert_eq!(answer["usage"]["prompt_tokens"], prompt.len(), "{answer}");
 }
 
+/// Dynamo's indexer and a Gemma replica (worker A) publishing to it with
+/// blocks of [`BLOCK`] tokens and `args`, once the indexer shows its
+/// blocks; `None` (the test skipped) without the indexer's interpreter or
+/// the model.
+async fn gemma_replica(args: &[&str]) -> Option<(Indexer, Server)> {
+    let python = python_or_skip()?;
+    if model_file(TestModel::Gemma3).is_none() {
+        let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
+        return None;
+    }
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let indexer = Indexer::start(python, &[(A, &endpoint)]);
+    let block = BLOCK.to_string();
+    let mut all = vec!["--kv-events", &endpoint, "--block-tokens", &block];
+    all.extend_from_slice(args);
+    let server = Server::start_gemma(&all)?;
+    wait_gemma_subscribed(&indexer, &server).await;
+    Some((indexer, server))
+}
+
 /// Sends probes to the Gemma replica until the indexer shows its blocks:
 /// probes of two blocks and one token (one token generated, so the replica
 /// keeps the prompt), each starting with a token no other prompt here
@@ -508,27 +528,11 @@ async fn wait_gemma_subscribed(indexer: &Indexer, server: &Server) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_models_kept_sequences_are_routed_by_block() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let Some(python) = python_or_skip() else { return };
-    if model_file(TestModel::Gemma3).is_none() {
-        let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
-        return;
-    }
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    let indexer = Indexer::start(python, &[(A, &endpoint)]);
     // Gemma 3 keeps finished requests by block per layer group: its global
     // layers' full blocks are what it reports.
-    let Some(server) = Server::start_gemma(&[
-        "--kv-events",
-        &endpoint,
-        "--idle-ttl",
-        &SHORT_TTL_S.to_string(),
-        "--block-tokens",
-        &BLOCK.to_string(),
-    ]) else {
+    let Some((indexer, server)) = gemma_replica(&["--idle-ttl", &SHORT_TTL_S.to_string()]).await else {
         return;
     };
-
-    wait_gemma_subscribed(&indexer, &server).await;
 
     // A turn of 5 blocks and 3 tokens, answered in at most 4 tokens: the
     // replica keeps at most 86 tokens, at least the 83 of the prompt, so 5
@@ -562,26 +566,9 @@ async fn a_window_models_kept_sequences_are_routed_by_block() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_models_prefix_ends_evicted_in_its_window_layers_are_removed() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let Some(python) = python_or_skip() else { return };
-    if model_file(TestModel::Gemma3).is_none() {
-        let _ = writeln!(std::io::stderr(), "skipped: kv_events: no Gemma file");
-        return;
-    }
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    let indexer = Indexer::start(python, &[(A, &endpoint)]);
-    let Some(server) = Server::start_gemma(&[
-        "--kv-events",
-        &endpoint,
-        "--block-tokens",
-        &BLOCK.to_string(),
-        "--max-sequences",
-        "1",
-        "--context",
-        "4096",
-    ]) else {
+    let Some((indexer, server)) = gemma_replica(&["--max-sequences", "1", "--context", "4096"]).await else {
         return;
     };
-    wait_gemma_subscribed(&indexer, &server).await;
 
     // 700 tokens kept of each (one generated, never fed back): 43 blocks.
     let prompt = |k: u32| -> Vec<u32> { (0..700).map(|i| 5_000 + 20_000 * k + i).collect() };
