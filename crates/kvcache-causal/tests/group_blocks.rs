@@ -2,7 +2,11 @@
 //! cache (a window group with memory, and a global group) against a model
 //! with its own per-group index, step by step; and attention through the
 //! cache against recomputation from each request's tokens, so a prefix the
-//! cache says is resumable is one every group can really serve.
+//! cache says is resumable is one every group can really serve. Requests
+//! resume from kept ends, evaluate in chunks, evict under pressure, keep
+//! junctions while they go on, and end kept, cancelled or context-shifted;
+//! between them blocks are evicted, forgotten and aged, and adoptions the
+//! cache cannot serve are refused with nothing changed.
 //!
 //! Every key and value a request writes at position `p` is a code of its
 //! tokens `0..=p` (what a model would compute there): a query that sees a
@@ -73,6 +77,10 @@ enum Op {
         /// Keep the prefix up to here (a fraction of the request, in 256ths)
         /// once evaluated, while the request goes on: a junction.
         junction: Option<u8>,
+        /// At the end, remove `n` positions from `at` (in 256ths of the
+        /// request), shifting the later ones back: a context shift (the
+        /// request is then not kept).
+        shift: Option<(u8, u8)>,
     },
     /// `evict_blocks` until all but `short` cells are free.
     Evict { short: u8 },
@@ -86,8 +94,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (0..SEQS, any::<u8>(), any::<u8>(), prop::collection::vec(0..3u32, 0..8), 0..6u8, 1..=BATCH as u8, prop::bool::weighted(0.85), prop::option::weighted(0.3, any::<u8>()))
-            .prop_map(|(seq, base, cut, extra, answer, chunk, keep, junction)| Op::Request { seq, base, cut, extra, answer, chunk, keep, junction }),
+        8 => (0..SEQS, any::<u8>(), any::<u8>(), prop::collection::vec(0..3u32, 0..8), 0..6u8, 1..=BATCH as u8, prop::bool::weighted(0.85), prop::option::weighted(0.3, any::<u8>()), prop::option::weighted(0.1, (any::<u8>(), 1..4u8)))
+            .prop_map(|(seq, base, cut, extra, answer, chunk, keep, junction, shift)| Op::Request { seq, base, cut, extra, answer, chunk, keep, junction, shift }),
         1 => (0..12u8).prop_map(|short| Op::Evict { short }),
         1 => any::<u8>().prop_map(|pick| Op::Forget { pick }),
         1 => Just(Op::Age),
@@ -512,6 +520,32 @@ impl Model {
         self.origins.insert(seq, from);
     }
 
+    /// Removes `start..end` of `seq`, shifting the later positions back: the
+    /// blocks keeping a cell that moves go (with what follows them).
+    fn shift(&mut self, seq: SeqId, start: Pos, end: Pos) {
+        for g in &mut self.groups {
+            let moved: BTreeSet<u64> = g.seqs[seq]
+                .iter()
+                .filter(|e| e.pos >= end)
+                .map(|e| e.id)
+                .collect();
+            let over: Vec<BlockKey> = g
+                .blocks
+                .iter()
+                .filter(|(_, b)| b.entries.iter().any(|e| moved.contains(&e.id)))
+                .map(|(k, _)| *k)
+                .collect();
+            for key in over {
+                g.forget(&key);
+            }
+            g.seqs[seq].retain(|e| e.pos < start || e.pos >= end);
+            for e in g.seqs[seq].iter_mut().filter(|e| e.pos >= end) {
+                e.pos -= end - start;
+            }
+        }
+        self.settle();
+    }
+
     fn forward(&mut self, seq: SeqId, start: Pos, vals: &[f32]) -> Result<(), ()> {
         let mut groups = self.groups.clone();
         for g in &mut groups {
@@ -667,8 +701,8 @@ impl Run {
         let global = CausalConfig::new(SEQS, setup.capacity, BATCH);
         let device = common::device();
         let groups = vec![
-            CausalKvCache::new(window.clone(), device.clone(), None).unwrap(),
-            CausalKvCache::new(global.clone(), device, None).unwrap(),
+            CausalKvCache::new(window.clone(), device.clone(), Some(common::add_shift())).unwrap(),
+            CausalKvCache::new(global.clone(), device, Some(common::add_shift())).unwrap(),
         ];
         Run {
             cache: LayerGroupCache::new(groups, vec![0, 1]).unwrap(),
@@ -698,6 +732,7 @@ impl Run {
         chunk: u8,
         keep: bool,
         junction: Option<u8>,
+        shift: Option<(u8, u8)>,
     ) -> Result<(), TestCaseError> {
         let mut tokens: Vec<u32> = match self.history.len() {
             0 => Vec::new(),
@@ -762,6 +797,22 @@ impl Run {
             }
         }
         self.history.push(tokens.clone());
+        if let Some((at, n)) = shift {
+            let start = usize::from(at) * tokens.len() / 256;
+            let end = (start + usize::from(n)).min(tokens.len());
+            self.cache
+                .remove(
+                    seq,
+                    PosRange {
+                        start: start as Pos,
+                        end: Some(end as Pos),
+                    },
+                )
+                .unwrap();
+            self.model.shift(seq, start as Pos, end as Pos);
+            self.cancel(seq);
+            return Ok(());
+        }
         if keep {
             let chain = self.chain(&tokens);
             let added = self.cache.retain_blocks(seq, &chain).unwrap();
@@ -951,7 +1002,8 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 chunk,
                 keep,
                 junction,
-            } => r.request(seq, base, cut, &extra, answer, chunk, keep, junction)?,
+                shift,
+            } => r.request(seq, base, cut, &extra, answer, chunk, keep, junction, shift)?,
             Op::Evict { short } => r.evict(short)?,
             Op::Forget { pick } => r.forget(pick)?,
             Op::Age => r.age()?,
@@ -984,7 +1036,7 @@ fn a_conversation_keeps_one_end() {
     };
     let mut r = Run::new(setup);
     let first: Vec<u32> = vec![1, 2, 0, 1, 2, 2, 0];
-    r.request(0, 0, 0, &first, 2, 4, true, None).unwrap();
+    r.request(0, 0, 0, &first, 2, 4, true, None, None).unwrap();
     r.compare().unwrap();
     assert_eq!(r.cache.kept_ends(), 1);
     let turn = r.history[0].clone();
@@ -996,7 +1048,7 @@ fn a_conversation_keeps_one_end() {
         .longest_prefix(Scope::new(&fp, &ns), &next, next.len() - 1);
     assert_eq!(found.len, turn.len(), "the whole last turn resumes");
     // The next turn: the first one whole, then more.
-    r.request(1, 0, turn.len() as u8, &[2, 1], 1, 3, true, None)
+    r.request(1, 0, turn.len() as u8, &[2, 1], 1, 3, true, None, None)
         .unwrap();
     r.compare().unwrap();
     assert_eq!(r.cache.kept_ends(), 1, "the new end replaced the old one");
