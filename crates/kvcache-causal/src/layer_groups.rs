@@ -244,8 +244,7 @@ impl LayerGroupCache {
         let Some(global) = self.global else {
             return;
         };
-        let removed = self.groups.iter().map(|g| g.book.blocks().removed()).collect();
-        if !self.ends.removals_since(removed) {
+        if !self.ends.removals_since(self.removed()) {
             return;
         }
         let groups = &self.groups;
@@ -257,8 +256,12 @@ impl LayerGroupCache {
             self.release(&last);
         }
         self.prune_leaves();
-        let removed = self.groups.iter().map(|g| g.book.blocks().removed()).collect();
-        self.ends.removals_since(removed);
+        self.ends.removals_since(self.removed());
+    }
+
+    /// Blocks the groups' indexes removed, together, since they were made.
+    fn removed(&self) -> u64 {
+        self.groups.iter().map(|g| g.book.blocks().removed()).sum()
     }
 
     /// Stops keeping the end `last`, forgetting the window blocks only it

@@ -122,18 +122,31 @@ impl Book {
         if !self.blocks.keeps_tails() {
             return 0;
         }
-        let memory = self.config.effective_memory().unwrap_or(usize::MAX) as Pos;
-        let mut first = spans.partition_point(|s| s.0 < at);
-        while first > 0 {
-            let i = first - 1;
-            let kept = self
-                .blocks
+        self.first_within_memory(spans, at, |i| {
+            self.blocks
                 .get(&keys[i])
-                .is_some_and(|b| (b.start, b.end()) == spans[i]);
-            if spans[i].1 <= at - memory + 1 || !kept {
-                break;
-            }
-            first = i;
+                .is_some_and(|b| (b.start, b.end()) == spans[i])
+        })
+    }
+
+    /// Of a chain's blocks (`spans[i]`: the positions of block `i`), the
+    /// first of the run that ends with the block holding position `end - 1`
+    /// and goes back while each block ends within this cache's window memory
+    /// before `end` and `kept(i)` holds: what a cache of tails keeps, or
+    /// adopts, for a sequence whose next position is `end`.
+    fn first_within_memory(
+        &self,
+        spans: &[(Pos, Pos)],
+        end: Pos,
+        mut kept: impl FnMut(usize) -> bool,
+    ) -> usize {
+        let memory = self
+            .config
+            .effective_memory()
+            .expect("a cache of tails has a window memory") as Pos;
+        let mut first = spans.partition_point(|s| s.0 < end);
+        while first > 0 && spans[first - 1].1 > end - memory + 1 && kept(first - 1) {
+            first -= 1;
         }
         first
     }
@@ -168,21 +181,20 @@ impl Book {
             "tails in a cache that keeps whole chains"
         );
         self.check_seq(seq)?;
-        let memory = self.config.effective_memory().unwrap_or(usize::MAX) as Pos;
-        let blocks = chain.blocks();
-        let end: Pos = blocks.iter().map(|b| b.1 as Pos).sum();
+        let spans: Vec<(Pos, Pos)> = chain
+            .blocks()
+            .iter()
+            .scan(0, |start: &mut Pos, &(_, len)| {
+                let span = (*start, *start + len as Pos);
+                *start = span.1;
+                Some(span)
+            })
+            .collect();
+        let end = spans.last().map_or(0, |s| s.1);
         let index = self.cells.index(seq);
-        let mut from = blocks.len();
-        let mut block_end = end;
-        while from > 0 {
-            let start = block_end - blocks[from - 1].1 as Pos;
-            let held = (start..block_end).all(|p| index.cell_of(p).is_some());
-            if block_end <= end - memory + 1 || !held {
-                break;
-            }
-            from -= 1;
-            block_end = start;
-        }
+        let from = self.first_within_memory(&spans, end, |i| {
+            (spans[i].0..spans[i].1).all(|p| index.cell_of(p).is_some())
+        });
         self.plan_retain(seq, chain, from)
     }
 

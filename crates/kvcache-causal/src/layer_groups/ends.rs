@@ -48,9 +48,9 @@ pub(crate) struct Ends {
     ends: HashMap<BlockKey, End>,
     /// Per sequence, the ends it resumed from within their last block.
     origins: HashMap<SeqId, Vec<BlockKey>>,
-    /// Per group, how many blocks its index had removed when the ends were
-    /// last compared with the groups.
-    seen: Vec<u64>,
+    /// How many blocks the groups' indexes had removed, together, when the
+    /// ends were last compared with the groups.
+    seen: u64,
 }
 
 impl Ends {
@@ -114,9 +114,9 @@ impl Ends {
         self.origins.remove(&seq).unwrap_or_default()
     }
 
-    /// Whether the groups removed blocks since the last call, given each
-    /// group's count of removals (recorded for the next call).
-    pub fn removals_since(&mut self, removed: Vec<u64>) -> bool {
+    /// Whether the groups removed blocks since the last call, given their
+    /// count of removals together (recorded for the next call).
+    pub fn removals_since(&mut self, removed: u64) -> bool {
         let changed = removed != self.seen;
         self.seen = removed;
         changed
@@ -229,7 +229,7 @@ mod tests {
         );
         assert_eq!(ends.broken(|_, k| *k != key(2), |_| true), vec![key(11)]);
         assert_eq!(ends.broken(|_, _| true, |l| *l != key(10)), vec![key(10)]);
-        assert!(ends.removals_since(vec![1, 0]));
-        assert!(!ends.removals_since(vec![1, 0]));
+        assert!(ends.removals_since(1));
+        assert!(!ends.removals_since(1));
     }
 }
