@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::block_key::{BlockKey, Scope};
 use crate::retention::{BlockChain, BlockChange, Prefix};
-use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqKv};
+use crate::{Batch, CausalConfig, PagedKv, Pos, Result, SeqId, SeqKv, StorePart};
 
 /// Whether a forward pass computes or only sizes the graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -342,5 +342,48 @@ pub trait CausalCache {
     fn import_seq(&mut self, seq: SeqId, state: &SeqKv) -> Result<()> {
         let _ = (seq, state);
         Err(crate::CacheError::NotSupported("sequence import".into()))
+    }
+
+    /// The parts a prefix store keeps of this cache apart, in order (see
+    /// [`StorePart`]): by default one, the whole cache, exported and
+    /// imported as [`export_seq`](Self::export_seq) and
+    /// [`import_seq`](Self::import_seq) do. A cache whose layers keep
+    /// different spans of a sequence (global and sliding-window layers)
+    /// names one part per kind.
+    fn store_parts(&self) -> Vec<StorePart> {
+        vec![StorePart::whole()]
+    }
+
+    /// Copies positions `range` of `seq` in the layers of part `part` of
+    /// [`store_parts`](Self::store_parts) into a host [`SeqKv`] (keys and
+    /// values of those layers, in order), carrying the part's fingerprint.
+    /// Changes nothing. The default exports part 0 as
+    /// [`export_seq`](Self::export_seq); another part is an
+    /// [`InvalidArgument`](crate::CacheError::InvalidArgument) error.
+    fn export_part(&self, part: usize, seq: SeqId, range: Range<Pos>) -> Result<SeqKv> {
+        match part {
+            0 => self.export_seq(seq, range),
+            _ => Err(crate::CacheError::InvalidArgument(format!(
+                "part {part} of a cache stored whole"
+            ))),
+        }
+    }
+
+    /// Writes `parts` (one state per part of
+    /// [`store_parts`](Self::store_parts), in order, all ending at the same
+    /// position) into `seq`, which must hold in each part nothing or
+    /// exactly the positions before that part's state. A window part's state
+    /// may start late, as long as it covers what a query at the end needs.
+    /// All or nothing: an error changes no part. The default imports the
+    /// single state of a cache stored whole as
+    /// [`import_seq`](Self::import_seq).
+    fn import_parts(&mut self, seq: SeqId, parts: &[SeqKv]) -> Result<()> {
+        match parts {
+            [whole] => self.import_seq(seq, whole),
+            _ => Err(crate::CacheError::InvalidArgument(format!(
+                "{} parts given to a cache stored whole",
+                parts.len()
+            ))),
+        }
     }
 }

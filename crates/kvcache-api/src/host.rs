@@ -628,6 +628,16 @@ pub trait PrefixStore: Send + Sync {
     /// `tokens.len()` when the whole of it is held.
     fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize;
 
+    /// How far from `from` (a multiple of the block size) this store is
+    /// known to hold `tokens` without a gap, from what this process wrote or
+    /// read (no I/O): at least `from`, a multiple of the block size or
+    /// `tokens.len()`. A sliding-window part of a cache stores the tail of a
+    /// prompt, not its start: this says which of the tail it holds. The
+    /// default knows only what [`known_prefix`](Self::known_prefix) knows.
+    fn known_from(&self, namespace: &Namespace, tokens: &[u32], from: usize) -> usize {
+        self.known_prefix(namespace, tokens).max(from)
+    }
+
     /// Keys and values of the longest stored prefix of `tokens`, from offset
     /// `from` on (the caller holds `[0, from)` already), or `None` when the
     /// store holds nothing past `from` or cannot say within `deadline`.

@@ -48,6 +48,7 @@ pub mod retention;
 mod shared;
 mod snapshot;
 mod store_client;
+mod store_parts;
 
 pub use batch::{Batch, Pos, SeqId};
 pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
@@ -63,3 +64,4 @@ pub use paged::{CellRun, PagedKv, RowRuns, StoredKv};
 pub use shared::{Shared, SharedGuard};
 pub use snapshot::{BoxedSnapshot, LayerCache, Snapshot, SnapshotCache};
 pub use store_client::{StoreClient, StoreCounters, WriteBack};
+pub use store_parts::{PartsFetched, StorePart, StoreParts};

@@ -313,12 +313,26 @@ impl StoreClient {
     /// block size, to the prompt's end; `None` when the store holds all of it
     /// (or the prompt is empty). No I/O.
     pub fn unheld(&self, namespace: &Namespace, prompt: &[u32]) -> Option<Range<usize>> {
+        self.unheld_from(namespace, prompt, 0)
+    }
+
+    /// The part of `prompt` from `first` on (rounded up to the block size)
+    /// that the store does not hold yet: from
+    /// [`known_from`](PrefixStore::known_from) there, aligned down to the
+    /// block size, to the prompt's end; `None` when the store holds all of
+    /// it, or nothing is left from `first`. No I/O.
+    pub fn unheld_from(&self, namespace: &Namespace, prompt: &[u32], first: usize) -> Option<Range<usize>> {
         let len = prompt.len();
-        let known = self.store.known_prefix(namespace, prompt).min(len);
+        let block = self.block_tokens();
+        let from = first.div_ceil(block) * block;
+        if from >= len {
+            return None;
+        }
+        let known = self.store.known_from(namespace, prompt, from).clamp(from, len);
         if known >= len {
             return None;
         }
-        Some(known - known % self.block_tokens()..len)
+        Some(known - known % block..len)
     }
 
     /// Writes back the evaluated `prompt`: the rows the store does not hold
@@ -342,10 +356,28 @@ impl StoreClient {
     where
         E: From<CacheError>,
     {
+        self.write_from(namespace, prompt, 0, rows)
+    }
+
+    /// [`write_back`](Self::write_back) of the part of `prompt` from
+    /// `first` on ([`unheld_from`](Self::unheld_from)): the tail of a prompt
+    /// that a sliding-window part of a cache keeps. [`WriteBack::Held`] when
+    /// the store holds it all, or nothing is left from `first` (rounded up
+    /// to the block size).
+    pub fn write_from<E>(
+        &self,
+        namespace: &Namespace,
+        prompt: &[u32],
+        first: usize,
+        rows: impl FnOnce(Range<usize>) -> std::result::Result<HostKv, E>,
+    ) -> std::result::Result<WriteBack, E>
+    where
+        E: From<CacheError>,
+    {
         if prompt.is_empty() {
             return Err(CacheError::InvalidArgument("an empty prompt: nothing to write back".into()).into());
         }
-        let Some(range) = self.unheld(namespace, prompt) else {
+        let Some(range) = self.unheld_from(namespace, prompt, first) else {
             return Ok(WriteBack::Held);
         };
         let kv = rows(range.clone())?;

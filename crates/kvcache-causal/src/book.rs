@@ -22,7 +22,7 @@ use crate::placement::{choose_cells, choose_cells_reserving, plan_compaction, Mo
 use crate::window::{self, Attention};
 
 mod retention;
-mod transfer;
+pub(crate) mod transfer;
 
 /// The forward pass in progress.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

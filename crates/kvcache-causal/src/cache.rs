@@ -785,4 +785,16 @@ impl CausalCache for CausalKvCache {
         self.storage.bind_to_thread()?;
         CausalKvCache::import_seq(self, seq, state)
     }
+
+    /// The whole cache, its window (if any) and memory: a cache with a
+    /// window cannot export every position from 0, so a store of whole
+    /// prompts ([`kvcache_api::StoreParts`]) refuses it.
+    fn store_parts(&self) -> Vec<kvcache_api::StorePart> {
+        let config = self.book.config();
+        vec![kvcache_api::StorePart {
+            layers: None,
+            window: config.window.map(|w| w.window()),
+            memory: config.effective_memory(),
+        }]
+    }
 }

@@ -23,7 +23,8 @@ use candle_core::Tensor;
 use kvcache_api::block_key::{BlockKey, Scope};
 use kvcache_api::retention::{BlockChain, BlockChange, Prefix};
 use kvcache_api::{
-    Batch, CacheError, CausalCache, CausalConfig, ForwardMode, KvView, PagedKv, Pos, PosRange, Result, SeqId,
+    Batch, CacheError, CausalCache, CausalConfig, Fingerprint, ForwardMode, KvView, PagedKv, Pos, PosRange,
+    Result, SeqId, SeqKv, StorePart,
 };
 
 use crate::book::Book;
@@ -69,6 +70,9 @@ pub struct LayerGroupCache {
     global: Option<usize>,
     /// The ends kept, and the window blocks each needs.
     ends: Ends,
+    /// The model fingerprint (all zeros until set): each group carries its
+    /// store part's ([`StorePart::fingerprint`]).
+    fingerprint: Fingerprint,
 }
 
 impl LayerGroupCache {
@@ -95,6 +99,7 @@ impl LayerGroupCache {
             group_of_layer,
             layer: 0,
             ends: Ends::default(),
+            fingerprint: Fingerprint::default(),
         })
     }
 
@@ -103,12 +108,28 @@ impl LayerGroupCache {
         &self.groups
     }
 
-    /// Sets the model fingerprint of every group (see
-    /// [`CausalKvCache::set_fingerprint`]).
-    pub fn set_fingerprint(&mut self, fingerprint: kvcache_api::Fingerprint) {
-        for group in &mut self.groups {
-            group.set_fingerprint(fingerprint);
+    /// Sets the model fingerprint: each group carries the fingerprint of
+    /// its store part ([`StorePart::fingerprint`] of
+    /// [`store_parts`](CausalCache::store_parts)), so a part's keys and
+    /// values are imported only into the same part of the same model.
+    /// [`configure_groups`](Self::configure_groups) keeps it.
+    pub fn set_fingerprint(&mut self, fingerprint: Fingerprint) {
+        self.fingerprint = fingerprint;
+        for (g, part) in self.store_parts().into_iter().enumerate() {
+            self.groups[g].set_fingerprint(part.fingerprint(fingerprint));
         }
+    }
+
+    /// The model fingerprint (all zeros until set).
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The layers of group `g`, ascending.
+    fn layers_of(&self, g: usize) -> Vec<usize> {
+        (0..self.group_of_layer.len())
+            .filter(|&l| self.group_of_layer[l] == g)
+            .collect()
     }
 
     /// The group of `layer`, if it is mapped.
@@ -142,6 +163,7 @@ impl LayerGroupCache {
         self.ends.clear();
         let layer = self.layer;
         self.set_layer(layer);
+        self.set_fingerprint(self.fingerprint);
         Ok(())
     }
 
@@ -643,5 +665,78 @@ impl CausalCache for LayerGroupCache {
     /// block is kept only as part of an end the global group names).
     fn drain_block_changes(&mut self) -> Vec<BlockChange> {
         self.in_every_group(Book::drain_block_changes)
+    }
+
+    /// One part per group, in group order: the group's layers, its window
+    /// and its window memory.
+    fn store_parts(&self) -> Vec<StorePart> {
+        (0..self.groups.len())
+            .map(|g| {
+                let config = self.groups[g].config();
+                StorePart::layers(
+                    self.layers_of(g),
+                    config.window.map(|w| w.window()),
+                    config.effective_memory(),
+                )
+            })
+            .collect()
+    }
+
+    /// Positions `range` of `seq` in group `part`'s layers; the group must
+    /// hold every one (a window group holds its window memory before the
+    /// sequence's next position).
+    fn export_part(&self, part: usize, seq: SeqId, range: std::ops::Range<Pos>) -> Result<SeqKv> {
+        let group = self.groups.get(part).ok_or_else(|| {
+            CacheError::InvalidArgument(format!("part {part} of a cache of {} groups", self.groups.len()))
+        })?;
+        group.export_layers(seq, range, &self.layers_of(part))
+    }
+
+    /// Imports one state per group, all ending at the same position `end`,
+    /// into `seq`, all or nothing. In a group where `seq` is empty, the state
+    /// must start where a query at `end` first needs the group (0 in the
+    /// global group, at most `end - window + 1` in a window group);
+    /// otherwise it must start where `seq` ends there.
+    fn import_parts(&mut self, seq: SeqId, parts: &[SeqKv]) -> Result<()> {
+        if parts.len() != self.groups.len() {
+            return Err(CacheError::InvalidArgument(format!(
+                "{} parts given to a cache of {} groups",
+                parts.len(),
+                self.groups.len()
+            )));
+        }
+        let end = parts[0].kv.end();
+        let store_parts = self.store_parts();
+        for (g, (state, part)) in parts.iter().zip(&store_parts).enumerate() {
+            if state.kv.end() != end {
+                return Err(CacheError::InvalidArgument(format!(
+                    "part {g} ends at {}, part 0 at {end}: the parts of an import end together",
+                    state.kv.end()
+                )));
+            }
+            let empty = self.groups.get(g).is_some_and(|group| {
+                seq < group.config().max_sequences && group.book.cells().index(seq).is_empty()
+            });
+            if empty && state.kv.start() > part.first_needed(end) {
+                return Err(CacheError::InvalidArgument(format!(
+                    "part {g} starts at {}: a query at {end} needs it from {}",
+                    state.kv.start(),
+                    part.first_needed(end)
+                )));
+            }
+        }
+        let mut prepared = Vec::with_capacity(parts.len());
+        for (g, state) in parts.iter().enumerate() {
+            let layers = self.layers_of(g);
+            prepared.push(self.groups[g].prepare_import(seq, state, Some(&layers))?);
+        }
+        let committed = self
+            .groups
+            .iter_mut()
+            .zip(prepared)
+            .try_for_each(|(group, prepared)| group.commit_import(prepared));
+        // An import trims sequences to their windows, as a pass does.
+        self.settle();
+        committed
     }
 }

@@ -21,6 +21,7 @@ mod host;
 mod plane;
 mod q8_0;
 
+pub(crate) use host::Uploaded;
 pub(crate) use plane::Plane;
 
 /// The candle element type for a kvcache dtype.

@@ -56,7 +56,9 @@ use std::ops::Range;
 
 use kvcache_api::{CacheError, Fingerprint, HostKv, KvLayout, Pos, Result, SeqId, SeqKv};
 
+use crate::book::transfer::ImportPlan;
 use crate::cache::CausalKvCache;
+use crate::storage::{HeadDims, Uploaded};
 
 impl CausalKvCache {
     /// Sets the model fingerprint that exported states carry and imported states
@@ -122,6 +124,36 @@ impl CausalKvCache {
     /// trimming windows. [`CacheError::Backend`] if a tensor copy fails (after
     /// validation, as in a forward pass).
     pub fn import_seq(&mut self, seq: SeqId, state: &SeqKv) -> Result<()> {
+        let prepared = self.prepare_import(seq, state, None)?;
+        self.commit_import(prepared)
+    }
+
+    /// Copies positions `range` of `seq` in layers `layers` (in that order)
+    /// into a host value, as [`export_seq`](Self::export_seq) does for every
+    /// layer: one part of a [`crate::LayerGroupCache`]. Each of `layers`
+    /// must have storage, all with the same head dimensions.
+    pub(crate) fn export_layers(&self, seq: SeqId, range: Range<Pos>, layers: &[usize]) -> Result<SeqKv> {
+        let runs = self.book.cells_of_range(seq, range.clone())?;
+        let layout = self.storage.export_layout_of(self.book.config().dtype, layers)?;
+        let start = usize::try_from(range.start).expect("validated: not negative");
+        let mut kv = HostKv::zeroed(layout, start, range.len());
+        self.storage.read_rows_of(&runs, &mut kv, layers)?;
+        Ok(SeqKv {
+            fingerprint: self.fingerprint,
+            kv,
+        })
+    }
+
+    /// Validates importing `state` into `seq` and uploads its rows, as
+    /// [`import_seq`](Self::import_seq) does, into every layer (`layers`
+    /// `None`) or into `layers` (state layer `i` into layer `layers[i]`);
+    /// changes nothing. [`commit_import`](Self::commit_import) stores it.
+    pub(crate) fn prepare_import(
+        &mut self,
+        seq: SeqId,
+        state: &SeqKv,
+        layers: Option<&[usize]>,
+    ) -> Result<PreparedImport> {
         let config = self.book.config();
         if seq >= config.max_sequences {
             return Err(CacheError::SequenceOutOfRange {
@@ -136,8 +168,19 @@ impl CausalKvCache {
                 got: state.fingerprint.to_hex(),
             });
         }
+        let dtype = config.dtype;
         let layout = *state.kv.layout();
-        self.storage.check_import_layout(&layout, config.dtype)?;
+        let layers = match layers {
+            None => {
+                self.storage.check_import_layout(&layout, dtype)?;
+                (0..layout.layers).collect()
+            }
+            Some(layers) => {
+                self.storage
+                    .check_import_layout_of(&layout, dtype, layers.len())?;
+                layers.to_vec()
+            }
+        };
         if state.kv.tokens() == 0 {
             return Err(CacheError::InvalidArgument(
                 "the state holds no tokens: nothing to import".into(),
@@ -145,13 +188,34 @@ impl CausalKvCache {
         }
         let positions = state.positions()?;
         let plan = self.book.prepare_import(seq, positions)?;
-        // The uploads and new layers come before the metadata changes: only the
-        // data writes of the cells chosen can fail after them.
+        // The uploads come before any change: only the data writes of the
+        // cells chosen can fail after them.
         let uploaded = self.storage.upload_rows(&state.kv, plan.rows.clone())?;
-        let dims = (layout.kv_heads, layout.head_dim, layout.head_dim_v);
-        self.storage.ensure_layers(layout.layers, dims)?;
-        let placed = self.book.commit_import(&plan);
-        self.storage.apply_moves(&placed.moves)?;
-        self.storage.write_uploaded(&uploaded, &placed.cells)
+        Ok(PreparedImport {
+            plan,
+            uploaded,
+            layers,
+            dims: (layout.kv_heads, layout.head_dim, layout.head_dim_v),
+        })
     }
+
+    /// Stores a prepared import: creates the layers it needs, places its
+    /// rows (trimming windows, compacting) and ends any pass in progress.
+    /// Only a tensor write can fail ([`CacheError::Backend`]).
+    pub(crate) fn commit_import(&mut self, prepared: PreparedImport) -> Result<()> {
+        self.storage.ensure_layers(&prepared.layers, prepared.dims)?;
+        let placed = self.book.commit_import(&prepared.plan);
+        self.storage.apply_moves(&placed.moves)?;
+        self.storage
+            .write_uploaded(&prepared.uploaded, &placed.cells, &prepared.layers)
+    }
+}
+
+/// An import validated and uploaded, not yet stored.
+#[derive(Debug)]
+pub(crate) struct PreparedImport {
+    plan: ImportPlan,
+    uploaded: Vec<Uploaded>,
+    layers: Vec<usize>,
+    dims: HeadDims,
 }

@@ -19,7 +19,7 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use kvcache_api::{CacheError, CausalCache, CausalConfig, Fingerprint, Namespace};
+use kvcache_api::{CausalCache, CausalConfig, Fingerprint, Namespace, PrefixStore, StorePart, StoreParts};
 use kvcache_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request, ReuseStats};
 use kvcache_engine::sampling::{Sampler, TokenLogprobs};
 use kvcache_engine::{store, EngineError};
@@ -118,7 +118,8 @@ pub struct Worker {
     commands: std_mpsc::Sender<CommandBox>,
     next_id: Arc<AtomicUsize>,
     gauges: Arc<Mutex<Gauges>>,
-    store: Option<Arc<TieredStore>>,
+    /// One store per part of the cache (none without a store).
+    store: Vec<Arc<TieredStore>>,
     /// True while the engine thread runs; false once it has returned or panicked.
     running: Arc<AtomicBool>,
 }
@@ -204,7 +205,7 @@ impl Worker {
             commands: tx,
             next_id: Arc::default(),
             gauges: Arc::default(),
-            store: None,
+            store: Vec::new(),
             running: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -216,7 +217,7 @@ impl Worker {
 
     /// The prefix store's counters, per tier; `None` without a store.
     pub fn store_stats(&self) -> Option<StoreStats> {
-        self.store.as_ref().map(|s| s.stats())
+        self.store.iter().map(|s| s.stats()).reduce(|a, b| a.merged(&b))
     }
 
     /// Hands `job` to the engine thread; `false` when the thread has stopped.
@@ -237,7 +238,7 @@ struct EngineSetup<'a> {
     tokenizer: Arc<dyn Tokenizer>,
     commands: std_mpsc::Receiver<CommandBox>,
     gauges: &'a Mutex<Gauges>,
-    ready: std_mpsc::Sender<kvcache_engine::Result<Option<Arc<TieredStore>>>>,
+    ready: std_mpsc::Sender<kvcache_engine::Result<Vec<Arc<TieredStore>>>>,
 }
 
 impl EngineSetup<'_> {
@@ -317,30 +318,39 @@ fn build_engine<'m, M: Model>(
 const STORE_DEADLINE: Duration = Duration::from_millis(250);
 
 /// Opens the prefix store of the model `fingerprint` names and links `engine`
-/// to it (nothing without a fingerprint: no store configured). A cache that
-/// cannot export whole prefixes (one whose window layers keep only their
-/// window) refuses the store.
+/// to it (nothing without a fingerprint: no store configured): one store per
+/// part of the cache ([`CausalCache::store_parts`]: Gemma 3's global layers
+/// and its window layers, each keyed by a fingerprint of its own), over the
+/// same tiers. A cache no part of which keeps every position (all layers
+/// windowed) refuses the store.
 fn open_store<M: Model>(
     model: &M,
     config: &ServerConfig,
     fingerprint: Option<Fingerprint>,
     engine: &mut Engine<'_, M::Cache, M>,
-) -> kvcache_engine::Result<Option<Arc<TieredStore>>> {
+) -> kvcache_engine::Result<Vec<Arc<TieredStore>>> {
     let Some(fingerprint) = fingerprint else {
-        return Ok(None);
+        return Ok(Vec::new());
     };
-    if let Err(CacheError::NotSupported(why)) = engine.cache().export_seq(0, 0..1) {
-        return Err(EngineError::InvalidArgument(format!(
-            "a prefix store needs a cache that exports prefixes; {}'s does not: {why}",
-            model.architecture()
-        )));
+    let whole = store::kv_layout(model);
+    let mut tiers = Vec::new();
+    let mut parts: Vec<(StorePart, Arc<dyn PrefixStore>)> = Vec::new();
+    for part in engine.cache().store_parts() {
+        let settings = StoreConfig::new(part.fingerprint(fingerprint), part.layout(whole))
+            .with_queue_capacity(config.store_queue)
+            .with_block_tokens(config.store_block_tokens);
+        let store = store::open_with(settings, &config.store)?;
+        tiers.push(store.clone());
+        parts.push((part, store));
     }
-    let settings = StoreConfig::new(fingerprint, store::kv_layout(model))
-        .with_queue_capacity(config.store_queue)
-        .with_block_tokens(config.store_block_tokens);
-    let tiers = store::open_with(settings, &config.store)?;
-    engine.set_store(tiers.clone(), STORE_DEADLINE);
-    Ok(Some(tiers))
+    let parts = StoreParts::new(fingerprint, parts, STORE_DEADLINE).map_err(|why| {
+        EngineError::InvalidArgument(format!(
+            "a prefix store needs a cache that keeps whole prefixes in some layers; {}'s does not: {why}",
+            model.architecture()
+        ))
+    })?;
+    engine.set_store_parts(parts)?;
+    Ok(tiers)
 }
 
 /// The engine loop: runs until every [`Worker`] handle is dropped.

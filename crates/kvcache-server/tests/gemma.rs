@@ -150,23 +150,117 @@ async fn gemma_is_served_with_its_template_and_reuses_a_conversation() {
     assert!(server.metric("kvcache_cells_in_use").await > 0.0);
 }
 
-#[test]
-fn a_prefix_store_is_refused_for_gemma_with_the_reason() {
-    let Some(path) = model_file(TestModel::Gemma3) else {
+/// A conversation whose history runs past Gemma's window of 512 (a
+/// system prompt of about 700 tokens), its first turn and the next turn's
+/// messages after `answer`.
+fn long_conversation(answer: Option<&str>) -> Value {
+    let system = "You are the careful archivist of a large library of old maps. ".repeat(60);
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "Which shelf holds the atlases?"}),
+    ];
+    if let Some(answer) = answer {
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": "And the maps of rivers?"}));
+    }
+    Value::Array(messages)
+}
+
+fn usage(response: &Value) -> (u64, u64) {
+    let usage = &response["usage"];
+    (
+        usage["prompt_tokens"].as_u64().expect("prompt_tokens"),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens"),
+    )
+}
+
+fn content(response: &Value) -> String {
+    response["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_owned()
+}
+
+/// Waits until every write `server` submitted to its store is done.
+async fn writes_done(server: &Server) {
+    let submitted = server.metric("kvcache_store_writes_submitted_total").await;
+    assert!(submitted > 0.0, "the store was written");
+    server
+        .wait_metric("kvcache_store_writes_done_total", submitted)
+        .await;
+    assert_eq!(server.metric("kvcache_store_writes_dropped_total").await, 0.0);
+    assert_eq!(server.metric("kvcache_store_writes_rejected_total").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_gemma_server_continues_past_its_window_from_the_disk_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().to_str().unwrap();
+    // f32 weights: a prefix restored or computed gives the same answer.
+    let args = ["--weights", "f32", "--store-dir", store];
+    let Some(first) = Server::start_gemma(&args) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvcache-server"))
-        .args(["--host", "127.0.0.1", "--port", "0", "--model"])
-        .arg(&path)
-        .arg("--store-dir")
-        .arg(dir.path())
-        .output()
-        .expect("run kvcache-server");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let turn1 = chat(&first, &long_conversation(None), 8).await;
+    let (prompt1, cached1) = usage(&turn1);
+    assert!(prompt1 > 600, "{prompt1} tokens: past the window");
+    assert_eq!(cached1, 0);
+    let second = long_conversation(Some(&content(&turn1)));
+    let turn2 = chat(&first, &second, 8).await;
+    let (prompt2, cached2) = usage(&turn2);
+    assert!(cached2 >= prompt1, "memory gave the first turn back");
+    writes_done(&first).await;
+    drop(first); // killed by pid: only what the disk holds survives
+
+    let Some(restarted) = Server::start_gemma(&args) else {
+        return;
+    };
+    let again = chat(&restarted, &second, 8).await;
+    let (again_prompt, again_cached) = usage(&again);
+    assert_eq!(again_prompt, prompt2);
+    // Both parts restored the conversation: the global layers from 0, the
+    // window layers the window before where it resumes.
     assert!(
-        stderr.contains("prefix store") && stderr.contains("gemma3"),
-        "{stderr}"
+        again_cached >= prompt1 && again_cached < prompt2,
+        "cached {again_cached} of {prompt2} (the first turn's prompt {prompt1})"
     );
+    assert_eq!(content(&again), content(&turn2), "the same greedy answer");
+    assert_eq!(restarted.metric("kvcache_store_restores_total").await, 1.0);
+    assert_eq!(
+        restarted.metric("kvcache_store_restored_tokens_total").await,
+        again_cached as f64
+    );
+    assert!(restarted.metric("kvcache_store_hits_total{tier=\"disk\"}").await >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gemma_replicas_share_a_conversation_through_redis() {
+    use kvcache_testkit::redis_server::{self, RedisServer};
+    if !redis_server::available_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(dir.path(), 256 << 20).unwrap();
+    let url = redis.url();
+    let args = ["--weights", "f32", "--redis", url.as_str()];
+    let (Some(a), Some(b)) = (Server::start_gemma(&args), Server::start_gemma(&args)) else {
+        return;
+    };
+    let turn1 = chat(&a, &long_conversation(None), 8).await;
+    let (prompt1, _) = usage(&turn1);
+    writes_done(&a).await;
+    // The next turn goes to the other replica, which has never seen it.
+    let second = long_conversation(Some(&content(&turn1)));
+    let on_b = chat(&b, &second, 8).await;
+    let (prompt2, cached_b) = usage(&on_b);
+    assert!(
+        cached_b >= prompt1 && cached_b < prompt2,
+        "cached {cached_b} of {prompt2} (the first turn's prompt {prompt1})"
+    );
+    assert!(b.metric("kvcache_store_hits_total{tier=\"redis\"}").await >= 2.0);
+    // The replica that held it in memory answers alike.
+    let on_a = chat(&a, &second, 8).await;
+    assert_eq!(content(&on_b), content(&on_a));
 }

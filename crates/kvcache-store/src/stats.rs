@@ -164,3 +164,91 @@ impl StoreCounters {
         }
     }
 }
+
+impl StoreStats {
+    /// `self` and `other` counted together (the stores of a cache's parts
+    /// seen as one): every count summed, tiers matched by name (a tier only
+    /// one has is kept as it is); sizes, budgets and entries summed where
+    /// both know them.
+    pub fn merged(mut self, other: &StoreStats) -> StoreStats {
+        for tier in &other.tiers {
+            match self.tiers.iter_mut().find(|t| t.name == tier.name) {
+                Some(mine) => mine.add(tier),
+                None => self.tiers.push(tier.clone()),
+            }
+        }
+        self.submitted += other.submitted;
+        self.dropped += other.dropped;
+        self.rejected += other.rejected;
+        self.blocks_written += other.blocks_written;
+        self.runs_written += other.runs_written;
+        self.fetches += other.fetches;
+        self.fetch_timeouts += other.fetch_timeouts;
+        self.states_submitted += other.states_submitted;
+        self.states_written += other.states_written;
+        self.state_fetches += other.state_fetches;
+        self.state_hits += other.state_hits;
+        self.state_corrupt += other.state_corrupt;
+        self
+    }
+}
+
+impl TierStats {
+    /// Adds `other`'s counts (the same tier of another store).
+    fn add(&mut self, other: &TierStats) {
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.errors += other.errors;
+        self.corrupt += other.corrupt;
+        self.evictions += other.evictions;
+        self.puts += other.puts;
+        self.bytes_read += other.bytes_read;
+        self.bytes_written += other.bytes_written;
+        let sum = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a + b);
+        self.used_bytes = sum(self.used_bytes, other.used_bytes);
+        self.budget = sum(self.budget, other.budget);
+        self.entries = sum(self.entries, other.entries);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tier(name: &'static str, hits: u64, used: Option<u64>) -> TierStats {
+        TierStats {
+            name,
+            hits,
+            used_bytes: used,
+            ..TierStats::default()
+        }
+    }
+
+    #[test]
+    fn merged_stats_add_counts_and_match_tiers_by_name() {
+        let a = StoreStats {
+            tiers: vec![tier("memory", 3, Some(10)), tier("disk", 1, Some(5))],
+            submitted: 4,
+            runs_written: 4,
+            ..StoreStats::default()
+        };
+        let b = StoreStats {
+            tiers: vec![tier("memory", 2, Some(7)), tier("redis", 6, None)],
+            submitted: 2,
+            runs_written: 1,
+            ..StoreStats::default()
+        };
+        let m = a.merged(&b);
+        assert_eq!((m.submitted, m.runs_written), (6, 5));
+        assert_eq!(m.tiers.len(), 3);
+        assert_eq!(
+            (m.tiers[0].name, m.tiers[0].hits, m.tiers[0].used_bytes),
+            ("memory", 5, Some(17))
+        );
+        assert_eq!(
+            (m.tiers[1].name, m.tiers[1].hits, m.tiers[1].used_bytes),
+            ("disk", 1, Some(5))
+        );
+        assert_eq!((m.tiers[2].name, m.tiers[2].hits), ("redis", 6));
+    }
+}

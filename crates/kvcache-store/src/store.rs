@@ -901,8 +901,15 @@ impl Core {
     }
 
     fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
+        self.known_from(namespace, tokens, 0)
+    }
+
+    /// How far from `from` (rounded down to a block) the keys this process
+    /// wrote or read hold `tokens` without a gap.
+    fn known_from(&self, namespace: &Namespace, tokens: &[u32], from: usize) -> usize {
         let scope = Scope::new(&self.config.fingerprint, namespace);
         let mut chain = KeyChain::new(scope, self.config.block_tokens, tokens);
+        chain.skip_to(from);
         while let Some((_, key)) = chain.peek() {
             if !self.known.contains(&key) {
                 return chain.position();
@@ -957,6 +964,10 @@ impl PrefixStore for TieredStore {
 
     fn known_prefix(&self, namespace: &Namespace, tokens: &[u32]) -> usize {
         self.core.known_prefix(namespace, tokens)
+    }
+
+    fn known_from(&self, namespace: &Namespace, tokens: &[u32], from: usize) -> usize {
+        self.core.known_from(namespace, tokens, from).max(from)
     }
 
     fn fetch(

@@ -44,32 +44,64 @@ impl Storage {
     /// The layout every layer shares, for an export: an error unless every layer
     /// slot has storage with the same head dimensions.
     pub(crate) fn export_layout(&self, dtype: DType) -> Result<KvLayout> {
-        let layout = self.kv_layout(dtype).ok_or_else(|| {
-            CacheError::InvalidState("no layer has keys or values yet: nothing to export".into())
-        })?;
-        let want = (layout.kv_heads, layout.head_dim, layout.head_dim_v);
-        for layer in 0..self.layers.len() {
+        self.export_layout_of(dtype, &self.all_layers())
+    }
+
+    /// Every layer slot, in order.
+    pub(crate) fn all_layers(&self) -> Vec<usize> {
+        (0..self.layers.len()).collect()
+    }
+
+    /// The layout of `layers` (in that order), for an export of a part of
+    /// the layers: an error unless each has storage, all with the same head
+    /// dimensions.
+    pub(crate) fn export_layout_of(&self, dtype: DType, layers: &[usize]) -> Result<KvLayout> {
+        let mut want = None;
+        for &layer in layers {
             let Some(store) = self.layer(layer) else {
                 return Err(CacheError::InvalidState(format!(
-                    "layer {layer} has no keys or values while later layers do: \
-                     only a cache storing every layer can export"
+                    "layer {layer} has no keys or values yet: only stored layers can be exported"
                 )));
             };
             let dims = self.dims_of(store);
-            if dims != want {
-                return Err(CacheError::InvalidState(format!(
-                    "layer {layer} stores (kv_heads, head_dim, head_dim_v) {dims:?} but the first \
-                     stored layer {want:?}: layers of one export must share a layout"
-                )));
+            match want {
+                None => want = Some(dims),
+                Some(want) if want != dims => {
+                    return Err(CacheError::InvalidState(format!(
+                        "layer {layer} stores (kv_heads, head_dim, head_dim_v) {dims:?} but the first \
+                         exported layer {want:?}: layers of one export must share a layout"
+                    )))
+                }
+                Some(_) => {}
             }
         }
-        Ok(layout)
+        let (kv_heads, head_dim, head_dim_v) = want.ok_or_else(|| {
+            CacheError::InvalidState("no layer has keys or values yet: nothing to export".into())
+        })?;
+        Ok(KvLayout {
+            layers: layers.len(),
+            kv_heads,
+            head_dim,
+            head_dim_v,
+            dtype,
+        })
     }
 
     /// Checks an imported `layout` against the cache: its dtype against `dtype`
     /// (the configuration's), its layer count and head dimensions against every
     /// stored layer, and that it describes at least one layer, head and dimension.
     pub(crate) fn check_import_layout(&self, layout: &KvLayout, dtype: DType) -> Result<()> {
+        self.check_import_layout_of(layout, dtype, self.layers.len())
+    }
+
+    /// [`check_import_layout`](Self::check_import_layout) of the keys and
+    /// values of `layers` layers (a part of the cache's).
+    pub(crate) fn check_import_layout_of(
+        &self,
+        layout: &KvLayout,
+        dtype: DType,
+        layers: usize,
+    ) -> Result<()> {
         if layout.dtype != dtype {
             return Err(CacheError::LayoutMismatch {
                 what: "dtype",
@@ -80,7 +112,7 @@ impl Storage {
         for (_, store) in self.layers() {
             let (kv_heads, head_dim, head_dim_v) = self.dims_of(store);
             let stored = KvLayout {
-                layers: self.layers.len(),
+                layers,
                 kv_heads,
                 head_dim,
                 head_dim_v,
@@ -103,6 +135,18 @@ impl Storage {
     /// every layer into `out`, whose layout is [`Storage::export_layout`]'s and
     /// whose token count is the cells' total.
     pub(crate) fn read_rows(&self, runs: &[Range<usize>], out: &mut HostKv) -> Result<()> {
+        self.read_rows_of(runs, out, &self.all_layers())
+    }
+
+    /// [`read_rows`](Self::read_rows) of `layers` only: layer `layers[i]`
+    /// into layer `i` of `out` (whose layout is
+    /// [`export_layout_of`](Self::export_layout_of)'s for them).
+    pub(crate) fn read_rows_of(
+        &self,
+        runs: &[Range<usize>],
+        out: &mut HostKv,
+        layers: &[usize],
+    ) -> Result<()> {
         let n: usize = runs.iter().map(Range::len).sum();
         debug_assert_eq!(n, out.tokens(), "one row per cell");
         let mut run = || -> candle_core::Result<()> {
@@ -121,7 +165,7 @@ impl Storage {
                 };
                 cells.decode(self.dtype)
             };
-            for layer in 0..self.layers.len() {
+            for (i, &layer) in layers.iter().enumerate() {
                 let store = self.layer(layer).expect("export_layout checked every layer");
                 // [cells, H, D] -> [H, n, D]
                 let keys = gather(&store.keys, 0)?.transpose(0, 1)?;
@@ -130,7 +174,7 @@ impl Storage {
                     // [H, Dv, cells] -> [H, Dv, n] -> [H, n, Dv]
                     VLayout::Permuted => gather(&store.values, 2)?.transpose(1, 2)?,
                 };
-                let dst = out.layer_mut(layer);
+                let dst = out.layer_mut(i);
                 copy_out(&keys, dst.keys)?;
                 copy_out(&values, dst.values)?;
             }
@@ -160,16 +204,23 @@ impl Storage {
         run().map_err(CacheError::backend)
     }
 
-    /// Creates the first `layers` layers that have no storage yet, with head
+    /// Creates the layers `layers` that have no storage yet, with head
     /// dimensions `dims`.
-    pub(crate) fn ensure_layers(&mut self, layers: usize, dims: HeadDims) -> Result<()> {
-        (0..layers).try_for_each(|layer| self.ensure_layer(layer, dims))
+    pub(crate) fn ensure_layers(&mut self, layers: &[usize], dims: HeadDims) -> Result<()> {
+        layers
+            .iter()
+            .try_for_each(|&layer| self.ensure_layer(layer, dims))
     }
 
-    /// Writes uploaded rows into `cells` (the cell of each row), layer by layer;
-    /// every layer has storage ([`Storage::ensure_layers`]).
-    pub(crate) fn write_uploaded(&self, uploaded: &[Uploaded], cells: &[u32]) -> Result<()> {
-        for (layer, (keys, values)) in uploaded.iter().enumerate() {
+    /// Writes uploaded rows into `cells` (the cell of each row): row layer
+    /// `i` into layer `layers[i]`, each with storage ([`Storage::ensure_layers`]).
+    pub(crate) fn write_uploaded(
+        &self,
+        uploaded: &[Uploaded],
+        cells: &[u32],
+        layers: &[usize],
+    ) -> Result<()> {
+        for ((keys, values), &layer) in uploaded.iter().zip(layers) {
             self.write(layer, keys, values, cells)?;
         }
         Ok(())

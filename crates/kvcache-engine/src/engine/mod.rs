@@ -59,7 +59,9 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use kvcache_api::events::{EventBatch, KvEventSink, Medium};
 use kvcache_api::retention::BlockChange;
-use kvcache_api::{CacheError, CausalCache, Fingerprint, PosRange, PrefixStore, SeqId, StoreClient};
+use kvcache_api::{
+    CacheError, CausalCache, Fingerprint, PosRange, PrefixStore, SeqId, StoreClient, StoreParts,
+};
 
 use kvcache_models::{argmax, BatchToken, Llama, Model, ModelError, Tokenizer};
 
@@ -216,9 +218,30 @@ where
     /// same one, or every import and every export is refused and counted
     /// ([`Stats::store_errors`]).
     pub fn set_store(&mut self, store: Arc<dyn PrefixStore>, deadline: Duration) {
-        let client = StoreClient::new(store, deadline);
-        self.fingerprint = client.fingerprint();
-        self.store.set_client(client);
+        let parts = StoreParts::whole(StoreClient::new(store, deadline));
+        self.fingerprint = parts.model();
+        self.store.set_parts(parts);
+    }
+
+    /// Reuses prefixes through one store per part of the cache
+    /// ([`CausalCache::store_parts`]: a sliding-window model's global and
+    /// window layers), as [`set_store`](Self::set_store) does through one.
+    /// Blocks are keyed under the parts' model.
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidArgument`] when `parts` are not the cache's
+    /// parts, in order: nothing changes then.
+    pub fn set_store_parts(&mut self, parts: StoreParts) -> Result<()> {
+        let want = self.cache.store_parts();
+        if parts.layout() != want {
+            return Err(EngineError::InvalidArgument(format!(
+                "store parts {:?} for a cache of parts {want:?}",
+                parts.layout()
+            )));
+        }
+        self.fingerprint = parts.model();
+        self.store.set_parts(parts);
+        Ok(())
     }
 
     /// Whether finished sequences are kept by block: prefix reuse on,
@@ -249,9 +272,16 @@ where
         self.cache.indexed_blocks()
     }
 
-    /// The client the engine reads and writes its store through, if it has one.
+    /// The client the engine reads and writes its store through, if it has
+    /// one (with store parts, the first part's without a window).
     pub fn store_client(&self) -> Option<&StoreClient> {
         self.store.client()
+    }
+
+    /// The stores the engine reads and writes, one per part of the cache,
+    /// if it has them.
+    pub fn store_parts(&self) -> Option<&StoreParts> {
+        self.store.parts()
     }
 
     /// Keeps finished sequences' cells (when `on`) and starts new requests from

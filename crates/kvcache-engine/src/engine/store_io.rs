@@ -13,46 +13,55 @@
 //! them.
 
 use candle_core::Tensor;
-use kvcache_api::{CacheError, CausalCache, Namespace, Pos, SeqId, StoreClient, StoreCounters};
+use kvcache_api::{CacheError, CausalCache, Namespace, Pos, SeqId, StoreClient, StoreCounters, StoreParts};
 
-/// The engine's prefix store, if it has one.
+/// The engine's prefix store, if it has one: one store per part of the
+/// cache ([`CausalCache::store_parts`]; a single one for a cache stored
+/// whole).
 #[derive(Debug, Default)]
 pub(super) struct StoreIo {
-    client: Option<StoreClient>,
-    /// What earlier clients counted (the counters go on across stores).
+    parts: Option<StoreParts>,
+    /// What earlier stores counted (the counters go on across stores).
     earlier: StoreCounters,
 }
 
 impl StoreIo {
-    /// Reads and writes through `client` from now on; the counters go on.
-    pub(super) fn set_client(&mut self, client: StoreClient) {
-        if let Some(old) = self.client.replace(client) {
+    /// Reads and writes through `parts` from now on; the counters go on.
+    pub(super) fn set_parts(&mut self, parts: StoreParts) {
+        if let Some(old) = self.parts.replace(parts) {
             self.earlier = add(&self.earlier, &old.counters());
         }
     }
 
-    /// The client, if there is a store.
+    /// The client of the store's first part without a window (the only one
+    /// of a cache stored whole), if there is a store.
     pub(super) fn client(&self) -> Option<&StoreClient> {
-        self.client.as_ref()
+        self.parts.as_ref().map(StoreParts::lead)
+    }
+
+    /// The stores, if there are.
+    pub(super) fn parts(&self) -> Option<&StoreParts> {
+        self.parts.as_ref()
     }
 
     /// Whether there is a store.
     pub(super) fn is_set(&self) -> bool {
-        self.client.is_some()
+        self.parts.is_some()
     }
 
     /// The counters since the engine was made.
     pub(super) fn counters(&self) -> StoreCounters {
-        match &self.client {
-            Some(client) => add(&self.earlier, &client.counters()),
+        match &self.parts {
+            Some(parts) => add(&self.earlier, &parts.counters()),
             None => self.earlier.clone(),
         }
     }
 
     /// Imports the stored run of `prompt` past `from` into `seq`, which holds
     /// exactly its first `from` tokens, leaving at least the last prompt token
-    /// to evaluate. Returns the tokens imported and the tiers that served
-    /// them; any failure imports nothing.
+    /// to evaluate: every part of the cache up to where all of them can
+    /// serve it ([`StoreParts::restore`]). Returns the tokens imported and
+    /// the tiers that served them; any failure imports nothing.
     pub(super) fn restore<C>(
         &self,
         cache: &mut C,
@@ -64,10 +73,10 @@ impl StoreIo {
     where
         C: CausalCache<Tensor = Tensor>,
     {
-        let Some(client) = &self.client else {
+        let Some(parts) = &self.parts else {
             return (0, Vec::new());
         };
-        let fetched = match client.restore(namespace, prompt, from) {
+        let fetched = match parts.restore(namespace, prompt, from) {
             Ok(Some(fetched)) => fetched,
             Ok(None) => return (0, Vec::new()),
             Err(error) => {
@@ -75,31 +84,31 @@ impl StoreIo {
                 return (0, Vec::new());
             }
         };
-        let state = client.seq_state(fetched.kv);
-        match cache.import_seq(seq, &state) {
+        match cache.import_parts(seq, &fetched.parts) {
             Ok(()) => {
-                let tokens = state.kv.tokens();
-                client.record_restored(tokens, &fetched.tiers, 0);
-                (tokens, fetched.tiers)
+                parts.record_restored(from, &fetched);
+                (fetched.end - from, fetched.tiers)
             }
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: import refused, evaluating the whole prompt");
-                client.record_rejected();
+                parts.record_rejected();
                 (0, Vec::new())
             }
         }
     }
 
     /// Writes back the part of the evaluated `prompt` of `seq` (or any run of
-    /// its tokens from position 0) that the store lacks
-    /// ([`StoreClient::write_back`]), exported as the store's model.
+    /// its tokens from position 0) that the store lacks, every part of the
+    /// cache ([`StoreParts::write_back`]: a window part its tail), exported
+    /// as the part's model.
     pub(super) fn write_back<C>(&self, cache: &C, seq: SeqId, namespace: &Namespace, prompt: &[u32])
     where
         C: CausalCache<Tensor = Tensor>,
     {
-        let Some(client) = &self.client else { return };
-        let wrote = client.write_back(namespace, prompt, |range| {
-            let state = cache.export_seq(seq, range.start as Pos..range.end as Pos)?;
+        let Some(parts) = &self.parts else { return };
+        let wrote = parts.write_back(namespace, prompt, |part, range| {
+            let client = parts.parts().nth(part).expect("a part of the store").1;
+            let state = cache.export_part(part, seq, range.start as Pos..range.end as Pos)?;
             if state.fingerprint != client.fingerprint() {
                 return Err(CacheError::LayoutMismatch {
                     what: "model",
@@ -110,13 +119,13 @@ impl StoreIo {
             Ok(state.kv)
         });
         match wrote {
-            Ok(wrote) if wrote.is_refused() => {
+            Ok(wrote) if wrote.iter().any(|w| w.is_refused()) => {
                 tracing::debug!(?wrote, seq, "prefix store: prompt not stored");
             }
             Ok(_) => {}
             Err(error) => {
                 tracing::warn!(%error, seq, "prefix store: export failed, prompt not stored");
-                client.record_write_failed();
+                parts.record_write_failed();
             }
         }
     }
