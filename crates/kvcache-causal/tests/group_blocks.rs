@@ -1058,3 +1058,84 @@ fn a_conversation_keeps_one_end() {
         "the window group keeps one tail within its memory, not {window_cells} cells"
     );
 }
+
+/// A sequence's parts, exported for a prefix store (the global group every
+/// position, the window group the tail it keeps) and imported into another
+/// sequence, resume as the computed sequence would: the next token sees
+/// exactly its window and its whole history. Parts that do not fit are
+/// refused and change nothing.
+#[test]
+fn exported_parts_import_into_another_sequence_and_resume_there() {
+    let setup = Setup {
+        capacity: 40,
+        window: 3,
+        memory: 6,
+        block: 2,
+        kept: 0,
+    };
+    let mut r = Run::new(setup);
+    r.cache.set_fingerprint(Fingerprint([9; 32]));
+    let tokens: Vec<u32> = vec![1, 2, 0, 1, 2, 2, 0, 1, 1, 0, 2, 1, 7];
+    let vals = codes(&tokens);
+    let len = tokens.len() - 1; // the last token is evaluated after the import
+    for at in (0..len).step_by(4) {
+        let n = 4.min(len - at);
+        r.cache
+            .start_forward(&Batch::sequence(0, at as Pos, n).unwrap(), ForwardMode::Compute)
+            .unwrap();
+        r.put_and_check(0, at, &vals, n).unwrap();
+    }
+    let parts = r.cache.store_parts();
+    assert_eq!(
+        (parts[0].window, parts[0].memory, parts[1].window),
+        (Some(3), Some(6), None)
+    );
+    assert_ne!(parts[0].fingerprint(Fingerprint([9; 32])), parts[1].fingerprint(Fingerprint([9; 32])));
+    let first = parts[0].first_kept(len);
+    assert_eq!(first, len - 5);
+    let window = r.cache.export_part(0, 0, first as Pos..len as Pos).unwrap();
+    let global = r.cache.export_part(1, 0, 0..len as Pos).unwrap();
+    // Below its memory the window group holds nothing to export.
+    assert!(r.cache.export_part(0, 0, 0..len as Pos).is_err());
+    r.cancel(0);
+
+    let before = r.cache.picture().unwrap();
+    let gone = r.cache.export_part(1, 0, 0..1).map(|_| ()).unwrap_err();
+    assert!(matches!(gone, CacheError::InvalidArgument(_)), "{gone:?}");
+    let slice = |state: &kvcache_api::SeqKv, range: std::ops::Range<usize>| kvcache_api::SeqKv {
+        fingerprint: state.fingerprint,
+        kv: state.kv.slice(range).unwrap(),
+    };
+    let refused = [
+        // One part for two groups.
+        vec![global.clone()],
+        // Parts ending apart.
+        vec![slice(&window, first..len - 1), global.clone()],
+        // A window part starting after what a query at the end needs.
+        vec![slice(&window, len - 1..len), global.clone()],
+        // A global part not from 0 into an empty sequence.
+        vec![window.clone(), slice(&global, 2..len)],
+        // The parts swapped: each another part's fingerprint.
+        vec![slice(&global, first..len), slice(&window, first..len)],
+    ];
+    for (i, parts) in refused.iter().enumerate() {
+        let err = r.cache.import_parts(2, parts).unwrap_err();
+        assert!(
+            matches!(err, CacheError::InvalidArgument(_) | CacheError::LayoutMismatch { .. }),
+            "case {i}: {err:?}"
+        );
+        assert!(r.cache.picture().unwrap() == before, "a refused import changed the cache");
+    }
+
+    r.cache.import_parts(2, &[window.clone(), global.clone()]).unwrap();
+    r.cache.check();
+    assert_eq!(r.cache.export_part(1, 2, 0..len as Pos).unwrap(), global);
+    assert_eq!(r.cache.export_part(0, 2, first as Pos..len as Pos).unwrap(), window);
+    // The prompt's last token, evaluated after the import: its window and
+    // its whole history, with the values the tokens give.
+    r.cache
+        .start_forward(&Batch::sequence(2, len as Pos, 1).unwrap(), ForwardMode::Compute)
+        .unwrap();
+    r.put_and_check(2, len, &vals, 1).unwrap();
+    r.cache.check();
+}

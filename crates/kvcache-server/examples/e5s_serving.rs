@@ -7,6 +7,29 @@
 //! conversations as ten concurrent clients, each sending its turns one after
 //! another; `--mode both` runs one then the other, each on a fresh server.
 //!
+//! `--mode restart` (E3g) measures what a restarted server gets back from its
+//! prefix store. First a reference run: a fresh server without a store, the
+//! trace sent one request at a time in trace order (as `sequential`), every
+//! answer's text kept (requests are greedy: temperature 0). Then the restart
+//! run: servers with `--store-dir` on a fresh temporary directory (removed at
+//! the end), the trace again in trace order, the server stopped gracefully
+//! (SIGTERM, up to 60 s to finish its queued store writes and exit, else
+//! SIGKILL) and a fresh one started on the same directory between turns. The
+//! trace sends turn k of every conversation before turn k+1 of any, so a
+//! restart comes before each request whose turn is greater than the largest
+//! turn sent since the last (re)start: before turn 2, 3, ... (in a trace
+//! whose conversations' turns interleaved, the same rule would restart before
+//! the first request of a new, higher turn). For every request that is the
+//! first of its conversation on its server and of turn >= 2 it reports the
+//! prompt tokens and the cached ones (on a fresh server all of them came
+//! from the store) and their fraction, with the fractions' minimum and median
+//! and how many reach 95%; the prompt tokens evaluated over the whole run
+//! against the trace's minimum; how many answers equal the reference run's
+//! (those that differ by conversation and turn, with the first differing
+//! character); and `kvcache_store_restores_total` and
+//! `kvcache_store_restored_tokens_total` of `/metrics`, summed over the
+//! restart run's servers (each scraped before it is stopped).
+//!
 //! Reports the prompt tokens evaluated (`usage.prompt_tokens -
 //! usage.prompt_tokens_details.cached_tokens`) against the trace's minimum,
 //! the time to first token (turn 1 and turns >= 2), and the bytes of keys and
@@ -19,10 +42,11 @@
 //! ```text
 //! cargo build --release -p kvcache-server --bin kvcache-server --example e5s_serving
 //! target/release/examples/e5s_serving --server-bin target/release/kvcache-server --gemma $KVCACHE_GEMMA \
-//!     [--mode sequential|concurrent|both]
+//!     [--mode sequential|concurrent|both|restart] [--conversations N]
 //! ```
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 #[path = "common/server.rs"]
@@ -33,8 +57,8 @@ mod stream;
 use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use server::Server;
-use stream::stream;
+use server::{Server, Stopped};
+use stream::stream_each;
 
 /// Replays the E5 trace against kvcache-server serving Gemma 3 (E5s).
 #[derive(Debug, Parser)]
@@ -51,8 +75,9 @@ struct Args {
     /// The first N conversations of the trace (all turns of each).
     #[arg(long, default_value_t = 10)]
     conversations: usize,
-    /// One request at a time, the conversations as concurrent clients, or
-    /// one run of each (a fresh server for each).
+    /// One request at a time, the conversations as concurrent clients, one
+    /// run of each (a fresh server for each), or a reference run then one
+    /// restarting a server with a prefix store between turns.
     #[arg(long, value_enum, default_value_t = Mode::Sequential)]
     mode: Mode,
     /// Print one line per request.
@@ -72,7 +97,13 @@ enum Mode {
     Concurrent,
     /// Sequential, then concurrent.
     Both,
+    /// Sequential without a store (the reference), then sequential with a
+    /// store on disk and a fresh server before each new turn (E3g).
+    Restart,
 }
+
+/// How long a stopped server may take to exit before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(60);
 
 /// The parts of `fixtures/e5_trace.json` a replay needs.
 #[derive(Debug, Deserialize)]
@@ -111,6 +142,8 @@ struct Outcome {
     cached_tokens: usize,
     completion_tokens: usize,
     ttft: Duration,
+    /// The answer: the generated content.
+    text: String,
 }
 
 /// The chat messages of turn `turn` (from 1) of conversation `conv`.
@@ -143,11 +176,19 @@ async fn chat(
     });
     // The first chunk opens the assistant's message; the first token's text
     // comes in a chunk with content.
-    let streamed = stream(http, &format!("{url}/v1/chat/completions"), &body, |chunk| {
+    let content = |chunk: &Value| {
         chunk["choices"][0]["delta"]["content"]
             .as_str()
-            .is_some_and(|t| !t.is_empty())
-    })
+            .map(str::to_owned)
+    };
+    let mut text = String::new();
+    let streamed = stream_each(
+        http,
+        &format!("{url}/v1/chat/completions"),
+        &body,
+        |chunk| content(chunk).is_some_and(|t| !t.is_empty()),
+        |chunk| text.extend(content(chunk)),
+    )
     .await
     .map_err(|e| e as Box<dyn std::error::Error>)?;
     if streamed.prompt_tokens != r.prompt_tokens {
@@ -164,6 +205,7 @@ async fn chat(
         cached_tokens: streamed.cached_tokens,
         completion_tokens: streamed.completion_tokens,
         ttft: streamed.ttft,
+        text,
     })
 }
 
@@ -172,6 +214,35 @@ fn gauge(page: &str, name: &str) -> Option<f64> {
     page.lines()
         .filter(|l| !l.starts_with('#'))
         .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+}
+
+/// The `/metrics` page of the server at `url` once no sequence is active:
+/// the engine publishes its gauges and counters after the pass that ends a
+/// request, which may come after the answer.
+fn settled_metrics(
+    runtime: &tokio::runtime::Runtime,
+    http: &reqwest::Client,
+    url: &str,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let metrics = || {
+        runtime.block_on(async {
+            http.get(format!("{url}/metrics"))
+                .send()
+                .await?
+                .error_for_status()?
+                .text()
+                .await
+        })
+    };
+    let mut page = metrics()?;
+    for _ in 0..50 {
+        if gauge(&page, "kvcache_sequences_active") == Some(0.0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        page = metrics()?;
+    }
+    Ok(page)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -203,10 +274,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Mode::Sequential => &[false],
         Mode::Concurrent => &[true],
         Mode::Both => &[false, true],
+        Mode::Restart => {
+            let (_, reference) = replay(&args, &trace, &gemma, "reference", false)?;
+            return restart_run(&args, &trace, &gemma, &reference);
+        }
     };
     let mut rates = Vec::new();
     for &concurrent in modes {
-        rates.push(replay(&args, &trace, &gemma, concurrent)?);
+        let mode = if concurrent { "concurrent" } else { "sequential" };
+        rates.push(replay(&args, &trace, &gemma, mode, concurrent)?.0);
     }
     if let [sequential, concurrent] = rates[..] {
         println!(
@@ -217,21 +293,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// One replay on a fresh server; prints its report and returns its
-/// generated tokens per second.
+/// One replay on a fresh server (reports labelled `mode`); prints its
+/// report and returns its generated tokens per second and what each request
+/// gave.
 fn replay(
     args: &Args,
     trace: &Trace,
-    gemma: &std::path::Path,
+    gemma: &Path,
+    mode: &str,
     concurrent: bool,
-) -> Result<f64, Box<dyn std::error::Error>> {
-    let mode = if concurrent { "concurrent" } else { "sequential" };
+) -> Result<(f64, Vec<Outcome>), Box<dyn std::error::Error>> {
     let config = kvcache_models::gemma::GemmaFile::open(gemma)?.config()?;
     // Keys and values of one position in every layer, f32: a full-size cache.
     let full_per_position = config.n_layers * config.n_kv_heads * config.head_dim * 2 * 4;
 
     let started = Instant::now();
-    let mut server_args = vec![std::ffi::OsString::from("--model"), gemma.as_os_str().to_owned()];
+    let mut server_args = vec![OsString::from("--model"), gemma.as_os_str().to_owned()];
     server_args.extend(args.server_args.iter().map(Into::into));
     let server = Server::start(&args.server_bin, &server_args, &[("RUST_LOG", "warn")])?;
     println!(
@@ -305,25 +382,7 @@ fn replay(
         }
         last_len[o.conv] = last_len[o.conv].max(o.prompt_tokens + o.completion_tokens);
     }
-    // The engine publishes its gauges after the pass that ends a request,
-    // which may come after the answer: wait for the last one to leave.
-    let metrics = || {
-        runtime.block_on(async {
-            http.get(format!("{}/metrics", server.url))
-                .send()
-                .await?
-                .text()
-                .await
-        })
-    };
-    let mut page = metrics()?;
-    for _ in 0..50 {
-        if gauge(&page, "kvcache_sequences_active") == Some(0.0) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-        page = metrics()?;
-    }
+    let page = settled_metrics(&runtime, &http, &server.url)?;
     let held =
         gauge(&page, "kvcache_cache_bytes_in_use").ok_or("no kvcache_cache_bytes_in_use in /metrics")?;
     let evictions = gauge(&page, "kvcache_evictions_total").unwrap_or(0.0);
@@ -370,5 +429,235 @@ fn replay(
         mib(full),
         per_conversation / full
     );
-    Ok(rate)
+    Ok((rate, outcomes))
+}
+
+/// The first character position where `a` and `b` differ; `None` if equal.
+fn first_difference(a: &str, b: &str) -> Option<usize> {
+    (a != b).then(|| a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count())
+}
+
+/// The restart run of `--mode restart`: servers on one prefix store, a fresh
+/// one before each new turn; compares its answers with `reference`'s and
+/// prints the report (see the top of the file).
+fn restart_run(
+    args: &Args,
+    trace: &Trace,
+    gemma: &Path,
+    reference: &[Outcome],
+) -> Result<(), Box<dyn std::error::Error>> {
+    const COUNTERS: [&str; 3] = [
+        "kvcache_store_restores_total",
+        "kvcache_store_restored_tokens_total",
+        "kvcache_store_writes_dropped_total",
+    ];
+    // Dropped last: after every server has stopped.
+    let store = tempfile::Builder::new().prefix("kvcache-e5s-store-").tempdir()?;
+    let mut server_args = vec![
+        OsString::from("--model"),
+        gemma.as_os_str().to_owned(),
+        OsString::from("--store-dir"),
+        store.path().as_os_str().to_owned(),
+    ];
+    server_args.extend(args.server_args.iter().map(Into::into));
+    let mut restart_time = Duration::ZERO;
+    let mut start = |n: usize| -> Result<Server, Box<dyn std::error::Error>> {
+        let t = Instant::now();
+        let server = Server::start(&args.server_bin, &server_args, &[("RUST_LOG", "warn")]).map_err(|e| {
+            format!(
+                "E5s restart: server {n} (--store-dir {}): {e}",
+                store.path().display()
+            )
+        })?;
+        restart_time += t.elapsed();
+        Ok(server)
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let http = reqwest::Client::new();
+    // Scrapes the server's store counters into `sums` (None: not in
+    // /metrics), then stops it gracefully.
+    let mut stop_time = Duration::ZERO;
+    let mut finish = |server: Server,
+                      n: usize,
+                      sums: &mut [Option<f64>; 3]|
+     -> Result<(), Box<dyn std::error::Error>> {
+        let page = settled_metrics(&runtime, &http, &server.url)?;
+        for (sum, name) in sums.iter_mut().zip(COUNTERS) {
+            if let Some(v) = gauge(&page, name) {
+                *sum = Some(sum.unwrap_or(0.0) + v);
+            }
+        }
+        let t = Instant::now();
+        match server.stop(STOP_GRACE)? {
+            Stopped::Exited(status) if status.success() => {}
+            Stopped::Exited(status) => eprintln!("E5s restart: server {n} exited with {status}"),
+            Stopped::Killed => eprintln!(
+                "E5s restart: server {n} had not exited {} s after SIGTERM: killed (its queued store writes may be lost)",
+                STOP_GRACE.as_secs()
+            ),
+        }
+        stop_time += t.elapsed();
+        Ok(())
+    };
+
+    let requests: Vec<&TraceRequest> = trace
+        .requests
+        .iter()
+        .filter(|r| r.conv < args.conversations)
+        .collect();
+    let n_predict = trace.meta.n_predict;
+    let mut sums = [None; 3];
+    let mut servers = 1;
+    let mut server = start(servers)?;
+    println!(
+        "E5s restart: store in {}, server 1 up at {}",
+        store.path().display(),
+        server.url
+    );
+    // The largest turn sent to the current server, and the conversations it
+    // has seen.
+    let (mut top_turn, mut seen) = (0, vec![false; args.conversations]);
+    // What each request gave, and whether it was its conversation's first
+    // on a restarted server.
+    let mut outcomes: Vec<(Outcome, bool)> = Vec::new();
+    let mut sending = Duration::ZERO;
+    for r in &requests {
+        if top_turn > 0 && r.turn > top_turn {
+            finish(server, servers, &mut sums)?;
+            servers += 1;
+            server = start(servers)?;
+            (top_turn, seen) = (0, vec![false; args.conversations]);
+        }
+        top_turn = top_turn.max(r.turn);
+        let first = !std::mem::replace(&mut seen[r.conv], true);
+        let t = Instant::now();
+        let o = runtime.block_on(chat(
+            &http,
+            &server.url,
+            messages(trace, r.conv, r.turn),
+            n_predict,
+            r,
+        ))?;
+        sending += t.elapsed();
+        if args.verbose {
+            println!(
+                "  conv {} turn {} (server {servers}): prompt {} cached {} evaluated {} (min {}) ttft {:.0} ms",
+                o.conv,
+                o.turn,
+                o.prompt_tokens,
+                o.cached_tokens,
+                o.prompt_tokens - o.cached_tokens,
+                r.min_prefill,
+                o.ttft.as_secs_f64() * 1e3
+            );
+        }
+        outcomes.push((o, first && servers > 1));
+    }
+    finish(server, servers, &mut sums)?;
+
+    let evaluated: usize = outcomes
+        .iter()
+        .map(|(o, _)| o.prompt_tokens - o.cached_tokens)
+        .sum();
+    let minimum: usize = requests.iter().map(|r| r.min_prefill).sum();
+    let prompt: usize = outcomes.iter().map(|(o, _)| o.prompt_tokens).sum();
+    let generated: usize = outcomes.iter().map(|(o, _)| o.completion_tokens).sum();
+    println!(
+        "E5s restart: {} requests on {servers} servers ({} restarts) in {:.1} s of requests \
+         (+ {:.1} s starting and {:.1} s stopping servers); prompt tokens {prompt}, \
+         evaluated {evaluated} / minimum {minimum} = {:.4}x; {generated} generated",
+        outcomes.len(),
+        servers - 1,
+        sending.as_secs_f64(),
+        restart_time.as_secs_f64(),
+        stop_time.as_secs_f64(),
+        evaluated as f64 / minimum as f64
+    );
+
+    let reference_of = |o: &Outcome| reference.iter().find(|x| x.conv == o.conv && x.turn == o.turn);
+    let restored: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|(o, first)| *first && o.turn >= 2)
+        .map(|(o, _)| o)
+        .collect();
+    println!(
+        "E5s restart: the first request of each conversation on a restarted server (turn >= 2): \
+         prompt tokens, cached (from the store)"
+    );
+    let mut fractions = Vec::new();
+    for o in &restored {
+        let fraction = o.cached_tokens as f64 / o.prompt_tokens as f64;
+        fractions.push(fraction);
+        println!(
+            "  conv {} turn {}: prompt {} cached {} = {:.1}%; ttft {:.0} ms (reference {:.0} ms)",
+            o.conv,
+            o.turn,
+            o.prompt_tokens,
+            o.cached_tokens,
+            fraction * 1e2,
+            o.ttft.as_secs_f64() * 1e3,
+            reference_of(o).map_or(f64::NAN, |x| x.ttft.as_secs_f64() * 1e3)
+        );
+    }
+    let min = fractions.iter().copied().fold(f64::INFINITY, f64::min);
+    let at_95 = fractions.iter().filter(|&&f| f >= 0.95).count();
+    let ttfts = |of: &dyn Fn(&Outcome) -> Option<Duration>| {
+        median(
+            restored
+                .iter()
+                .filter_map(|o| of(o))
+                .map(|t| t.as_secs_f64() * 1e3)
+                .collect(),
+        )
+    };
+    println!(
+        "E5s restart: cached / prompt over those {} requests: min {:.1}%, median {:.1}%; {at_95} of {} >= 95%; \
+         TTFT median {:.0} ms (the same requests in the reference run {:.0} ms)",
+        restored.len(),
+        if fractions.is_empty() { 0.0 } else { min * 1e2 },
+        median(fractions.clone()) * 1e2,
+        restored.len(),
+        ttfts(&|o| Some(o.ttft)),
+        ttfts(&|o| reference_of(o).map(|x| x.ttft)),
+    );
+
+    let mut equal = 0;
+    let mut differ = Vec::new();
+    for (o, _) in &outcomes {
+        let Some(x) = reference_of(o) else {
+            differ.push(format!(
+                "  conv {} turn {}: not in the reference run",
+                o.conv, o.turn
+            ));
+            continue;
+        };
+        match first_difference(&o.text, &x.text) {
+            None => equal += 1,
+            Some(at) => differ.push(format!(
+                "  conv {} turn {}: differs from character {at}: {:?} (reference {:?})",
+                o.conv, o.turn, o.text, x.text
+            )),
+        }
+    }
+    println!(
+        "E5s restart: answers equal to the reference run's: {equal} of {}",
+        outcomes.len()
+    );
+    for line in &differ {
+        println!("{line}");
+    }
+    let sum = |i: usize| sums[i].map_or_else(|| "not in /metrics".to_string(), |v: f64| format!("{v}"));
+    println!(
+        "E5s restart: /metrics over the {servers} servers: {} {}, {} {} ({} {})",
+        COUNTERS[0],
+        sum(0),
+        COUNTERS[1],
+        sum(1),
+        COUNTERS[2],
+        sum(2)
+    );
+    store.close()?;
+    Ok(())
 }

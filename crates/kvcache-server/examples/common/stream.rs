@@ -55,6 +55,18 @@ pub async fn stream(
     body: &Value,
     is_first_token: impl Fn(&Value) -> bool,
 ) -> Result<Streamed, Error> {
+    stream_each(http, endpoint, body, is_first_token, |_| {}).await
+}
+
+/// [`stream`], handing every chunk to `each` on the way (e.g. to collect
+/// the generated text).
+pub async fn stream_each(
+    http: &reqwest::Client,
+    endpoint: &str,
+    body: &Value,
+    is_first_token: impl Fn(&Value) -> bool,
+    mut each: impl FnMut(&Value),
+) -> Result<Streamed, Error> {
     let start = Instant::now();
     let mut response = http.post(endpoint).json(body).send().await?;
     if !response.status().is_success() {
@@ -79,6 +91,7 @@ pub async fn stream(
                 if ttft.is_none() && is_first_token(&v) {
                     ttft = Some(start.elapsed());
                 }
+                each(&v);
                 if !v["usage"].is_null() {
                     usage = Some(v["usage"].clone());
                 }
