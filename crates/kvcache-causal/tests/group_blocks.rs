@@ -1090,7 +1090,10 @@ fn exported_parts_import_into_another_sequence_and_resume_there() {
         (parts[0].window, parts[0].memory, parts[1].window),
         (Some(3), Some(6), None)
     );
-    assert_ne!(parts[0].fingerprint(Fingerprint([9; 32])), parts[1].fingerprint(Fingerprint([9; 32])));
+    assert_ne!(
+        parts[0].fingerprint(Fingerprint([9; 32])),
+        parts[1].fingerprint(Fingerprint([9; 32]))
+    );
     let first = parts[0].first_kept(len);
     assert_eq!(first, len - 5);
     let window = r.cache.export_part(0, 0, first as Pos..len as Pos).unwrap();
@@ -1121,16 +1124,27 @@ fn exported_parts_import_into_another_sequence_and_resume_there() {
     for (i, parts) in refused.iter().enumerate() {
         let err = r.cache.import_parts(2, parts).unwrap_err();
         assert!(
-            matches!(err, CacheError::InvalidArgument(_) | CacheError::LayoutMismatch { .. }),
+            matches!(
+                err,
+                CacheError::InvalidArgument(_) | CacheError::LayoutMismatch { .. }
+            ),
             "case {i}: {err:?}"
         );
-        assert!(r.cache.picture().unwrap() == before, "a refused import changed the cache");
+        assert!(
+            r.cache.picture().unwrap() == before,
+            "a refused import changed the cache"
+        );
     }
 
-    r.cache.import_parts(2, &[window.clone(), global.clone()]).unwrap();
+    r.cache
+        .import_parts(2, &[window.clone(), global.clone()])
+        .unwrap();
     r.cache.check();
     assert_eq!(r.cache.export_part(1, 2, 0..len as Pos).unwrap(), global);
-    assert_eq!(r.cache.export_part(0, 2, first as Pos..len as Pos).unwrap(), window);
+    assert_eq!(
+        r.cache.export_part(0, 2, first as Pos..len as Pos).unwrap(),
+        window
+    );
     // The prompt's last token, evaluated after the import: its window and
     // its whole history, with the values the tokens give.
     r.cache
