@@ -369,6 +369,16 @@ pub trait CausalCache {
         }
     }
 
+    /// The first position of `seq` that part `part` of
+    /// [`store_parts`](Self::store_parts) holds: where an export of the
+    /// part can start. A part with a window may hold less than its memory
+    /// (a sequence resumed from a kept tail holds what it adopted, then what
+    /// it computed). The default, for a cache stored whole, is 0.
+    fn part_start(&self, part: usize, seq: SeqId) -> Pos {
+        let _ = (part, seq);
+        0
+    }
+
     /// Writes `parts` (one state per part of
     /// [`store_parts`](Self::store_parts), in order, all ending at the same
     /// position) into `seq`, which must hold in each part nothing or

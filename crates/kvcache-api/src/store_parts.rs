@@ -360,14 +360,16 @@ impl StoreParts {
     /// Writes back the evaluated `prompt` to every part: a part without a
     /// window what its store lacks ([`StoreClient::write_back`]), a window
     /// part what its store lacks of the tail the cache keeps
-    /// ([`StoreClient::write_from`] from [`StorePart::first_kept`]).
-    /// `rows(part, range)` reads the part's keys and values of `range` from
-    /// the cache. Returns what each part did, in order; stops at the first
-    /// error (the parts before it are written).
+    /// ([`StoreClient::write_from`] from [`StorePart::first_kept`], or from
+    /// `held(part)`, the first position the cache holds in that part, when
+    /// it holds less). `rows(part, range)` reads the part's keys and values
+    /// of `range` from the cache. Returns what each part did, in order;
+    /// stops at the first error (the parts before it are written).
     pub fn write_back<E>(
         &self,
         namespace: &Namespace,
         prompt: &[u32],
+        held: impl Fn(usize) -> usize,
         mut rows: impl FnMut(usize, Range<usize>) -> std::result::Result<HostKv, E>,
     ) -> std::result::Result<Vec<WriteBack>, E>
     where
@@ -377,9 +379,11 @@ impl StoreParts {
             .iter()
             .enumerate()
             .map(|(i, (part, client))| {
-                client.write_from(namespace, prompt, part.first_kept(prompt.len()), |range| {
-                    rows(i, range)
-                })
+                let first = match part.window {
+                    None => 0,
+                    Some(_) => part.first_kept(prompt.len()).max(held(i)),
+                };
+                client.write_from(namespace, prompt, first, |range| rows(i, range))
             })
             .collect()
     }

@@ -692,6 +692,16 @@ impl CausalCache for LayerGroupCache {
         group.export_layers(seq, range, &self.layers_of(part))
     }
 
+    /// The first position of `seq` that group `part` holds (0 when it holds
+    /// none, or for a part or sequence beyond the cache's).
+    fn part_start(&self, part: usize, seq: SeqId) -> Pos {
+        self.groups
+            .get(part)
+            .filter(|group| seq < group.config().max_sequences)
+            .and_then(|group| group.book.cells().index(seq).first_pos())
+            .unwrap_or(0)
+    }
+
     /// Imports one state per group, all ending at the same position `end`,
     /// into `seq`, all or nothing. In a group where `seq` is empty, the state
     /// must start where a query at `end` first needs the group (0 in the

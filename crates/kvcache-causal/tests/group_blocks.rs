@@ -20,7 +20,7 @@ use kvcache_api::block_key::{BlockKey, Scope};
 use kvcache_api::retention::{BlockChain, Prefix};
 use kvcache_api::{
     Batch, CacheError, CausalCache, CausalConfig, DType, Fingerprint, ForwardMode, Namespace, Pos, PosRange,
-    SeqId, SlidingWindow,
+    SeqId, SeqKv, SlidingWindow,
 };
 use kvcache_causal::{CausalKvCache, LayerGroupCache};
 use proptest::prelude::*;
@@ -90,6 +90,10 @@ enum Op {
     Age,
     /// Adopting where the cache cannot resume: refused, nothing changes.
     BadAdopt { pick: u8, back: u8 },
+    /// A request's parts as a prefix store keeps them (the global group
+    /// every position, the window group the tail its memory keeps),
+    /// imported into sequence `seq`, then its next token evaluated there.
+    Restore { pick: u8, seq: usize, next: u32 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -100,6 +104,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(|pick| Op::Forget { pick }),
         1 => Just(Op::Age),
         1 => (any::<u8>(), 1..4u8).prop_map(|(pick, back)| Op::BadAdopt { pick, back }),
+        2 => (any::<u8>(), 0..SEQS, 0..3u32).prop_map(|(pick, seq, next)| Op::Restore { pick, seq, next }),
     ]
 }
 
@@ -289,6 +294,31 @@ impl MGroup {
                 pos: start + k as Pos,
                 id: self.next_id,
                 val,
+            });
+            self.next_id += 1;
+        }
+        Ok(())
+    }
+
+    /// An import of positions `start..start + vals.len()` into `seq`: every
+    /// sequence trimmed as by a pass whose lowest token is the last one
+    /// imported, the positions `seq` then keeps stored; no block evicted.
+    fn import(&mut self, seq: SeqId, start: Pos, vals: &[f32]) -> Result<(), ()> {
+        let end = start + vals.len() as Pos;
+        let keep = self.keep_lines(seq, end - 1);
+        let kept = keep[seq].max(start);
+        let free = self.cells - self.live(&keep);
+        if free < (end - kept) as usize {
+            return Err(());
+        }
+        for (s, entries) in self.seqs.iter_mut().enumerate() {
+            entries.retain(|e| e.pos >= keep[s]);
+        }
+        for pos in kept..end {
+            self.seqs[seq].push(Entry {
+                pos,
+                id: self.next_id,
+                val: vals[(pos - start) as usize],
             });
             self.next_id += 1;
         }
@@ -556,6 +586,20 @@ impl Model {
         Ok(())
     }
 
+    /// An import into the empty `seq` of `vals` (positions `0..n`): the
+    /// global group every one, a window group those from `window_start`
+    /// that it keeps; all groups or none.
+    fn import(&mut self, seq: SeqId, window_start: Pos, vals: &[f32]) -> Result<(), ()> {
+        let mut groups = self.groups.clone();
+        for g in &mut groups {
+            let start = if g.tails { window_start } else { 0 };
+            g.import(seq, start, &vals[start as usize..])?;
+        }
+        self.groups = groups;
+        self.settle();
+        Ok(())
+    }
+
     fn remove(&mut self, seq: SeqId) {
         for g in &mut self.groups {
             g.seqs[seq].clear();
@@ -691,6 +735,9 @@ struct Run {
     setup: Setup,
     /// Every request's tokens, in order.
     history: Vec<Vec<u32>>,
+    /// The last requests' parts as a store keeps them: their tokens, the
+    /// window group's tail and the global group's every position.
+    exported: Vec<(Vec<u32>, SeqKv, SeqKv)>,
 }
 
 impl Run {
@@ -713,6 +760,7 @@ impl Run {
             },
             setup,
             history: Vec::new(),
+            exported: Vec::new(),
         }
     }
 
@@ -797,6 +845,7 @@ impl Run {
             }
         }
         self.history.push(tokens.clone());
+        self.export(seq, &tokens)?;
         if let Some((at, n)) = shift {
             let start = usize::from(at) * tokens.len() / 256;
             let end = (start + usize::from(n)).min(tokens.len());
@@ -829,6 +878,71 @@ impl Run {
     fn cancel(&mut self, seq: SeqId) {
         self.cache.remove(seq, PosRange { start: 0, end: None }).unwrap();
         self.model.remove(seq);
+    }
+
+    /// Exports `seq`'s parts, which it holds: all of `tokens` evaluated.
+    fn export(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), TestCaseError> {
+        let len = tokens.len();
+        let parts = self.cache.store_parts();
+        // From where the window group holds the request (a request resumed
+        // from a kept tail holds what it adopted), at most its memory.
+        let held = self.cache.part_start(0, seq) as usize;
+        let first = parts[0].first_kept(len).max(held);
+        let window = self.cache.export_part(0, seq, first as Pos..len as Pos);
+        let global = self.cache.export_part(1, seq, 0..len as Pos);
+        prop_assert!(
+            window.is_ok() && global.is_ok(),
+            "{:?} {:?}",
+            window.err(),
+            global.err()
+        );
+        self.exported
+            .push((tokens.to_vec(), window.unwrap(), global.unwrap()));
+        if self.exported.len() > 4 {
+            self.exported.remove(0);
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, pick: u8, seq: SeqId, next: u32) -> Result<(), TestCaseError> {
+        let Some((tokens, window, global)) = self
+            .exported
+            .get(usize::from(pick) % self.exported.len().max(1))
+            .cloned()
+        else {
+            return Ok(());
+        };
+        self.cancel(seq);
+        let len = tokens.len();
+        let mut tokens = tokens;
+        tokens.push(next);
+        let vals = codes(&tokens);
+        let got = self.cache.import_parts(seq, &[window.clone(), global]);
+        let want = self.model.import(seq, window.kv.start() as Pos, &vals[..len]);
+        match (got, want) {
+            (Ok(()), Ok(())) => {}
+            (Err(CacheError::Full { .. }), Err(())) => return Ok(()),
+            (got, want) => {
+                return Err(TestCaseError::fail(format!(
+                    "an import of {len}: the cache says {got:?}, the model {want:?}"
+                )))
+            }
+        }
+        self.compare()?;
+        let batch = Batch::sequence(seq, len as Pos, 1).unwrap();
+        let got = self.cache.start_forward(&batch, ForwardMode::Compute);
+        let want = self.model.forward(seq, len as Pos, &vals[len..]);
+        match (got, want) {
+            (Ok(()), Ok(())) => self.put_and_check(seq, len, &vals, 1)?,
+            (Err(CacheError::Full { .. }), Err(())) => {}
+            (got, want) => {
+                return Err(TestCaseError::fail(format!(
+                    "the pass after an import: the cache says {got:?}, the model {want:?}"
+                )))
+            }
+        }
+        self.cancel(seq);
+        Ok(())
     }
 
     /// Writes the pass's values in both layers, then checks what each token
@@ -1008,6 +1122,7 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Forget { pick } => r.forget(pick)?,
             Op::Age => r.age()?,
             Op::BadAdopt { pick, back } => r.bad_adopt(pick, back)?,
+            Op::Restore { pick, seq, next } => r.restore(pick, seq, next)?,
         }
         r.compare()?;
     }

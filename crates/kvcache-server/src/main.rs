@@ -395,14 +395,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("kvcache-server: listening on http://{}", listener.local_addr()?);
         tracing::info!(address = %listener.local_addr()?, "listening");
         let metrics = state.metrics.clone();
+        let worker = state.worker.clone();
         kvcache_server::connections::serve(listener, router(state), limits, metrics, shutdown_signal())
             .await?;
+        // The requests are done; their write-backs may still be queued.
+        tokio::task::block_in_place(|| worker.flush_store());
         Ok::<(), Box<dyn std::error::Error>>(())
     })
 }
 
 /// SIGINT or SIGTERM: stop accepting, let the requests in flight (streams
-/// included) finish, then exit.
+/// included) finish, write what they queued for the prefix store, then exit.
 async fn shutdown_signal() {
     let interrupt = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -220,6 +220,15 @@ impl Worker {
         self.store.iter().map(|s| s.stats()).reduce(|a, b| a.merged(&b))
     }
 
+    /// Waits until every write submitted to the prefix store so far is
+    /// written (nothing without a store): a server shutting down calls it
+    /// after the requests in flight finish, so their prompts outlive it.
+    pub fn flush_store(&self) {
+        for store in &self.store {
+            store.flush();
+        }
+    }
+
     /// Hands `job` to the engine thread; `false` when the thread has stopped.
     pub fn submit(&self, job: Job) -> bool {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

@@ -62,7 +62,7 @@ fn a_window_part_stores_its_tail_and_restores_only_where_it_covers_the_window() 
     let (parts, stores) = parts();
     let ns = Namespace::shared();
     let tokens: Vec<u32> = (0..20).map(|t| t * 3 + 1).collect();
-    let wrote = parts.write_back(&ns, &tokens, rows).unwrap();
+    let wrote = parts.write_back(&ns, &tokens, |_| 0, rows).unwrap();
     // The window part keeps 6 positions below the next one (15..20): its
     // tail from the block at 16; the global part everything.
     assert_eq!(
@@ -77,7 +77,7 @@ fn a_window_part_stores_its_tail_and_restores_only_where_it_covers_the_window() 
     assert_eq!(stores[0].known_prefix(&ns, &tokens), 0);
     assert_eq!(stores[1].known_prefix(&ns, &tokens), 20);
     // Written once: the next write-back finds both parts held.
-    let again = parts.write_back(&ns, &tokens, rows).unwrap();
+    let again = parts.write_back(&ns, &tokens, |_| 0, rows).unwrap();
     assert_eq!(again, [WriteBack::Held, WriteBack::Held]);
 
     // The next turn: all 20 back, the window part from 16 (a query at 20

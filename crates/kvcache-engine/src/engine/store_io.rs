@@ -106,7 +106,8 @@ impl StoreIo {
         C: CausalCache<Tensor = Tensor>,
     {
         let Some(parts) = &self.parts else { return };
-        let wrote = parts.write_back(namespace, prompt, |part, range| {
+        let held = |part| usize::try_from(cache.part_start(part, seq)).unwrap_or(0);
+        let wrote = parts.write_back(namespace, prompt, held, |part, range| {
             let client = parts.parts().nth(part).expect("a part of the store").1;
             let state = cache.export_part(part, seq, range.start as Pos..range.end as Pos)?;
             if state.fingerprint != client.fingerprint() {
