@@ -6,7 +6,10 @@
 //! resume from kept ends, evaluate in chunks, evict under pressure, keep
 //! junctions while they go on, and end kept, cancelled or context-shifted;
 //! between them blocks are evicted, forgotten and aged, and adoptions the
-//! cache cannot serve are refused with nothing changed.
+//! cache cannot serve are refused with nothing changed. Requests' parts go
+//! through a store's round trip (the global group every position, the
+//! window group its tail), are imported into another sequence and go on
+//! there, and copies of their prefixes go on where they can resume.
 //!
 //! Every key and value a request writes at position `p` is a code of its
 //! tokens `0..=p` (what a model would compute there): a query that sees a
@@ -92,8 +95,15 @@ enum Op {
     BadAdopt { pick: u8, back: u8 },
     /// A request's parts as a prefix store keeps them (the global group
     /// every position, the window group the tail its memory keeps),
-    /// imported into sequence `seq`, then its next token evaluated there.
-    Restore { pick: u8, seq: usize, next: u32 },
+    /// imported into sequence `seq`, then its next token evaluated there;
+    /// with `fork`, its first positions (in 256ths) first copied into
+    /// another sequence, which goes on from there when it can resume.
+    Restore {
+        pick: u8,
+        seq: usize,
+        next: u32,
+        fork: Option<(u8, usize)>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -104,7 +114,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(|pick| Op::Forget { pick }),
         1 => Just(Op::Age),
         1 => (any::<u8>(), 1..4u8).prop_map(|(pick, back)| Op::BadAdopt { pick, back }),
-        2 => (any::<u8>(), 0..SEQS, 0..3u32).prop_map(|(pick, seq, next)| Op::Restore { pick, seq, next }),
+        2 => (any::<u8>(), 0..SEQS, 0..3u32, prop::option::weighted(0.5, (any::<u8>(), 0..SEQS)))
+            .prop_map(|(pick, seq, next, fork)| Op::Restore { pick, seq, next, fork }),
     ]
 }
 
@@ -586,6 +597,29 @@ impl Model {
         Ok(())
     }
 
+    /// `dst` shares `src`'s cells below `len` (and nothing else).
+    fn copy(&mut self, src: SeqId, dst: SeqId, len: Pos) {
+        for g in &mut self.groups {
+            g.seqs[dst] = g.seqs[src].iter().filter(|e| e.pos < len).cloned().collect();
+        }
+    }
+
+    /// Whether `seq` can go on at `pos`: it ends right before it, and a
+    /// window group holds the window before it.
+    fn can_resume(&self, seq: SeqId, pos: Pos, window: usize) -> bool {
+        self.groups.iter().all(|g| {
+            if g.memory.is_none() {
+                return true;
+            }
+            match (g.seqs[seq].first(), g.seqs[seq].last()) {
+                (Some(first), Some(last)) => {
+                    first.pos <= (pos - window as Pos + 1).max(0) && pos <= last.pos + 1
+                }
+                _ => false,
+            }
+        })
+    }
+
     /// An import into the empty `seq` of `vals` (positions `0..n`): the
     /// global group every one, a window group those from `window_start`
     /// that it keeps; all groups or none.
@@ -875,6 +909,44 @@ impl Run {
         Ok(())
     }
 
+    /// Copies the first `prefix.len()` positions of `src` into `dst`, then
+    /// evaluates `next` after them in `dst` when every group can resume
+    /// there (the window group holds the window before it).
+    fn fork(&mut self, src: SeqId, dst: SeqId, prefix: &[u32], next: u32) -> Result<(), TestCaseError> {
+        let cut = prefix.len();
+        self.cancel(dst);
+        self.cache.copy_prefix(src, dst, cut as Pos).unwrap();
+        self.model.copy(src, dst, cut as Pos);
+        self.compare()?;
+        let resumable = self.cache.can_resume(dst, cut as Pos);
+        prop_assert_eq!(
+            resumable,
+            self.model.can_resume(dst, cut as Pos, self.setup.window),
+            "resume a copy at {}",
+            cut
+        );
+        if resumable {
+            let mut tokens = prefix.to_vec();
+            tokens.push(next);
+            let vals = codes(&tokens);
+            let batch = Batch::sequence(dst, cut as Pos, 1).unwrap();
+            let got = self.cache.start_forward(&batch, ForwardMode::Compute);
+            let want = self.model.forward(dst, cut as Pos, &vals[cut..]);
+            match (got, want) {
+                (Ok(()), Ok(())) => self.put_and_check(dst, cut, &vals, 1)?,
+                (Err(CacheError::Full { .. }), Err(())) => {}
+                (got, want) => {
+                    return Err(TestCaseError::fail(format!(
+                        "the pass after a copy: the cache says {got:?}, the model {want:?}"
+                    )))
+                }
+            }
+            self.compare()?;
+        }
+        self.cancel(dst);
+        Ok(())
+    }
+
     fn cancel(&mut self, seq: SeqId) {
         self.cache.remove(seq, PosRange { start: 0, end: None }).unwrap();
         self.model.remove(seq);
@@ -904,7 +976,13 @@ impl Run {
         Ok(())
     }
 
-    fn restore(&mut self, pick: u8, seq: SeqId, next: u32) -> Result<(), TestCaseError> {
+    fn restore(
+        &mut self,
+        pick: u8,
+        seq: SeqId,
+        next: u32,
+        fork: Option<(u8, usize)>,
+    ) -> Result<(), TestCaseError> {
         let Some((tokens, window, global)) = self
             .exported
             .get(usize::from(pick) % self.exported.len().max(1))
@@ -929,6 +1007,10 @@ impl Run {
             }
         }
         self.compare()?;
+        if let Some((cut, dst)) = fork.filter(|&(_, dst)| dst != seq) {
+            let cut = 1 + usize::from(cut) * len / 256;
+            self.fork(seq, dst, &tokens[..cut], next)?;
+        }
         let batch = Batch::sequence(seq, len as Pos, 1).unwrap();
         let got = self.cache.start_forward(&batch, ForwardMode::Compute);
         let want = self.model.forward(seq, len as Pos, &vals[len..]);
@@ -1122,7 +1204,12 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Forget { pick } => r.forget(pick)?,
             Op::Age => r.age()?,
             Op::BadAdopt { pick, back } => r.bad_adopt(pick, back)?,
-            Op::Restore { pick, seq, next } => r.restore(pick, seq, next)?,
+            Op::Restore {
+                pick,
+                seq,
+                next,
+                fork,
+            } => r.restore(pick, seq, next, fork)?,
         }
         r.compare()?;
     }
