@@ -86,6 +86,11 @@ struct Args {
     /// Extra flags for the server (e.g. `--server-arg=--window-memory=768`).
     #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
     server_args: Vec<String>,
+    /// With `--mode restart`: restart without a store, every turn evaluated
+    /// whole on a fresh server (the control for the answers: what a prefix
+    /// laid out in other cells does to them without any store).
+    #[arg(long)]
+    no_store: bool,
 }
 
 /// How the requests are sent.
@@ -453,12 +458,11 @@ fn restart_run(
     ];
     // Dropped last: after every server has stopped.
     let store = tempfile::Builder::new().prefix("kvcache-e5s-store-").tempdir()?;
-    let mut server_args = vec![
-        OsString::from("--model"),
-        gemma.as_os_str().to_owned(),
-        OsString::from("--store-dir"),
-        store.path().as_os_str().to_owned(),
-    ];
+    let mut server_args = vec![OsString::from("--model"), gemma.as_os_str().to_owned()];
+    if !args.no_store {
+        server_args.push(OsString::from("--store-dir"));
+        server_args.push(store.path().as_os_str().to_owned());
+    }
     server_args.extend(args.server_args.iter().map(Into::into));
     let mut restart_time = Duration::ZERO;
     let mut start = |n: usize| -> Result<Server, Box<dyn std::error::Error>> {

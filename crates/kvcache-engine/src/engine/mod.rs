@@ -6,10 +6,14 @@
 //! With a [`PrefixStore`] ([`Engine::set_store`]) requests reuse prefixes across
 //! requests, processes and replicas, through the same [`StoreClient`] as the
 //! prefix trie: a joining request imports the longest stored prefix of its
-//! prompt into its sequence ([`CausalCache::import_seq`], as the store's
+//! prompt into its sequence ([`CausalCache::import_parts`], as the store's
 //! model) and evaluates only the rest; once its prompt is evaluated and its
 //! first token chosen, the part the store lacks is exported
-//! ([`CausalCache::export_seq`]) and written behind the engine's back.
+//! ([`CausalCache::export_part`]) and written behind the engine's back. A
+//! cache whose layers keep different spans (Gemma 3's global and window
+//! layers) has one store per part ([`Engine::set_store_parts`],
+//! [`StoreParts`]): the window layers store and restore the tail before a
+//! prompt's end, so a prompt restores as far as every part serves it.
 //!
 //! With [`Engine::set_prefix_reuse`] the cache itself is the prefix
 //! cache, as in Ollama's input cache and llama.cpp's slots: a finished
