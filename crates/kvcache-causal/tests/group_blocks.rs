@@ -929,22 +929,26 @@ impl Run {
             let mut tokens = prefix.to_vec();
             tokens.push(next);
             let vals = codes(&tokens);
-            let batch = Batch::sequence(dst, cut as Pos, 1).unwrap();
-            let got = self.cache.start_forward(&batch, ForwardMode::Compute);
-            let want = self.model.forward(dst, cut as Pos, &vals[cut..]);
-            match (got, want) {
-                (Ok(()), Ok(())) => self.put_and_check(dst, cut, &vals, 1)?,
-                (Err(CacheError::Full { .. }), Err(())) => {}
-                (got, want) => {
-                    return Err(TestCaseError::fail(format!(
-                        "the pass after a copy: the cache says {got:?}, the model {want:?}"
-                    )))
-                }
-            }
+            self.next_token(dst, cut, &vals)?;
             self.compare()?;
         }
         self.cancel(dst);
         Ok(())
+    }
+
+    /// Evaluates position `at` of `seq` (its value `vals[at]`) in both, and
+    /// checks what it sees unless both are full.
+    fn next_token(&mut self, seq: SeqId, at: usize, vals: &[f32]) -> Result<(), TestCaseError> {
+        let batch = Batch::sequence(seq, at as Pos, 1).unwrap();
+        let got = self.cache.start_forward(&batch, ForwardMode::Compute);
+        let want = self.model.forward(seq, at as Pos, &vals[at..at + 1]);
+        match (got, want) {
+            (Ok(()), Ok(())) => self.put_and_check(seq, at, vals, 1),
+            (Err(CacheError::Full { .. }), Err(())) => Ok(()),
+            (got, want) => Err(TestCaseError::fail(format!(
+                "a pass of one at {at}: the cache says {got:?}, the model {want:?}"
+            ))),
+        }
     }
 
     fn cancel(&mut self, seq: SeqId) {
@@ -1011,18 +1015,7 @@ impl Run {
             let cut = 1 + usize::from(cut) * len / 256;
             self.fork(seq, dst, &tokens[..cut], next)?;
         }
-        let batch = Batch::sequence(seq, len as Pos, 1).unwrap();
-        let got = self.cache.start_forward(&batch, ForwardMode::Compute);
-        let want = self.model.forward(seq, len as Pos, &vals[len..]);
-        match (got, want) {
-            (Ok(()), Ok(())) => self.put_and_check(seq, len, &vals, 1)?,
-            (Err(CacheError::Full { .. }), Err(())) => {}
-            (got, want) => {
-                return Err(TestCaseError::fail(format!(
-                    "the pass after an import: the cache says {got:?}, the model {want:?}"
-                )))
-            }
-        }
+        self.next_token(seq, len, &vals)?;
         self.cancel(seq);
         Ok(())
     }

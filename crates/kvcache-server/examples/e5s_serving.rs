@@ -119,6 +119,13 @@ struct Trace {
     requests: Vec<TraceRequest>,
 }
 
+impl Trace {
+    /// The requests of the first `n` conversations, in trace order.
+    fn first_conversations(&self, n: usize) -> Vec<&TraceRequest> {
+        self.requests.iter().filter(|r| r.conv < n).collect()
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct Meta {
     n_predict: usize,
@@ -325,11 +332,7 @@ fn replay(
         .enable_all()
         .build()?;
     let http = reqwest::Client::new();
-    let requests: Vec<&TraceRequest> = trace
-        .requests
-        .iter()
-        .filter(|r| r.conv < args.conversations)
-        .collect();
+    let requests = trace.first_conversations(args.conversations);
     let n_predict = trace.meta.n_predict;
     let t0 = Instant::now();
     let outcomes: Vec<Outcome> = if concurrent {
@@ -506,11 +509,7 @@ fn restart_run(
         Ok(())
     };
 
-    let requests: Vec<&TraceRequest> = trace
-        .requests
-        .iter()
-        .filter(|r| r.conv < args.conversations)
-        .collect();
+    let requests = trace.first_conversations(args.conversations);
     let n_predict = trace.meta.n_predict;
     let mut sums = [None; 3];
     let mut servers = 1;
