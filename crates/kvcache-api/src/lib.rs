@@ -48,7 +48,7 @@ pub mod retention;
 mod shared;
 mod snapshot;
 mod store_client;
-mod store_parts;
+pub mod store_parts;
 
 pub use batch::{Batch, Pos, SeqId};
 pub use causal::{key_shift, CausalCache, ForwardMode, KeyShift, KvView, PosRange};
