@@ -79,7 +79,9 @@
 //!   a short back-off, during which calls fail at once).
 //!
 //! **Knowing without I/O.** `known_prefix` answers from the keys this process
-//! wrote or read (forgotten when every tier misses them).
+//! wrote or read (forgotten when every tier misses them); `known_from` the
+//! same from a later block, for a sliding-window part of a cache that
+//! stores a prompt's tail, not its start (`kvcache_api::StoreParts`).
 //!
 //! **Statistics** ([`StoreStats`]): per tier hits, misses, errors, corrupt
 //! entries removed, evictions, bytes and usage; writes submitted, dropped and
