@@ -724,9 +724,8 @@ impl CausalCache for LayerGroupCache {
                     state.kv.end()
                 )));
             }
-            let empty = self.groups.get(g).is_some_and(|group| {
-                seq < group.config().max_sequences && group.book.cells().index(seq).is_empty()
-            });
+            let group = &self.groups[g];
+            let empty = seq < group.config().max_sequences && group.book.cells().index(seq).is_empty();
             if empty && state.kv.start() > part.first_needed(end) {
                 return Err(CacheError::InvalidArgument(format!(
                     "part {g} starts at {}: a query at {end} needs it from {}",

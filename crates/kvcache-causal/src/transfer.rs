@@ -95,15 +95,7 @@ impl CausalKvCache {
     /// one group of a [`crate::LayerGroupCache`]) or layers differ in head
     /// dimensions; [`CacheError::Backend`] if a tensor copy fails.
     pub fn export_seq(&self, seq: SeqId, range: Range<Pos>) -> Result<SeqKv> {
-        let runs = self.book.cells_of_range(seq, range.clone())?;
-        let layout = self.storage.export_layout(self.book.config().dtype)?;
-        let start = usize::try_from(range.start).expect("validated: not negative");
-        let mut kv = HostKv::zeroed(layout, start, range.len());
-        self.storage.read_rows(&runs, &mut kv)?;
-        Ok(SeqKv {
-            fingerprint: self.fingerprint,
-            kv,
-        })
+        self.export_layers(seq, range, &self.storage.all_layers())
     }
 
     /// Writes `state` into sequence `seq` at positions `state.kv.start() ..
@@ -134,10 +126,10 @@ impl CausalKvCache {
     /// must have storage, all with the same head dimensions.
     pub(crate) fn export_layers(&self, seq: SeqId, range: Range<Pos>, layers: &[usize]) -> Result<SeqKv> {
         let runs = self.book.cells_of_range(seq, range.clone())?;
-        let layout = self.storage.export_layout_of(self.book.config().dtype, layers)?;
+        let layout = self.storage.export_layout(self.book.config().dtype, layers)?;
         let start = usize::try_from(range.start).expect("validated: not negative");
         let mut kv = HostKv::zeroed(layout, start, range.len());
-        self.storage.read_rows_of(&runs, &mut kv, layers)?;
+        self.storage.read_rows(&runs, &mut kv, layers)?;
         Ok(SeqKv {
             fingerprint: self.fingerprint,
             kv,

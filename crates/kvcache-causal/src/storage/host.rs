@@ -41,21 +41,15 @@ impl Storage {
         })
     }
 
-    /// The layout every layer shares, for an export: an error unless every layer
-    /// slot has storage with the same head dimensions.
-    pub(crate) fn export_layout(&self, dtype: DType) -> Result<KvLayout> {
-        self.export_layout_of(dtype, &self.all_layers())
-    }
-
     /// Every layer slot, in order.
     pub(crate) fn all_layers(&self) -> Vec<usize> {
         (0..self.layers.len()).collect()
     }
 
-    /// The layout of `layers` (in that order), for an export of a part of
-    /// the layers: an error unless each has storage, all with the same head
-    /// dimensions.
-    pub(crate) fn export_layout_of(&self, dtype: DType, layers: &[usize]) -> Result<KvLayout> {
+    /// The layout of `layers` (in that order: every slot, or a part of the
+    /// layers), for an export: an error unless each has storage, all with
+    /// the same head dimensions.
+    pub(crate) fn export_layout(&self, dtype: DType, layers: &[usize]) -> Result<KvLayout> {
         let mut want = None;
         for &layer in layers {
             let Some(store) = self.layer(layer) else {
@@ -132,21 +126,10 @@ impl Storage {
     }
 
     /// Copies cells `runs` (cell ranges, in the order of the rows of `out`) of
-    /// every layer into `out`, whose layout is [`Storage::export_layout`]'s and
-    /// whose token count is the cells' total.
-    pub(crate) fn read_rows(&self, runs: &[Range<usize>], out: &mut HostKv) -> Result<()> {
-        self.read_rows_of(runs, out, &self.all_layers())
-    }
-
-    /// [`read_rows`](Self::read_rows) of `layers` only: layer `layers[i]`
-    /// into layer `i` of `out` (whose layout is
-    /// [`export_layout_of`](Self::export_layout_of)'s for them).
-    pub(crate) fn read_rows_of(
-        &self,
-        runs: &[Range<usize>],
-        out: &mut HostKv,
-        layers: &[usize],
-    ) -> Result<()> {
+    /// layers `layers` into `out` (layer `layers[i]` into its layer `i`), whose
+    /// layout is [`Storage::export_layout`]'s for them and whose token count is
+    /// the cells' total.
+    pub(crate) fn read_rows(&self, runs: &[Range<usize>], out: &mut HostKv, layers: &[usize]) -> Result<()> {
         let n: usize = runs.iter().map(Range::len).sum();
         debug_assert_eq!(n, out.tokens(), "one row per cell");
         let mut run = || -> candle_core::Result<()> {
