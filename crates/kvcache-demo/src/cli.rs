@@ -67,11 +67,12 @@ pub struct ModelArgs {
     pub device: DeviceName,
 
     /// Weights: gguf (the file's 4- and 8-bit blocks, activations quantized per
-    /// row, as llama.cpp multiplies them: the fastest), q8 or q4 (every matrix
-    /// in 8- or 4-bit blocks), candle (candle's quantized kernels) or f32
-    /// (dequantized: the reference)
-    #[arg(long, value_name = "MODE", default_value_t = WeightMode::FASTEST)]
-    pub weights: WeightMode,
+    /// row, as llama.cpp multiplies them: the fastest on the CPU), q8 or q4
+    /// (every matrix in 8- or 4-bit blocks), candle (candle's quantized
+    /// kernels, on any device) or f32 (dequantized: the reference) [default:
+    /// gguf on the CPU, candle on a GPU]
+    #[arg(long, value_name = "MODE")]
+    pub weights: Option<WeightMode>,
 
     /// How the causal cache stores keys and values (f32, f16, bf16 or q8_0)
     ///
@@ -388,7 +389,7 @@ mod tests {
         );
         assert_eq!(cli.model.backend, Backend::Causal);
         assert_eq!(cli.model.device, DeviceName::Cpu);
-        assert_eq!(cli.model.weights, WeightMode::FASTEST);
+        assert_eq!(cli.model.weights, None);
         assert_eq!(cli.model.kv_type, KvStorage::F32);
         assert_eq!(
             cli.questions().len(),
@@ -419,7 +420,7 @@ mod tests {
         assert_eq!(cli.model.model, Some(ModelChoice::File(PathBuf::from("m.gguf"))));
         assert_eq!(cli.trace_path(), PathBuf::from("t.json"));
         assert_eq!(cli.bench.e1_predict, 8);
-        assert_eq!(cli.model.weights, WeightMode::Q4);
+        assert_eq!(cli.model.weights, Some(WeightMode::Q4));
         assert_eq!(cli.store.store_dir, Some(PathBuf::from("/tmp/s")));
         assert_eq!(cli.store.redis.as_deref(), Some("redis+unix:///tmp/r.sock"));
     }
@@ -447,7 +448,7 @@ mod tests {
         assert_eq!(cli.demo.skip, [Part::Chat, Part::Store]);
         assert!(cli.skips(Part::Store) && !cli.skips(Part::Shift));
         assert_eq!(cli.bench.e1_policies, [Policy::Trie, Policy::None]);
-        assert_eq!(cli.model.weights, WeightMode::Candle);
+        assert_eq!(cli.model.weights, Some(WeightMode::Candle));
         assert_eq!(cli.model.backend, Backend::Mlx);
         assert_eq!(cli.questions(), ["a", "b"]);
         assert_eq!(Reuse::from(Policy::Single), Reuse::SingleEntry);

@@ -122,7 +122,7 @@ const EDITED: [&str; 2] = [
 pub fn run(path: &Path, device: &Device, weights: WeightMode, cli: &Cli) -> Result<()> {
     let (model, tokenizer) = load(path, device, weights)?;
     if !cli.skips(Part::Chat) || !cli.skips(Part::Window) {
-        chat(&model, &tokenizer, cli)?;
+        chat(&model, &tokenizer, cli, weights)?;
     }
     if !cli.skips(Part::Shift) {
         shift(&model, &tokenizer, cli)?;
@@ -178,7 +178,7 @@ const CHECKED_LOGPROBS: usize = 20;
 /// `LayerGroupCache` (its own namespace, so that the engine continues it in
 /// place and never shares its cells with another), turns interleaved, the
 /// last question of each edited.
-pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> {
+pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli, weights: WeightMode) -> Result<()> {
     let window = model.config().window;
     let memory = window + MEMORY_BEYOND_WINDOW;
     let conversations = QUESTIONS.len();
@@ -220,7 +220,7 @@ pub fn chat(model: &Gemma, tokenizer: &GemmaTokenizer, cli: &Cli) -> Result<()> 
             turn_starts[c] = history.len();
             let mut prompt = history.clone();
             prompt.extend(tokenizer.encode_user_turn(question, false));
-            let check = edit && c == 0 && cli.model.weights != WeightMode::Candle;
+            let check = edit && c == 0 && weights != WeightMode::Candle;
             let t = chat.turn(c, &prompt, cli.demo.max_new, check)?;
             totals.add(&t);
             report_turn(tokenizer, c, turn, edit, question, &t, window)?;

@@ -55,7 +55,11 @@ fn run(cli: &Cli) -> Result<()> {
     }
     let device = device(cli.model.device)?;
     let path = model_path(cli)?;
-    let weights = cli.model.weights;
+    let weights = cli
+        .model
+        .weights
+        .unwrap_or_else(|| WeightMode::fastest_on(&device));
+    weights.check_device(&device)?;
     let mode = cli.mode();
     let source = loader::open(&path)?;
     if source.architecture() == Architecture::Gemma3 {
@@ -72,7 +76,7 @@ fn run(cli: &Cli) -> Result<()> {
     }
     match mode {
         Mode::Replica => return serve_replica(&path, device, weights, cli),
-        Mode::StoreBench => return benchmarks::store(&replicas(&path, cli)?.setup(), cli),
+        Mode::StoreBench => return benchmarks::store(&replicas(&path, cli, weights)?.setup(), cli),
         Mode::E1 | Mode::E2 | Mode::Demo => {}
     }
     let (model, tokenizer) = load(source, &device, weights)?;
@@ -83,7 +87,7 @@ fn run(cli: &Cli) -> Result<()> {
         Mode::E1 => benchmarks::e1(&model, cli),
         Mode::E2 => benchmarks::e2(&model, &tokenizer, cli),
         _ => {
-            demo(&path, &model, &tokenizer, cli)?;
+            demo(&path, &model, &tokenizer, cli, weights)?;
             println!("\ndone in {:.1} s", start.elapsed().as_secs_f64());
             Ok(())
         }
@@ -91,7 +95,7 @@ fn run(cli: &Cli) -> Result<()> {
 }
 
 /// The demo's parts in order, but those `--skip` names.
-fn demo(path: &Path, model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Result<()> {
+fn demo(path: &Path, model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli, weights: WeightMode) -> Result<()> {
     let mlx = cli.model.backend == Backend::Mlx;
     if !cli.skips(Part::Chat) {
         if mlx {
@@ -101,7 +105,7 @@ fn demo(path: &Path, model: &Llama, tokenizer: &ChatTokenizer, cli: &Cli) -> Res
         }
     }
     if !cli.skips(Part::Store) {
-        parts::store(&replicas(path, cli)?.setup(), cli)?;
+        parts::store(&replicas(path, cli, weights)?.setup(), cli)?;
     }
     let candle_parts = [Part::Batching, Part::Window, Part::Shift];
     if mlx && candle_parts.iter().any(|&p| !cli.skips(p)) {
@@ -205,14 +209,14 @@ fn serve_replica(path: &Path, device: Device, weights: WeightMode, cli: &Cli) ->
     replica::run_process(&options, std::io::stdin().lock(), std::io::stdout().lock())
 }
 
-/// Replicas of this binary with this run's model, trace, tokens and device.
-fn replicas(path: &Path, cli: &Cli) -> Result<Replicas> {
+/// Replicas of this binary with this run's model, trace, tokens, device and weights.
+fn replicas(path: &Path, cli: &Cli, weights: WeightMode) -> Result<Replicas> {
     Ok(Replicas {
         exe: parts::current_exe()?,
         model: path.to_owned(),
         trace: cli.trace_path(),
         n_predict: cli.bench.e1_predict,
         device: cli.model.device.as_flag(),
-        weights: cli.model.weights,
+        weights,
     })
 }

@@ -64,6 +64,19 @@ impl WeightMode {
     /// results keep the equivalence proofs (see docs/BENCHMARKS.md, E9).
     pub const FASTEST: WeightMode = WeightMode::Gguf;
 
+    /// The mode programs use on `device` when the user names none:
+    /// [`FASTEST`](Self::FASTEST) on the CPU; elsewhere
+    /// [`Candle`](Self::Candle), the GGUF's own blocks multiplied by candle's
+    /// quantized kernels for that device (the packed modes run on the CPU
+    /// only).
+    pub fn fastest_on(device: &Device) -> WeightMode {
+        if device.is_cpu() {
+            Self::FASTEST
+        } else {
+            WeightMode::Candle
+        }
+    }
+
     /// The mode's name on command lines (`f32`, `candle`, `q8`, `q4`, `gguf`).
     pub fn name(self) -> &'static str {
         match self {

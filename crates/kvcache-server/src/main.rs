@@ -66,12 +66,13 @@ struct Args {
     device: DeviceSpec,
     /// How the weights are held and multiplied: `gguf` (the file's own 4- and
     /// 8-bit blocks, multiplied against activations quantized per row, as
-    /// llama.cpp does; the fastest), `q8` or `q4` (every matrix in 8- or
-    /// 4-bit blocks), `candle` (candle's quantized kernels) or `f32`
-    /// (dequantized: the reference). Prefixes stored under one mode are never
-    /// reused under another.
-    #[arg(long, value_name = "MODE", default_value_t = WeightMode::FASTEST)]
-    weights: WeightMode,
+    /// llama.cpp does; the fastest on the CPU), `q8` or `q4` (every matrix in
+    /// 8- or 4-bit blocks), `candle` (the file's blocks through candle's
+    /// quantized kernels, on any device) or `f32` (dequantized: the
+    /// reference). Prefixes stored under one mode are never reused under
+    /// another [default: gguf on the CPU, candle on a GPU].
+    #[arg(long, value_name = "MODE")]
+    weights: Option<WeightMode>,
     /// Positions of each sequence, and of each kept prefix, a sliding-window
     /// layer keeps (Gemma 3; at least the window): a conversation's next turn
     /// reuses the cache when it parts from what the cache holds at most this
@@ -283,7 +284,9 @@ fn seconds(flag: &str, value: f64, zero_ok: bool) -> Result<Duration, String> {
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // The device and the weights it can hold are checked first: a GPU that
     // is not there stops the server before anything is read.
-    args.weights.check_device(&args.device.open()?)?;
+    let device = args.device.open()?;
+    let weights = args.weights.unwrap_or_else(|| WeightMode::fastest_on(&device));
+    weights.check_device(&device)?;
     let model = match args.model.as_str() {
         "smollm2" => kvcache_models::paths::model_path()
             .ok_or("no model: pass --model FILE, set KVCACHE_MODEL, or run `cargo xtask prepare --model`")?,
@@ -334,7 +337,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         block_tokens: (args.block_tokens > 0).then_some(args.block_tokens),
         kv_events: args.kv_events.clone(),
         device: args.device,
-        weights: args.weights,
+        weights,
         attention: match args.attention {
             AttentionArg::Paged => AttentionPath::Paged,
             AttentionArg::Dense => AttentionPath::Dense,
