@@ -42,10 +42,13 @@
 //! `scheduler` (what a pass evaluates, as a `Plan`), `store_io` (the prefix
 //! store's reads, write-backs and counters), `retention` (what is kept of
 //! finished requests and where a new one starts, one trait with a policy per
-//! way of keeping), the request's types and the statistics beside them, and
-//! `greedy` (one sequence decoded without the engine, the reference).
+//! way of keeping), the request's types and the statistics beside them,
+//! `picks` (a pass's logits brought to the host as sampling needs them: on a
+//! GPU greedy picks are made there) and `greedy` (one sequence decoded without
+//! the engine, the reference).
 
 mod greedy;
+mod picks;
 mod request;
 mod retention;
 mod scheduler;
@@ -73,6 +76,7 @@ use crate::detokenizer::{DecodeError, Detokenizer, Shown};
 use crate::sampling::Sampler;
 use crate::{EngineError, Result};
 
+use picks::Pick;
 use retention::{Blocks, Cx, Ended, IdleSequences, Nothing, Retention, Start};
 use scheduler::Plan;
 use store_io::StoreIo;
@@ -611,14 +615,22 @@ where
         // The pass may have evicted kept blocks for its cells.
         self.publish(None);
         let rows = plan.pick_rows();
-        let logits = if rows.is_empty() {
+        let picks = if rows.is_empty() {
             Vec::new()
         } else {
+            // Rows a sampler or `min_tokens` reads whole; greedy ones need an id.
+            let whole: Vec<bool> = plan
+                .parts
+                .iter()
+                .filter(|part| part.pick_row.is_some())
+                .map(|part| {
+                    let slot = self.slots[part.seq].as_ref().expect("planned slots are live");
+                    slot.sampler.is_some() || slot.generated.len() < slot.req.min_tokens
+                })
+                .collect();
             let n = rows.len();
             let idx = Tensor::from_vec(rows, n, hidden.device())?;
-            self.model
-                .logits(&hidden.index_select(&idx, 0)?)?
-                .to_vec2::<f32>()?
+            picks::fetch(&self.model.logits(&hidden.index_select(&idx, 0)?)?, &whole)?
         };
         let elapsed = t0.elapsed();
         self.stats.passes += 1;
@@ -633,7 +645,7 @@ where
             prefill,
             elapsed,
         });
-        let mut logits = logits.iter();
+        let mut picks = picks.into_iter();
         for part in plan.parts {
             let seq = part.seq;
             let slot = self.slots[seq].as_mut().expect("planned slots are live");
@@ -665,15 +677,19 @@ where
                     total: slot.req.prompt.len(),
                 });
             }
-            let row = logits.next().expect("one row of logits per pick");
-            // Before `min_tokens`, what would end the request cannot be picked.
-            let held = slot
-                .req
-                .hold_back_end(slot.generated.len(), row, &self.config.stop_tokens);
-            let row = held.as_deref().unwrap_or(row.as_slice());
-            let (token, logprobs) = match slot.sampler.as_mut() {
-                Some(sampler) => (sampler.sample(row), sampler.take_logprobs()),
-                None => (argmax(row), None),
+            let (token, logprobs) = match picks.next().expect("one pick per pick row") {
+                Pick::Token(token) => (token, None),
+                Pick::Row(row) => {
+                    // Before `min_tokens`, what would end the request cannot be picked.
+                    let held = slot
+                        .req
+                        .hold_back_end(slot.generated.len(), &row, &self.config.stop_tokens);
+                    let row = held.as_deref().unwrap_or(row.as_slice());
+                    match slot.sampler.as_mut() {
+                        Some(sampler) => (sampler.sample(row), sampler.take_logprobs()),
+                        None => (argmax(row), None),
+                    }
+                }
             };
             slot.first_token.get_or_insert_with(|| slot.joined.elapsed());
             slot.generated.push(token);
