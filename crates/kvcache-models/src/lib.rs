@@ -35,6 +35,9 @@
 //! - [`loader`]: the one way programs get a model: a GGUF opened once, its
 //!   architecture read, the model and tokenizer built on the caller's device
 //!   with the caller's [`WeightMode`], with its name and store fingerprint.
+//! - [`stand_in`]: a GGUF's header kept as a small skeleton, filled
+//!   elsewhere into a file of the same shapes and block types with random
+//!   weights (what a GPU machine without the model files serves).
 //! - [`paths`]: where the model files and fixtures are; [`threads`]: candle's
 //!   CPU threads set for a small machine (programs call
 //!   [`threads::tune_cpu_threads`] first thing).
@@ -59,6 +62,7 @@ pub mod paths;
 mod q8;
 pub mod quant;
 mod rope;
+pub mod stand_in;
 #[cfg(test)]
 #[path = "../tests/common/testing.rs"]
 mod testing;
