@@ -349,7 +349,7 @@ async fn run_mode(
             "--block-tokens".into(),
             BLOCK.to_string(),
         ]);
-        flags.extend(args.e1.server_args.iter().cloned());
+        flags.extend(args.e1.server_flags());
         // Warnings only, unless the caller's RUST_LOG says otherwise (the
         // access log would interleave with the report).
         let env: &[(&str, &str)] = if std::env::var_os("RUST_LOG").is_some() {

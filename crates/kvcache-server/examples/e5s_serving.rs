@@ -42,7 +42,7 @@
 //! ```text
 //! cargo build --release -p kvcache-server --bin kvcache-server --example e5s_serving
 //! target/release/examples/e5s_serving --server-bin target/release/kvcache-server --gemma $KVCACHE_GEMMA \
-//!     [--mode sequential|concurrent|both|restart] [--conversations N]
+//!     [--mode sequential|concurrent|both|restart] [--conversations N] [--device cuda]
 //! ```
 
 use std::ffi::OsString;
@@ -83,6 +83,10 @@ struct Args {
     /// Print one line per request.
     #[arg(long)]
     verbose: bool,
+    /// Where the servers run the model: `cpu`, `cuda` or `cuda:N` (their
+    /// `--device`; CUDA needs a server built with `--features cuda`).
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    device: String,
     /// Extra flags for the server (e.g. `--server-arg=--window-memory=768`).
     #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
     server_args: Vec<String>,
@@ -321,10 +325,12 @@ fn replay(
 
     let started = Instant::now();
     let mut server_args = vec![OsString::from("--model"), gemma.as_os_str().to_owned()];
+    server_args.push(format!("--device={}", args.device).into());
     server_args.extend(args.server_args.iter().map(Into::into));
     let server = Server::start(&args.server_bin, &server_args, &[("RUST_LOG", "warn")])?;
     println!(
-        "E5s {mode}: server up in {:.1} s at {}",
+        "E5s {mode}: server (--device {}) up in {:.1} s at {}",
+        args.device,
         started.elapsed().as_secs_f64(),
         server.url
     );
@@ -466,6 +472,7 @@ fn restart_run(
         server_args.push(OsString::from("--store-dir"));
         server_args.push(store.path().as_os_str().to_owned());
     }
+    server_args.push(format!("--device={}", args.device).into());
     server_args.extend(args.server_args.iter().map(Into::into));
     let mut restart_time = Duration::ZERO;
     let mut start = |n: usize| -> Result<Server, Box<dyn std::error::Error>> {

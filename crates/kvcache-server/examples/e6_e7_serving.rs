@@ -17,6 +17,8 @@
 //! cargo build --release -p kvcache-server --bin kvcache-server --example e6_e7_serving
 //! target/release/examples/e6_e7_serving --server-bin target/release/kvcache-server --mode both
 //! ```
+//!
+//! `--device cuda` starts the servers on the GPU (a server built with `--features cuda`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -257,12 +259,12 @@ fn main() -> Result<(), Error> {
     if modes.len() > 1 && args.server_bin.is_none() {
         return Err("--mode both needs --server-bin (a fresh server per run)".into());
     }
-    println!("{}", run.describe(args.e1.conversations));
+    println!("{}; server --device {}", run.describe(args.e1.conversations), args.e1.device);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut reports = Vec::new();
     for &mode in modes {
         let server = match &args.server_bin {
-            Some(bin) => Some(Server::start(bin, &args.e1.server_args, &[]).map_err(|e| e.to_string())?),
+            Some(bin) => Some(Server::start(bin, args.e1.server_flags(), &[]).map_err(|e| e.to_string())?),
             None => None,
         };
         let url = match (&server, &args.url) {

@@ -25,9 +25,22 @@ pub struct E1Args {
     /// Print one line per request.
     #[arg(long)]
     pub verbose: bool,
+    /// Where the started server(s) run the model: `cpu`, `cuda` or `cuda:N`
+    /// (their `--device`; CUDA needs a server built with `--features cuda`).
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    pub device: String,
     /// Extra flags for the started server(s) (e.g. `--server-arg=--attention=dense`).
     #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
     pub server_args: Vec<String>,
+}
+
+impl E1Args {
+    /// The flags a started server gets: `--device`, then `--server-arg`s.
+    pub fn server_flags(&self) -> Vec<String> {
+        let mut flags = vec![format!("--device={}", self.device)];
+        flags.extend(self.server_args.iter().cloned());
+        flags
+    }
 }
 
 /// The loaded trace and what of it a run sends.
