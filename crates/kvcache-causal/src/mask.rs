@@ -113,6 +113,14 @@ impl Plan {
         self.len = older.len;
     }
 
+    /// The visible intervals cut to the first `end` entries.
+    fn visible_before(&self, end: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.visible
+            .iter()
+            .map(move |&(a, b)| (a, b.min(end)))
+            .filter(|r| r.0 < r.1)
+    }
+
     /// Appends the visible interval `[start, end)`, at or after every earlier one.
     fn push(&mut self, start: usize, end: usize) {
         debug_assert!(start < end && end <= self.len);
@@ -171,39 +179,38 @@ pub(crate) fn row_spans(
 /// the mask `old` (entries past that are unknown and written in full).
 pub(crate) fn write<T: MaskValue>(old: &Plan, new: &Plan, out: &mut [T]) {
     assert_eq!(out.len(), new.len, "mask buffer and plan disagree");
+    changes(old, new, |run, visible| {
+        out[run].fill(if visible { T::VISIBLE } else { T::MASKED });
+    });
+}
+
+/// The runs of entries a buffer holding `old` in its first `old.len()` entries
+/// must change to hold `new` in its first `new.len()`: `emit(run, visible)` in
+/// increasing order, disjoint. Where `old` is known, the symmetric difference of
+/// the two visible sets; past it (unknown), every entry, visible exactly on `new`.
+pub(crate) fn changes(old: &Plan, new: &Plan, mut emit: impl FnMut(Range<usize>, bool)) {
     let known = old.len.min(new.len);
-    let (out_known, out_unknown) = out.split_at_mut(known);
-    // Known region: write the symmetric difference of the two visible sets.
-    let mut old_runs = old
-        .visible
-        .iter()
-        .map(|&(a, b)| (a, b.min(known)))
-        .filter(|r| r.0 < r.1);
-    let mut new_runs = new
-        .visible
-        .iter()
-        .map(|&(a, b)| (a, b.min(known)))
-        .filter(|r| r.0 < r.1);
+    let (mut old_runs, mut new_runs) = (old.visible_before(known), new.visible_before(known));
     let (mut o, mut n) = (old_runs.next(), new_runs.next());
     loop {
         match (o, n) {
             (None, None) => break,
             (Some((a, b)), None) => {
-                out_known[a..b].fill(T::MASKED);
+                emit(a..b, false);
                 o = old_runs.next();
             }
             (None, Some((a, b))) => {
-                out_known[a..b].fill(T::VISIBLE);
+                emit(a..b, true);
                 n = new_runs.next();
             }
             (Some((oa, ob)), Some((na, _))) if oa < na => {
                 // Visible only before: masked now.
-                out_known[oa..ob.min(na)].fill(T::MASKED);
+                emit(oa..ob.min(na), false);
                 o = if ob <= na { old_runs.next() } else { Some((na, ob)) };
             }
             (Some((oa, _)), Some((na, nb))) if na < oa => {
                 // Visible only now.
-                out_known[na..nb.min(oa)].fill(T::VISIBLE);
+                emit(na..nb.min(oa), true);
                 n = if nb <= oa { new_runs.next() } else { Some((oa, nb)) };
             }
             (Some((_, ob)), Some((_, nb))) => {
@@ -213,18 +220,22 @@ pub(crate) fn write<T: MaskValue>(old: &Plan, new: &Plan, out: &mut [T]) {
             }
         }
     }
-    // Unknown region: write it in full, visible exactly on the new plan.
+    // Unknown region: every entry, visible exactly on the new plan.
     let mut at = known;
     for &(a, b) in &new.visible {
         if b <= known {
             continue;
         }
         let a = a.max(known);
-        out_unknown[at - known..a - known].fill(T::MASKED);
-        out_unknown[a - known..b - known].fill(T::VISIBLE);
+        if at < a {
+            emit(at..a, false);
+        }
+        emit(a..b, true);
         at = b;
     }
-    out_unknown[at - known..].fill(T::MASKED);
+    if at < new.len {
+        emit(at..new.len, false);
+    }
 }
 
 #[cfg(test)]
