@@ -50,7 +50,8 @@ pub(crate) struct MaskBuffer {
     shared: AtomicBool,
 }
 
-/// Host vectors, one per mask dtype; only the configured dtype's is ever filled.
+/// Host vectors, one per mask dtype (only the configured dtype's is ever
+/// filled): scratch for what a device's buffer is sent.
 #[derive(Debug, Default)]
 struct Host {
     f32: Vec<f32>,
@@ -142,7 +143,7 @@ impl MaskBuffer {
         let candle = candle_dtype(dtype);
         let fits = |t: &&Tensor| t.dtype() == candle && t.elem_count() >= len;
         if let Some(kept) = self.tensor.clone().as_ref().filter(fits) {
-            self.host.write(kept, &self.held, &self.next)?;
+            write(kept, &self.held, &self.next, &mut self.host)?;
             self.next.keep_tail_of(&self.held);
             std::mem::swap(&mut self.held, &mut self.next);
             return kept.narrow(0, 0, len);
@@ -156,7 +157,7 @@ impl MaskBuffer {
         // find them known and in memory already touched.
         self.next.extend_masked(room);
         let fresh = Tensor::zeros(room, candle, device)?;
-        self.host.write(&fresh, &Plan::all_visible(room), &self.next)?;
+        write(&fresh, &Plan::all_visible(room), &self.next, &mut self.host)?;
         if !reserve {
             self.tensor = Some(fresh.clone());
             std::mem::swap(&mut self.held, &mut self.next);
@@ -165,22 +166,20 @@ impl MaskBuffer {
     }
 }
 
-impl Host {
-    /// Makes the flat tensor `flat`, whose first `old.len()` entries hold the
-    /// mask `old`, hold `new` in its first `new.len()`: in place on the CPU,
-    /// through [`write_on_device`] elsewhere.
-    fn write(&mut self, flat: &Tensor, old: &Plan, new: &Plan) -> candle_core::Result<()> {
-        if flat.device().is_cpu() {
-            return flat.narrow(0, 0, new.len())?.inplace_op1(&WriteMask { old, new });
-        }
-        match flat.dtype() {
-            CandleDType::F32 => write_on_device(flat, old, new, &mut self.f32)?,
-            CandleDType::F16 => write_on_device(flat, old, new, &mut self.f16)?,
-            CandleDType::BF16 => write_on_device(flat, old, new, &mut self.bf16)?,
-            other => candle_core::bail!("mask buffer of dtype {other:?}"),
-        };
-        Ok(())
+/// Makes the flat tensor `flat`, whose first `old.len()` entries hold the mask
+/// `old`, hold `new` in its first `new.len()`: in place on the CPU, through
+/// [`write_on_device`] (with `host`'s vector of the dtype) elsewhere.
+fn write(flat: &Tensor, old: &Plan, new: &Plan, host: &mut Host) -> candle_core::Result<()> {
+    if flat.device().is_cpu() {
+        return flat.narrow(0, 0, new.len())?.inplace_op1(&WriteMask { old, new });
     }
+    match flat.dtype() {
+        CandleDType::F32 => write_on_device(flat, old, new, &mut host.f32)?,
+        CandleDType::F16 => write_on_device(flat, old, new, &mut host.f16)?,
+        CandleDType::BF16 => write_on_device(flat, old, new, &mut host.bf16)?,
+        other => candle_core::bail!("mask buffer of dtype {other:?}"),
+    };
+    Ok(())
 }
 
 /// What [`write_on_device`] sent.
@@ -194,7 +193,7 @@ enum Sent {
     Whole,
 }
 
-/// [`Host::write`] where the buffer is not host memory: the changed entries as
+/// [`write`] where the buffer is not host memory: the changed entries as
 /// u32 indices and values scattered into `flat` (6 to 8 bytes each cross the
 /// bus), or, when that would send more than the mask itself, the whole mask
 /// written into `scratch` and copied over. (It runs on any device: the tests
@@ -279,7 +278,7 @@ mod tests {
                     _ => {}
                 }
             }
-            runs.push_row(spans.into_iter());
+            runs.push_row(spans);
         }
         let mut plan = Plan::default();
         mask::plan(&runs, rows.len(), 0..width, &mut plan);
