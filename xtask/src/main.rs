@@ -47,7 +47,7 @@ Commands:
                        and benches built and packed into target/cuda-bundle/ with the
                        run.sh that runs them on a GPU machine without Rust
                        (`bash target/cuda-bundle/run.sh`); `--target-dir DIR` to build
-                       elsewhere
+                       elsewhere, `--clippy` to lint the CUDA build too
   help                 this text
 
 Downloads are cached in $KVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/kvcache-rs, else

@@ -259,7 +259,11 @@ fn main() -> Result<(), Error> {
     if modes.len() > 1 && args.server_bin.is_none() {
         return Err("--mode both needs --server-bin (a fresh server per run)".into());
     }
-    println!("{}; server --device {}", run.describe(args.e1.conversations), args.e1.device);
+    println!(
+        "{}; server --device {}",
+        run.describe(args.e1.conversations),
+        args.e1.device
+    );
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut reports = Vec::new();
     for &mode in modes {

@@ -3,12 +3,17 @@
 //!
 //! Prepares the CUDA build toolchain ([`toolchain`], cached), builds with
 //! `--features cuda` in release mode kvcache-causal's test binaries, the
-//! engine's `paged_attention` test, and the `causal` and `e8` benches, strips
-//! their debug info, and packs them with the wheel's `libcudart.so.13` and a
+//! models' `paged_attention` test, the `causal` and `e8` benches, the server
+//! and its serving drivers (`e6_e7_serving`, `e5s_serving`), and without CUDA
+//! the stand-in tool (`kvcache-models`' example `stand_in`), which makes here
+//! the skeletons of SmolLM2 and Gemma 3 (their metadata and tensor shapes and
+//! types, a few MB: the model files exceed what a device step carries; the
+//! device fills them with random weights). Strips the executables' debug info
+//! and packs them with the skeletons, the wheel's `libcudart.so.13` and a
 //! manifest into `target/cuda-bundle/bundle.tar.xz` (one solid xz stream with
-//! a large dictionary: the binaries share candle's PTX, so they compress to a
-//! few MB together). Beside it goes `run.sh` (this module's `run.sh`), which
-//! unpacks the bundle there and runs each piece with its own log and timeout.
+//! a large dictionary: the binaries share candle's PTX, so they compress well
+//! together). Beside it goes `run.sh` (this module's `run.sh`), which unpacks
+//! the bundle there and runs each piece with its own log and timeout.
 //! Carrying `target/cuda-bundle` and running `bash target/cuda-bundle/run.sh`
 //! is the whole device step. A second run with nothing changed rebuilds and
 //! repacks nothing.
@@ -45,7 +50,7 @@ struct Build {
     pick: fn(&Artifact) -> Option<String>,
 }
 
-const BUILDS: [Build; 4] = [
+const BUILDS: [Build; 6] = [
     Build {
         what: "kvcache-causal's tests",
         cargo: &[
@@ -104,6 +109,66 @@ const BUILDS: [Build; 4] = [
         ],
         pick: |a| (a.kind("bench") && a.name == "e8").then(|| "bench/e8".to_owned()),
     },
+    Build {
+        what: "the server and its serving drivers (E6/E7, E5s)",
+        cargo: &[
+            "build",
+            "--release",
+            "-p",
+            "kvcache-server",
+            "--features",
+            "cuda",
+            "--bin",
+            "kvcache-server",
+            "--example",
+            "e6_e7_serving",
+            "--example",
+            "e5s_serving",
+        ],
+        pick: |a| {
+            let wanted = ["kvcache-server", "e6_e7_serving", "e5s_serving"];
+            ((a.kind("bin") || a.kind("example")) && wanted.contains(&a.name.as_str()))
+                .then(|| format!("server/{}", a.name))
+        },
+    },
+    Build {
+        what: "the stand-in model tool (without CUDA: it also makes the skeletons here)",
+        cargo: &[
+            "build",
+            "--release",
+            "-p",
+            "kvcache-models",
+            "--example",
+            "stand_in",
+        ],
+        pick: |a| (a.kind("example") && a.name == "stand_in").then(|| STAND_IN.to_owned()),
+    },
+];
+
+/// Every executable the bundle must hold (under `bin/`), besides the causal
+/// tests (as many as the crate has).
+const REQUIRED: [&str; 7] = [
+    "models/paged_attention",
+    "bench/causal",
+    "bench/e8",
+    "server/kvcache-server",
+    "server/e6_e7_serving",
+    "server/e5s_serving",
+    STAND_IN,
+];
+
+/// The stand-in tool's place in the bundle (`kvcache-models`' example `stand_in`).
+const STAND_IN: &str = "tools/stand_in";
+
+/// The path of a model file, fetched into the cache (the argument) if need be.
+type Fetch = fn(&Path) -> Result<PathBuf>;
+
+/// The models the device serves, as skeletons (`kvcache_models::stand_in`)
+/// it fills with random weights: (file under `models/` in the bundle, the
+/// model it is made from).
+const SKELETONS: [(&str, Fetch); 2] = [
+    ("smollm2.skeleton.gguf", crate::model::ensure),
+    ("gemma3.skeleton.gguf", crate::model::gemma::ensure),
 ];
 
 /// An executable cargo reported building.
@@ -142,7 +207,10 @@ impl Artifact {
 
 /// `cargo xtask cuda-bundle [--target-dir DIR]`.
 pub fn bundle(layout: &Layout, args: &[String]) -> Result<()> {
-    let target_dir = parse_args(args)?;
+    let Args {
+        target_dir,
+        clippy: lint,
+    } = parse_args(args)?;
     for tool in ["cc", "strip", "tar", "xz", "python3"] {
         if !shell::on_path(tool) {
             bail!("cuda-bundle needs `{tool}` on PATH (Debian: apt-get install build-essential xz-utils python3-pip)");
@@ -170,20 +238,26 @@ pub fn bundle(layout: &Layout, args: &[String]) -> Result<()> {
 
     // Cargo reports fresh units in no fixed order.
     picked.sort();
+    for dest in REQUIRED {
+        if !picked.iter().any(|(d, _)| d == dest) {
+            bail!("the builds reported no executable for bin/{dest}");
+        }
+    }
+    let skeletons = skeletons(layout, &picked)?;
     let out = layout.root.join(BUNDLE_DIR);
     files::create_dir_all(&out)?;
     let archive = out.join("bundle.tar.xz");
     let run_sh = out.join("run.sh");
     let key_file = out.join(".bundle-key");
     let commit = git(&layout.root, &["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".to_owned());
-    let key = bundle_key(&picked, &toolchain, &commit)?;
+    let key = bundle_key(&picked, &skeletons, &toolchain, &commit)?;
     if archive.is_file() && std::fs::read_to_string(&key_file).is_ok_and(|k| k == key) {
         println!(
             "cuda-bundle: bundle already up to date ({} executables)",
             picked.len()
         );
     } else {
-        pack(layout, &toolchain, &picked, &commit, &archive)?;
+        pack(layout, &toolchain, &picked, &skeletons, &commit, &archive)?;
         files::write(&key_file, &key)?;
     }
     if std::fs::read_to_string(&run_sh).ok().as_deref() != Some(RUN_SH) {
@@ -209,25 +283,89 @@ pub fn bundle(layout: &Layout, args: &[String]) -> Result<()> {
         picked.len(),
         mib(carried)
     );
-    println!("cuda-bundle: on a GPU machine, from the repository root, carrying [\"{BUNDLE_DIR}\"] (timeout_s 600):");
-    println!("    bash {BUNDLE_DIR}/run.sh");
+    println!(
+        "cuda-bundle: on a GPU machine, from the repository root, carrying [\"{BUNDLE_DIR}\"] (timeout_s 600), one group a step:"
+    );
+    println!("    KVCACHE_BUNDLE_ONLY=cache bash {BUNDLE_DIR}/run.sh");
+    println!("    KVCACHE_BUNDLE_ONLY=serving bash {BUNDLE_DIR}/run.sh");
     println!(
         "cuda-bundle: logs and summary.tsv go to $OUT; without a GPU, `KVCACHE_BUNDLE_DRY_RUN=1 bash {BUNDLE_DIR}/run.sh` checks the plumbing"
     );
+    if lint {
+        clippy(layout, &toolchain, target_dir.as_deref())?;
+    }
     Ok(())
 }
 
-fn parse_args(args: &[String]) -> Result<Option<PathBuf>> {
-    match args {
-        [] => Ok(None),
-        [flag, dir] if flag == "--target-dir" => Ok(Some(PathBuf::from(dir))),
-        [flag] if flag.starts_with("--target-dir=") => {
-            Ok(Some(PathBuf::from(&flag["--target-dir=".len()..])))
+/// `cuda-bundle`'s arguments.
+#[derive(Debug, Default, PartialEq)]
+struct Args {
+    /// The cargo build directory (default: the workspace's).
+    target_dir: Option<PathBuf>,
+    /// Also run clippy (`-D warnings`) over every crate with a `cuda` feature,
+    /// built with it, after packing.
+    clippy: bool,
+}
+
+fn parse_args(args: &[String]) -> Result<Args> {
+    let mut parsed = Args::default();
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        if arg == "--clippy" {
+            parsed.clippy = true;
+        } else if arg == "--target-dir" {
+            let Some(dir) = args.next() else {
+                bail!("--target-dir needs a directory");
+            };
+            parsed.target_dir = Some(PathBuf::from(dir));
+        } else if let Some(dir) = arg.strip_prefix("--target-dir=") {
+            parsed.target_dir = Some(PathBuf::from(dir));
+        } else {
+            bail!(
+                "cuda-bundle takes `--target-dir DIR` (the cargo build directory; default the workspace's) and `--clippy`"
+            );
         }
-        _ => bail!(
-            "cuda-bundle takes only `--target-dir DIR` (the cargo build directory; default the workspace's)"
-        ),
     }
+    Ok(parsed)
+}
+
+/// The crates with a `cuda` feature, for `--clippy`.
+const CUDA_CRATES: [&str; 6] = [
+    "kvcache-causal",
+    "kvcache-models",
+    "kvcache-engine",
+    "kvcache-bench",
+    "kvcache-server",
+    "kvcache-demo",
+];
+
+/// `cargo clippy --release` (the bundle's profile: candle's kernels are not
+/// compiled again) over [`CUDA_CRATES`] with their `cuda` features, every
+/// target, warnings denied.
+fn clippy(layout: &Layout, toolchain: &toolchain::Toolchain, target_dir: Option<&Path>) -> Result<()> {
+    let mut cmd = Command::new(crate::cargo::program());
+    cmd.current_dir(&layout.root);
+    for (key, value) in toolchain.envs() {
+        cmd.env(key, value);
+    }
+    cmd.args(["clippy", "--release", "--all-targets"]);
+    for krate in CUDA_CRATES {
+        cmd.args(["-p", krate]);
+    }
+    let features: Vec<String> = CUDA_CRATES.iter().map(|k| format!("{k}/cuda")).collect();
+    cmd.args(["--features", &features.join(",")]);
+    if let Some(dir) = target_dir {
+        cmd.arg("--target-dir").arg(dir);
+    }
+    cmd.args(["--", "-D", "warnings"]);
+    let shown = shell::display(&cmd);
+    println!("$ {shown}");
+    let status = cmd.status().context(|| format!("could not start `{shown}`"))?;
+    if !status.success() {
+        bail!("`{shown}` failed ({status})");
+    }
+    println!("cuda-bundle: clippy clean with --features cuda");
+    Ok(())
 }
 
 /// Runs `cargo ARGS --message-format=json-render-diagnostics` with the CUDA
@@ -270,11 +408,38 @@ fn cargo_artifacts(
     Ok(artifacts)
 }
 
+/// The skeletons of [`SKELETONS`]' models, made by the bundle's stand-in
+/// tool under `target/xtask/cuda-skeletons/` (the models are fetched first
+/// when they are not here yet).
+fn skeletons(layout: &Layout, picked: &[(String, PathBuf)]) -> Result<Vec<(String, PathBuf)>> {
+    let Some((_, tool)) = picked.iter().find(|(dest, _)| dest == STAND_IN) else {
+        bail!("no {STAND_IN} was built");
+    };
+    let dir = layout.generated().join("cuda-skeletons");
+    files::create_dir_all(&dir)?;
+    let mut made = Vec::new();
+    for (name, model) in SKELETONS {
+        let model = model(&layout.cache)?;
+        let out = dir.join(name);
+        let mut cmd = Command::new(tool);
+        cmd.arg("skeleton").arg(&model).arg(&out);
+        println!("$ {}", shell::display(&cmd));
+        let status = cmd.status().context(|| format!("running {}", tool.display()))?;
+        if !status.success() {
+            bail!("making the skeleton of {} failed ({status})", model.display());
+        }
+        made.push((format!("models/{name}"), out));
+    }
+    Ok(made)
+}
+
 /// What the bundle is made of: the executables (path, size, modification
-/// time), the runtime library, the commit (in the manifest), how it is
-/// packed. Same key, same bundle. (run.sh is beside the bundle, not in it.)
+/// time), the skeletons (their content), the runtime library, the commit (in
+/// the manifest), how it is packed. Same key, same bundle. (run.sh is beside
+/// the bundle, not in it.)
 fn bundle_key(
     picked: &[(String, PathBuf)],
+    skeletons: &[(String, PathBuf)],
     toolchain: &toolchain::Toolchain,
     commit: &str,
 ) -> Result<String> {
@@ -291,17 +456,21 @@ fn bundle_key(
     for (dest, source) in picked {
         parts.push(format!("{dest} {}", describe(source)?));
     }
+    for (dest, source) in skeletons {
+        parts.push(format!("{dest} {}", files::sha256_file(source)?));
+    }
     parts.push(describe(&toolchain.libcudart())?);
     let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
     Ok(files::sha256_bytes(&bytes))
 }
 
-/// Stages the stripped executables, the runtime and the manifest, then packs
-/// them into `archive`.
+/// Stages the stripped executables, the skeletons, the runtime and the
+/// manifest, then packs them into `archive`.
 fn pack(
     layout: &Layout,
     toolchain: &toolchain::Toolchain,
     picked: &[(String, PathBuf)],
+    skeletons: &[(String, PathBuf)],
     commit: &str,
     archive: &Path,
 ) -> Result<()> {
@@ -329,11 +498,21 @@ fn pack(
             bail!("strip --strip-debug failed on {} ({status})", source.display());
         }
     }
+    for (dest, source) in skeletons {
+        let target = staging.join(dest);
+        if let Some(parent) = target.parent() {
+            files::create_dir_all(parent)?;
+        }
+        std::fs::copy(source, &target).context(|| format!("copying {}", source.display()))?;
+    }
     let lib = staging.join("lib");
     files::create_dir_all(&lib)?;
     std::fs::copy(toolchain.libcudart(), lib.join("libcudart.so.13"))
         .context(|| format!("copying {}", toolchain.libcudart().display()))?;
-    files::write(&staging.join("manifest.sh"), manifest(layout, picked, commit))?;
+    files::write(
+        &staging.join("manifest.sh"),
+        manifest(layout, picked, skeletons, commit),
+    )?;
 
     let partial = archive.with_extension("xz.tmp");
     let mut tar = Command::new("tar");
@@ -370,8 +549,13 @@ fn pack(
 }
 
 /// `manifest.sh`, which run.sh sources: where and from what the bundle was
-/// built, and the executables it must hold.
-fn manifest(layout: &Layout, picked: &[(String, PathBuf)], commit: &str) -> String {
+/// built, and the executables and skeletons it must hold.
+fn manifest(
+    layout: &Layout,
+    picked: &[(String, PathBuf)],
+    skeletons: &[(String, PathBuf)],
+    commit: &str,
+) -> String {
     let changed = git(&layout.root, &["status", "--porcelain"]).map(|s| s.lines().count());
     let tree = match changed {
         Some(0) => "a clean tree".to_owned(),
@@ -390,6 +574,14 @@ fn manifest(layout: &Layout, picked: &[(String, PathBuf)], commit: &str) -> Stri
         ("BUNDLE_NVCC", toolchain::CUDA_VERSION.to_owned()),
         ("BUNDLE_COMPUTE_CAP", cap),
         ("BUNDLE_BINARIES", binaries.join(" ")),
+        (
+            "BUNDLE_SKELETONS",
+            skeletons
+                .iter()
+                .map(|(dest, _)| dest.as_str())
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
     ];
     let mut text = String::from("# Written by `cargo xtask cuda-bundle`; sourced by run.sh.\n");
     for (key, value) in vars {
@@ -453,6 +645,31 @@ mod tests {
         assert_eq!(e8.executable, PathBuf::from("/t/e8-2"));
         assert_eq!((BUILDS[3].pick)(&e8).as_deref(), Some("bench/e8"));
         assert_eq!((BUILDS[2].pick)(&e8), None);
+
+        let server = r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"kvcache-server","test":true},"profile":{"test":false},"executable":"/t/kvcache-server"}"#;
+        let driver = r#"{"reason":"compiler-artifact","target":{"kind":["example"],"name":"e5s_serving","test":false},"profile":{"test":false},"executable":"/t/e5s_serving"}"#;
+        let other = r#"{"reason":"compiler-artifact","target":{"kind":["example"],"name":"e4r_routing","test":false},"profile":{"test":false},"executable":"/t/e4r_routing"}"#;
+        let tool = r#"{"reason":"compiler-artifact","target":{"kind":["example"],"name":"stand_in","test":false},"profile":{"test":false},"executable":"/t/stand_in"}"#;
+        let picks = |line: &str| -> Vec<Option<String>> {
+            let a = artifact(line).unwrap();
+            BUILDS.iter().map(|b| (b.pick)(&a)).collect()
+        };
+        let only = |index: usize, dest: &str| {
+            let mut v = vec![None; BUILDS.len()];
+            v[index] = Some(dest.to_owned());
+            v
+        };
+        assert_eq!(picks(server), only(4, "server/kvcache-server"));
+        assert_eq!(picks(driver), only(4, "server/e5s_serving"));
+        assert_eq!(picks(other), vec![None; BUILDS.len()]);
+        assert_eq!(picks(tool), only(5, STAND_IN));
+        // What is required is what some build picks.
+        for dest in REQUIRED {
+            assert!(
+                RUN_SH.contains(&format!("bin/{dest}")) || RUN_SH.contains(&format!("$BIN/{dest}")),
+                "{dest}"
+            );
+        }
     }
 
     #[test]
@@ -463,18 +680,34 @@ mod tests {
             "\"$BIN\"/causal-tests/*",
             "$BIN/bench/causal",
             "$BIN/bench/e8",
+            "$BIN/server/kvcache-server",
+            "$BIN/server/e6_e7_serving",
+            "$BIN/server/e5s_serving",
+            "$BIN/tools/stand_in",
         ] {
             assert!(RUN_SH.contains(path), "{path}");
         }
         assert!(RUN_SH.contains("lib/libcudart.so.13") && RUN_SH.contains("manifest.sh"));
+        for (name, _) in SKELETONS {
+            assert!(RUN_SH.contains(&format!("$unpack/models/{name}")), "{name}");
+        }
     }
 
     #[test]
-    fn arguments_are_only_a_target_dir() {
+    fn arguments_are_a_target_dir_and_clippy() {
         let args = |a: &[&str]| parse_args(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-        assert_eq!(args(&[]).unwrap(), None);
-        assert_eq!(args(&["--target-dir", "/t"]).unwrap(), Some(PathBuf::from("/t")));
-        assert_eq!(args(&["--target-dir=/t"]).unwrap(), Some(PathBuf::from("/t")));
+        let dir = |d: &str| Some(PathBuf::from(d));
+        assert_eq!(args(&[]).unwrap(), Args::default());
+        assert_eq!(args(&["--target-dir", "/t"]).unwrap().target_dir, dir("/t"));
+        assert_eq!(args(&["--target-dir=/t"]).unwrap().target_dir, dir("/t"));
+        assert_eq!(
+            args(&["--clippy", "--target-dir=/t"]).unwrap(),
+            Args {
+                target_dir: dir("/t"),
+                clippy: true
+            }
+        );
         assert!(args(&["--release"]).is_err());
+        assert!(args(&["--target-dir"]).is_err());
     }
 }

@@ -6,18 +6,32 @@
 #
 #   bash target/cuda-bundle/run.sh
 #
-# The pieces, most important first; each gets its own log under $OUT, a timeout, and a line in
-# $OUT/summary.tsv (piece, status, seconds, log):
+# The pieces, most important first, in two groups; each gets its own log under $OUT, a timeout,
+# and a line in $OUT/summary.tsv (piece, status, seconds, log). Group `cache`:
 #   engine-kernel      the models' CUDA paged-attention kernel against the dense reference
 #                      (paged_attention's test the_cuda_kernel_on_the_gpu...)
 #   causal-tests       kvcache-causal's test binaries with KVCACHE_DEVICE=cuda, one piece each
 #                      (causal-tests/NAME), KVCACHE_BUNDLE_JOBS of them at once
 #   causal-bench-cuda  the causal bench (W1-W6, W1b, W2c) on the GPU, KVCACHE_BENCH_RUNS=5
+#   causal-bench-cuda-paged  the same with KVCACHE_BENCH_VIEW=paged: each op reads the runs a
+#                      kernel walks (what the engine's passes read on CUDA), not the dense mask
 #   e8-cuda            E8 on SmolLM2-135M's shape with random weights on the GPU, KVCACHE_E8_RUNS=3
 #   causal-bench-cpu   the causal bench on this machine's CPU, for comparison
+# Group `serving` (the model files exceed what a device step carries: the bundle holds their
+# skeletons, metadata and tokenizer and every tensor's shape and block type, and the first piece
+# fills them with seeded random weights: same shapes, same bytes per token, answers are noise):
+#   stand-ins          SmolLM2 and Gemma 3 stand-ins in $TMPDIR/kvcache-stand-ins (tools/stand_in fill)
+#   e6-e7-cuda         E6 then E7 (e6_e7_serving --mode both) against kvcache-server --device cuda
+#                      on the SmolLM2 stand-in (default weights there: candle's quantized kernels)
+#   e5s-cuda           E5s (e5s_serving --mode both) against kvcache-server --device cuda on the
+#                      Gemma 3 stand-in
+#   e6-e7-cpu          E6 then E7 on this machine's CPU (--device cpu, its default weights), the
+#                      comparison the GPU's TTFT and tokens/s are read against
+# $OUT/results.txt collects what each serving driver reported.
 #
-# Knobs: OUT (where logs go; a new temporary folder if unset), KVCACHE_BUNDLE_ONLY (pieces to
-# run, comma-separated: the names above), KVCACHE_BUNDLE_BUDGET (seconds for all pieces
+# Knobs: OUT (where logs go; a new temporary folder if unset), KVCACHE_BUNDLE_ONLY (pieces or
+# groups to run, comma-separated: the names above; a device step of 600 s runs one group),
+# KVCACHE_BUNDLE_BUDGET (seconds for all pieces
 # together, 480: a piece that would start later is skipped, one running is cut short),
 # KVCACHE_BUNDLE_JOBS (test binaries at once, 4), KVCACHE_BUNDLE_DRY_RUN=1 (unpack, check the
 # files, print ldd and the commands, run nothing: works without a GPU), KVCACHE_REPO_ROOT (the
@@ -49,7 +63,8 @@ SUMMARY="$OUT/summary.tsv"
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 seconds() { printf '%d.%d' $(( $1 / 1000 )) $(( ($1 % 1000) / 100 )); }
-wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+# wanted PIECE GROUP: whether KVCACHE_BUNDLE_ONLY (if set) names the piece or its group.
+wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]] || [[ ",$ONLY," == *",$2,"* ]]; }
 
 # record PIECE STATUS MILLISECONDS LOG
 record() {
@@ -140,11 +155,18 @@ main() {
         "nvcc $BUNDLE_NVCC, compute capability $BUNDLE_COMPUTE_CAP"
     cp "$unpack/manifest.sh" "$OUT/manifest.sh"
 
-    # 2. Files: every binary the manifest lists, the runtime, the fixtures.
+    # 2. Files: every binary the manifest lists and every one this script runs, the skeletons,
+    #    the runtime.
     local missing=0 name
-    for name in $BUNDLE_BINARIES lib/libcudart.so.13; do
+    for name in $BUNDLE_BINARIES $BUNDLE_SKELETONS lib/libcudart.so.13 bin/models/paged_attention \
+        bin/bench/causal bin/bench/e8 bin/server/kvcache-server bin/server/e6_e7_serving \
+        bin/server/e5s_serving bin/tools/stand_in models/smollm2.skeleton.gguf \
+        models/gemma3.skeleton.gguf; do
         [ -f "$unpack/$name" ] || { echo "error: the bundle lacks $name"; missing=1; }
     done
+    ls "$BIN"/causal-tests/* > /dev/null 2>&1 || { echo "error: the bundle has no causal tests"; missing=1; }
+    # shellcheck disable=SC2086
+    echo "files: $(echo $BUNDLE_BINARIES | wc -w) executables, skeletons $BUNDLE_SKELETONS"
 
     # 3. The compile-time repository path (fixtures, snapshots) must lead to this tree.
     local build_root="$BUNDLE_BUILD_ROOT"
@@ -161,7 +183,7 @@ main() {
         echo "error: could not link $build_root -> $ROOT: fixture paths will not resolve"
         missing=1
     fi
-    for name in fixtures/causal fixtures/e1_trace.json crates/kvcache-causal/tests/snapshots; do
+    for name in fixtures/causal fixtures/e1_trace.json fixtures/e5_trace.json crates/kvcache-causal/tests/snapshots; do
         [ -e "$ROOT/$name" ] || { echo "error: the repository lacks $name"; missing=1; }
     done
     export INSTA_WORKSPACE_ROOT="$build_root"
@@ -215,11 +237,11 @@ main() {
     # 5. The pieces, most important first, under one budget.
     DEADLINE=$(( $(date +%s) + BUDGET ))
     echo "pieces: budget ${BUDGET}s"
-    if wanted engine-kernel; then
+    if wanted engine-kernel cache; then
         NEED_PASSED=1 piece engine-kernel 120 "$OUT/engine-kernel.log" kvcache-models KVCACHE_DEVICE=cuda -- \
             "$BIN/models/paged_attention" the_cuda_kernel_on_the_gpu --nocapture
     fi
-    if wanted causal-tests; then
+    if wanted causal-tests cache; then
         local test running=0
         for test in "$BIN"/causal-tests/*; do
             NEED_PASSED=1 piece "causal-tests/${test##*/}" 120 "$OUT/causal-tests/${test##*/}.log" \
@@ -232,21 +254,54 @@ main() {
         done
         wait
     fi
-    if wanted causal-bench-cuda; then
+    if wanted causal-bench-cuda cache; then
         piece causal-bench-cuda 150 "$OUT/causal-bench-cuda.log" kvcache-causal \
             KVCACHE_DEVICE=cuda KVCACHE_BENCH_RUNS=5 -- \
             "$BIN/bench/causal" --bench
     fi
-    if wanted e8-cuda; then
+    if wanted causal-bench-cuda-paged cache; then
+        piece causal-bench-cuda-paged 120 "$OUT/causal-bench-cuda-paged.log" kvcache-causal \
+            KVCACHE_DEVICE=cuda KVCACHE_BENCH_VIEW=paged KVCACHE_BENCH_RUNS=5 -- \
+            "$BIN/bench/causal" --bench
+    fi
+    if wanted e8-cuda cache; then
         piece e8-cuda 180 "$OUT/e8-cuda.log" kvcache-bench \
             KVCACHE_DEVICE=cuda KVCACHE_E8_WEIGHTS=random KVCACHE_E8_RUNS=3 -- \
             "$BIN/bench/e8" --bench
     fi
-    if wanted causal-bench-cpu; then
+    if wanted causal-bench-cpu cache; then
         piece causal-bench-cpu 60 "$OUT/causal-bench-cpu.log" kvcache-causal \
             KVCACHE_DEVICE=cpu KVCACHE_BENCH_RUNS=5 -- \
             "$BIN/bench/causal" --bench
     fi
+
+    # The serving group: stand-in models, then the drivers against servers they start.
+    # Not under $OUT: what is there comes back from the device, and these are hundreds of MB.
+    local models="${TMPDIR:-/tmp}/kvcache-stand-ins"
+    mkdir -p "$models"
+    local smollm2="$models/smollm2.gguf" gemma3="$models/gemma3.gguf"
+    if wanted stand-ins serving; then
+        piece stand-ins 150 "$OUT/stand-ins.log" kvcache-models -- bash -c \
+            "'$BIN/tools/stand_in' fill '$unpack/models/smollm2.skeleton.gguf' '$smollm2' 1 && \
+             '$BIN/tools/stand_in' fill '$unpack/models/gemma3.skeleton.gguf' '$gemma3' 1"
+    fi
+    if wanted e6-e7-cuda serving; then
+        piece e6-e7-cuda 200 "$OUT/e6-e7-cuda.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
+            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cuda
+    fi
+    if wanted e5s-cuda serving; then
+        piece e5s-cuda 150 "$OUT/e5s-cuda.log" kvcache-server -- \
+            "$BIN/server/e5s_serving" --server-bin "$BIN/server/kvcache-server" --gemma "$gemma3" \
+            --mode both --device cuda
+    fi
+    if wanted e6-e7-cpu serving; then
+        piece e6-e7-cpu 240 "$OUT/e6-e7-cpu.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
+            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cpu
+    fi
+    for name in e6-e7-cuda e5s-cuda e6-e7-cpu; do
+        [ -f "$OUT/$name.log" ] || continue
+        { echo "== $name"; grep -E '^(E[0-9]|trace|  )' "$OUT/$name.log"; echo; } >> "$OUT/results.txt"
+    done
 
     echo
     echo "summary ($SUMMARY), $(seconds $(( $(now_ms) - start_ms )))s in all:"
