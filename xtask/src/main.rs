@@ -27,9 +27,10 @@ cargo xtask <command> [args]
 
 Commands:
   test [CARGO ARGS]    prepare, then every workspace test (all targets, then doc
-                       tests), kvcache-mlx included; e.g. `-p kvcache-mlx --test mlx_link`
+                       tests), kvcache-mlx included, then xtask's own; with arguments
+                       only what they pick, e.g. `-p kvcache-mlx --test mlx_link`
   lint                 cargo fmt --check, clippy -D warnings (MLX code included),
-                       cargo doc with warnings denied
+                       cargo doc with warnings denied; fmt and clippy of xtask itself
   prepare [--model]    set up what the build needs, idempotent: on Linux the Debian
                        packages (cmake libclang-dev libopenblas-dev, and redis-server
                        for kvcache-store's tests), the mlx-cpu wheel and the patched

@@ -9,7 +9,8 @@ use crate::layout::Layout;
 use crate::prepare::{prepare, prepare_model_only, Model};
 use crate::shell;
 
-/// Every test of the workspace (all targets, then doc tests), kvcache-mlx included.
+/// Every test of the workspace (all targets, then doc tests), kvcache-mlx included,
+/// then xtask's own unless arguments narrow the run.
 /// `--no-fail-fast`: report every failing test binary, not only the first.
 pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
     let mut cargo = prepare(layout, Model::Needed)?;
@@ -40,16 +41,26 @@ pub fn test(layout: &Layout, args: &[String]) -> Result<()> {
     // need a run of their own.
     let targets = ["--lib", "--bins", "--tests", "--examples"];
     cargo.run(&chosen.command(&[&["test", "--no-fail-fast"][..], &targets[..]].concat(), args))?;
-    cargo.run(&chosen.command(&["test", "--no-fail-fast", "--doc"], args))
+    cargo.run(&chosen.command(&["test", "--no-fail-fast", "--doc"], args))?;
+    // xtask is a workspace of its own (its tests run the CUDA bundle's script, for one).
+    if args.is_empty() {
+        cargo.run_plain(&["test", "--manifest-path", XTASK_MANIFEST])?;
+    }
+    Ok(())
 }
 
-/// Formatting, clippy (with the MLX code on) and rustdoc, all warnings denied.
+/// xtask's own manifest: a workspace apart from the main one.
+const XTASK_MANIFEST: &str = "xtask/Cargo.toml";
+
+/// Formatting, clippy (with the MLX code on) and rustdoc, all warnings denied;
+/// formatting and clippy of xtask itself.
 pub fn lint(layout: &Layout, args: &[String]) -> Result<()> {
     if !args.is_empty() {
         bail!("lint takes no arguments");
     }
     let cargo = prepare(layout, Model::NotNeeded)?;
     cargo.run_plain(&["fmt", "--all", "--check"])?;
+    cargo.run_plain(&["fmt", "--manifest-path", XTASK_MANIFEST, "--check"])?;
     cargo.run(&strings(&[
         "clippy",
         "--workspace",
@@ -62,6 +73,15 @@ pub fn lint(layout: &Layout, args: &[String]) -> Result<()> {
         &strings(&["doc", "--workspace", "--no-deps"]),
         &["-D", "warnings"],
     )?;
+    cargo.run_plain(&[
+        "clippy",
+        "--manifest-path",
+        XTASK_MANIFEST,
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     Ok(())
 }
 
