@@ -13,12 +13,15 @@
 //! manifest into `target/cuda-bundle/bundle.tar.xz` (one solid xz stream with
 //! a large dictionary: the binaries share candle's PTX, so they compress well
 //! together). Beside it goes `run.sh` (this module's `run.sh`), which unpacks
-//! the bundle there and runs each piece with its own log and timeout.
-//! Carrying `target/cuda-bundle` and running `bash target/cuda-bundle/run.sh`
-//! is the whole device step. A second run with nothing changed rebuilds and
+//! the bundle there and runs each piece with its own log and timeout, all
+//! under one budget, and leaves four files under `$OUT` (a device step brings
+//! back at most eight). Carrying `target/cuda-bundle` and running
+//! `bash target/cuda-bundle/run.sh` is the whole device step. A second run with nothing changed rebuilds and
 //! repacks nothing.
 
 mod json;
+#[cfg(all(test, target_os = "linux"))]
+mod run_script_tests;
 mod toolchain;
 
 use std::io::{BufRead, BufReader};
@@ -284,12 +287,11 @@ pub fn bundle(layout: &Layout, args: &[String]) -> Result<()> {
         mib(carried)
     );
     println!(
-        "cuda-bundle: on a GPU machine, from the repository root, carrying [\"{BUNDLE_DIR}\"] (timeout_s 600), one group a step:"
+        "cuda-bundle: on a GPU machine, from the repository root, carrying [\"{BUNDLE_DIR}\"] (timeout_s 600), one step:"
     );
-    println!("    KVCACHE_BUNDLE_ONLY=cache bash {BUNDLE_DIR}/run.sh");
-    println!("    KVCACHE_BUNDLE_ONLY=serving bash {BUNDLE_DIR}/run.sh");
+    println!("    bash {BUNDLE_DIR}/run.sh");
     println!(
-        "cuda-bundle: logs and summary.tsv go to $OUT; without a GPU, `KVCACHE_BUNDLE_DRY_RUN=1 bash {BUNDLE_DIR}/run.sh` checks the plumbing"
+        "cuda-bundle: run.log, summary.tsv, results.txt and logs.tar.gz go to $OUT; without a GPU, `KVCACHE_BUNDLE_DRY_RUN=1 bash {BUNDLE_DIR}/run.sh` checks the plumbing"
     );
     if lint {
         clippy(layout, &toolchain, target_dir.as_deref())?;

@@ -6,40 +6,50 @@
 #
 #   bash target/cuda-bundle/run.sh
 #
-# The pieces, most important first, in two groups; each gets its own log under $OUT, a timeout,
-# and a line in $OUT/summary.tsv (piece, status, seconds, log). Group `cache`:
-#   engine-kernel      the models' CUDA paged-attention kernel against the dense reference
+# One command runs every piece, under one budget, in the order below: what the device's time
+# must not miss first, so that a budget cut short loses the least. Each piece gets a timeout, a
+# log and a line in $OUT/summary.tsv (piece, status, seconds, log); groups name them for reruns.
+#   engine-kernel      [cache] the models' CUDA paged-attention kernel against the dense reference
 #                      (paged_attention's test the_cuda_kernel_on_the_gpu...)
-#   causal-tests       kvcache-causal's test binaries with KVCACHE_DEVICE=cuda, one piece each
-#                      (causal-tests/NAME), KVCACHE_BUNDLE_JOBS of them at once
-#   causal-bench-cuda  the causal bench (W1-W6, W1b, W2c) on the GPU, KVCACHE_BENCH_RUNS=5
-#   causal-bench-cuda-paged  the same with KVCACHE_BENCH_VIEW=paged: each op reads the runs a
-#                      kernel walks (what the engine's passes read on CUDA), not the dense mask
-#   e8-cuda            E8 on SmolLM2-135M's shape with random weights on the GPU, KVCACHE_E8_RUNS=3
-#   causal-bench-cpu   the causal bench on this machine's CPU, for comparison
-# Group `serving` (the model files exceed what a device step carries: the bundle holds their
-# skeletons, metadata and tokenizer and every tensor's shape and block type, and the first piece
-# fills them with seeded random weights: same shapes, same bytes per token, answers are noise):
-#   stand-ins          SmolLM2 and Gemma 3 stand-ins in $TMPDIR/kvcache-stand-ins (tools/stand_in fill)
-#   e6-e7-cuda         E6 then E7 (e6_e7_serving --mode both) against kvcache-server --device cuda
-#                      on the SmolLM2 stand-in (default weights there: candle's quantized kernels)
-#   e5s-cuda           E5s (e5s_serving --mode both) against kvcache-server --device cuda on the
-#                      Gemma 3 stand-in
-#   e6-e7-cpu          E6 then E7 on this machine's CPU (--device cpu, its default weights), the
-#                      comparison the GPU's TTFT and tokens/s are read against
-# $OUT/results.txt collects what each serving driver reported.
+#   stand-ins          [serving] SmolLM2 and Gemma 3 stand-ins in $TMPDIR/kvcache-stand-ins
+#                      (tools/stand_in fill): the model files exceed what a device step carries,
+#                      so the bundle holds their skeletons (metadata, tokenizer, every tensor's
+#                      shape and block type) and this fills them with seeded random weights: same
+#                      shapes, same bytes per token, answers are noise
+#   e6-e7-cuda         [serving] E6 then E7 (e6_e7_serving --mode both) against kvcache-server
+#                      --device cuda on the SmolLM2 stand-in (its default weights there: candle's
+#                      quantized kernels)
+#   causal-bench-cuda  [cache] the causal bench (W1-W6, W1b, W2c) on the GPU, KVCACHE_BENCH_RUNS=3
+#   e8-cuda            [cache] E8 on SmolLM2-135M's shape with random weights on the GPU, f32
+#                      storage, paged and dense, KVCACHE_E8_RUNS=3
+#   e5s-cuda           [serving] E5s (e5s_serving --mode both) against kvcache-server --device cuda
+#                      on the Gemma 3 stand-in
+#   causal-tests       [cache] kvcache-causal's test binaries with KVCACHE_DEVICE=cuda, one piece
+#                      each (causal-tests/NAME), KVCACHE_BUNDLE_JOBS of them at once
+#   e6-e7-cpu          [serving] E6 then E7 on this machine's CPU (--device cpu, its default
+#                      weights), the run the GPU's TTFT and tokens/s are read against
+#   causal-bench-cpu   [cache] the causal bench on this machine's CPU, for comparison
+#   causal-bench-cuda-paged  [cache] the causal bench on the GPU with KVCACHE_BENCH_VIEW=paged:
+#                      each op reads the runs a kernel walks (what the engine's passes read on
+#                      CUDA), not the dense mask
 #
-# Knobs: OUT (where logs go; a new temporary folder if unset), KVCACHE_BUNDLE_ONLY (pieces or
-# groups to run, comma-separated: the names above; a device step of 600 s runs one group),
-# KVCACHE_BUNDLE_BUDGET (seconds for all pieces
-# together, 480: a piece that would start later is skipped, one running is cut short),
-# KVCACHE_BUNDLE_JOBS (test binaries at once, 4), KVCACHE_BUNDLE_DRY_RUN=1 (unpack, check the
+# What comes back from a device step is at most 8 files under $OUT, so $OUT holds four: run.log
+# (this script's output), summary.tsv, results.txt (what each serving driver reported) and
+# logs.tar.gz (every piece's log, nvidia-smi's and ldd's; rewritten after each piece, so a step
+# cut short still brings back what had finished).
+#
+# Knobs: OUT (a new temporary folder if unset), KVCACHE_BUNDLE_ONLY (pieces or groups to run,
+# comma-separated: the names above, `cache`, `serving`; for a rerun of what a budget cut),
+# KVCACHE_BUNDLE_BUDGET (seconds for all pieces together, 480: a piece that would start later
+# is skipped, one running is cut short; a device step's 600 s less unpacking and margin),
+# KVCACHE_BUNDLE_JOBS (test binaries at once, 8), KVCACHE_BUNDLE_DRY_RUN=1 (unpack, check the
 # files, print ldd and the commands, run nothing: works without a GPU), KVCACHE_REPO_ROOT (the
 # repository, if not two folders above this script or the current directory).
 #
 # The binaries were built in BUILD_ROOT (bundle manifest) and read fixtures there
 # (env!("CARGO_MANIFEST_DIR")): when that path is not this repository, it is made a link to it.
-# Exit status: 0 when every piece that ran passed (dry run: when every check passed).
+# Exit status: 0 when every piece ran and passed (one the budget skipped fails the run; dry run:
+# 0 when every check passed).
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -52,7 +62,7 @@ else
 fi
 DRY="${KVCACHE_BUNDLE_DRY_RUN:-0}"
 BUDGET="${KVCACHE_BUNDLE_BUDGET:-480}"
-JOBS="${KVCACHE_BUNDLE_JOBS:-4}"
+JOBS="${KVCACHE_BUNDLE_JOBS:-8}"
 ONLY="${KVCACHE_BUNDLE_ONLY:-}"
 if [ -z "${OUT:-}" ]; then
     OUT="$(mktemp -d "${TMPDIR:-/tmp}/kvcache-cuda-out.XXXXXX")"
@@ -60,6 +70,18 @@ fi
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 SUMMARY="$OUT/summary.tsv"
+# Every log is written here and packed into $OUT/logs.tar.gz (see above).
+LOGS="$(mktemp -d "${TMPDIR:-/tmp}/kvcache-cuda-logs.XXXXXX")"
+# shellcheck disable=SC2064
+trap "rm -rf '$LOGS'" EXIT
+
+# pack_logs: $OUT/logs.tar.gz anew from $LOGS (written aside, then renamed; pieces running at
+# once each call it, and a log still being written is packed as far as it goes).
+pack_logs() {
+    local partial="$OUT/logs.tar.gz.$BASHPID"
+    tar -czf "$partial" -C "$LOGS" . 2> /dev/null
+    if [ -s "$partial" ]; then mv -f "$partial" "$OUT/logs.tar.gz"; else rm -f "$partial"; fi
+}
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 seconds() { printf '%d.%d' $(( $1 / 1000 )) $(( ($1 % 1000) / 100 )); }
@@ -68,7 +90,8 @@ wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]] || [[ ",$ONLY," == *",$
 
 # record PIECE STATUS MILLISECONDS LOG
 record() {
-    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(seconds "$3")" "${4#"$OUT"/}" >> "$SUMMARY"
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(seconds "$3")" "${4#"$LOGS"/}" >> "$SUMMARY"
+    pack_logs
     printf '== %-34s %-16s %6ss\n' "$1" "$2" "$(seconds "$3")"
 }
 
@@ -144,16 +167,16 @@ main() {
     # shellcheck disable=SC2181
     if [ "$?" != 0 ]; then
         echo "error: could not unpack $HERE/bundle.tar.xz into $unpack"
-        record unpack "failed" "$(( $(now_ms) - t0 ))" "$OUT/run.log"
+        record unpack "failed" "$(( $(now_ms) - t0 ))" run.log
         return 1
     fi
-    record unpack ok "$(( $(now_ms) - t0 ))" "$OUT/run.log"
+    record unpack ok "$(( $(now_ms) - t0 ))" run.log
     BIN="$unpack/bin"
     # shellcheck disable=SC1091
     . "$unpack/manifest.sh"
     echo "bundle: built $BUNDLE_BUILT from commit $BUNDLE_COMMIT ($BUNDLE_TREE) in $BUNDLE_BUILD_ROOT;" \
         "nvcc $BUNDLE_NVCC, compute capability $BUNDLE_COMPUTE_CAP"
-    cp "$unpack/manifest.sh" "$OUT/manifest.sh"
+    cp "$unpack/manifest.sh" "$LOGS/manifest.sh"
 
     # 2. Files: every binary the manifest lists and every one this script runs, the skeletons,
     #    the runtime.
@@ -214,17 +237,17 @@ main() {
     {
         echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
         ldd "$probe"
-    } > "$OUT/ldd.log" 2>&1
+    } > "$LOGS/ldd.log" 2>&1
     echo "ldd $probe:"
-    sed 's/^/    /' "$OUT/ldd.log"
-    if grep -q 'not found' "$OUT/ldd.log"; then
-        echo "MISSING LIBRARIES: $(awk '/not found/ {printf "%s ", $1}' "$OUT/ldd.log")-- the CUDA" \
+    sed 's/^/    /' "$LOGS/ldd.log"
+    if grep -q 'not found' "$LOGS/ldd.log"; then
+        echo "MISSING LIBRARIES: $(awk '/not found/ {printf "%s ", $1}' "$LOGS/ldd.log")-- the CUDA" \
             "binaries cannot start without them (libcuda.so.1 comes with the NVIDIA driver;" \
             "libnvrtc, libcublas, libcublasLt, libcurand with the CUDA toolkit)"
         [ "$DRY" = 1 ] || ok=0
     fi
     if command -v nvidia-smi > /dev/null; then
-        nvidia-smi > "$OUT/nvidia-smi.log" 2>&1
+        nvidia-smi > "$LOGS/nvidia-smi.log" 2>&1
         nvidia-smi -L 2>&1 | head -4
     else
         echo "nvidia-smi: not on PATH"
@@ -234,17 +257,45 @@ main() {
         return 1
     fi
 
-    # 5. The pieces, most important first, under one budget.
+    # 5. The pieces, in the order the header gives, under one budget. The stand-in models are
+    #    not under $OUT or $LOGS: they are hundreds of MB.
     DEADLINE=$(( $(date +%s) + BUDGET ))
     echo "pieces: budget ${BUDGET}s"
+    local models="${TMPDIR:-/tmp}/kvcache-stand-ins"
+    local smollm2="$models/smollm2.gguf" gemma3="$models/gemma3.gguf"
+    mkdir -p "$models"
     if wanted engine-kernel cache; then
-        NEED_PASSED=1 piece engine-kernel 120 "$OUT/engine-kernel.log" kvcache-models KVCACHE_DEVICE=cuda -- \
+        NEED_PASSED=1 piece engine-kernel 60 "$LOGS/engine-kernel.log" kvcache-models KVCACHE_DEVICE=cuda -- \
             "$BIN/models/paged_attention" the_cuda_kernel_on_the_gpu --nocapture
+    fi
+    if wanted stand-ins serving; then
+        piece stand-ins 90 "$LOGS/stand-ins.log" kvcache-models -- bash -c \
+            "'$BIN/tools/stand_in' fill '$unpack/models/smollm2.skeleton.gguf' '$smollm2' 1 && \
+             '$BIN/tools/stand_in' fill '$unpack/models/gemma3.skeleton.gguf' '$gemma3' 1"
+    fi
+    if wanted e6-e7-cuda serving; then
+        piece e6-e7-cuda 180 "$LOGS/e6-e7-cuda.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
+            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cuda
+    fi
+    if wanted causal-bench-cuda cache; then
+        piece causal-bench-cuda 90 "$LOGS/causal-bench-cuda.log" kvcache-causal \
+            KVCACHE_DEVICE=cuda KVCACHE_BENCH_RUNS=3 -- \
+            "$BIN/bench/causal" --bench
+    fi
+    if wanted e8-cuda cache; then
+        piece e8-cuda 120 "$LOGS/e8-cuda.log" kvcache-bench \
+            KVCACHE_DEVICE=cuda KVCACHE_E8_WEIGHTS=random KVCACHE_E8_KV=f32 KVCACHE_E8_RUNS=3 -- \
+            "$BIN/bench/e8" --bench
+    fi
+    if wanted e5s-cuda serving; then
+        piece e5s-cuda 120 "$LOGS/e5s-cuda.log" kvcache-server -- \
+            "$BIN/server/e5s_serving" --server-bin "$BIN/server/kvcache-server" --gemma "$gemma3" \
+            --mode both --device cuda
     fi
     if wanted causal-tests cache; then
         local test running=0
         for test in "$BIN"/causal-tests/*; do
-            NEED_PASSED=1 piece "causal-tests/${test##*/}" 120 "$OUT/causal-tests/${test##*/}.log" \
+            NEED_PASSED=1 piece "causal-tests/${test##*/}" 120 "$LOGS/causal-tests/${test##*/}.log" \
                 kvcache-causal KVCACHE_DEVICE=cuda -- "$test" &
             running=$(( running + 1 ))
             if [ "$running" -ge "$JOBS" ]; then
@@ -254,54 +305,25 @@ main() {
         done
         wait
     fi
-    if wanted causal-bench-cuda cache; then
-        piece causal-bench-cuda 150 "$OUT/causal-bench-cuda.log" kvcache-causal \
-            KVCACHE_DEVICE=cuda KVCACHE_BENCH_RUNS=5 -- \
+    if wanted e6-e7-cpu serving; then
+        piece e6-e7-cpu 180 "$LOGS/e6-e7-cpu.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
+            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cpu
+    fi
+    if wanted causal-bench-cpu cache; then
+        piece causal-bench-cpu 60 "$LOGS/causal-bench-cpu.log" kvcache-causal \
+            KVCACHE_DEVICE=cpu KVCACHE_BENCH_RUNS=3 -- \
             "$BIN/bench/causal" --bench
     fi
     if wanted causal-bench-cuda-paged cache; then
-        piece causal-bench-cuda-paged 120 "$OUT/causal-bench-cuda-paged.log" kvcache-causal \
-            KVCACHE_DEVICE=cuda KVCACHE_BENCH_VIEW=paged KVCACHE_BENCH_RUNS=5 -- \
+        piece causal-bench-cuda-paged 90 "$LOGS/causal-bench-cuda-paged.log" kvcache-causal \
+            KVCACHE_DEVICE=cuda KVCACHE_BENCH_VIEW=paged KVCACHE_BENCH_RUNS=3 -- \
             "$BIN/bench/causal" --bench
-    fi
-    if wanted e8-cuda cache; then
-        piece e8-cuda 180 "$OUT/e8-cuda.log" kvcache-bench \
-            KVCACHE_DEVICE=cuda KVCACHE_E8_WEIGHTS=random KVCACHE_E8_RUNS=3 -- \
-            "$BIN/bench/e8" --bench
-    fi
-    if wanted causal-bench-cpu cache; then
-        piece causal-bench-cpu 60 "$OUT/causal-bench-cpu.log" kvcache-causal \
-            KVCACHE_DEVICE=cpu KVCACHE_BENCH_RUNS=5 -- \
-            "$BIN/bench/causal" --bench
-    fi
-
-    # The serving group: stand-in models, then the drivers against servers they start.
-    # Not under $OUT: what is there comes back from the device, and these are hundreds of MB.
-    local models="${TMPDIR:-/tmp}/kvcache-stand-ins"
-    mkdir -p "$models"
-    local smollm2="$models/smollm2.gguf" gemma3="$models/gemma3.gguf"
-    if wanted stand-ins serving; then
-        piece stand-ins 150 "$OUT/stand-ins.log" kvcache-models -- bash -c \
-            "'$BIN/tools/stand_in' fill '$unpack/models/smollm2.skeleton.gguf' '$smollm2' 1 && \
-             '$BIN/tools/stand_in' fill '$unpack/models/gemma3.skeleton.gguf' '$gemma3' 1"
-    fi
-    if wanted e6-e7-cuda serving; then
-        piece e6-e7-cuda 200 "$OUT/e6-e7-cuda.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
-            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cuda
-    fi
-    if wanted e5s-cuda serving; then
-        piece e5s-cuda 150 "$OUT/e5s-cuda.log" kvcache-server -- \
-            "$BIN/server/e5s_serving" --server-bin "$BIN/server/kvcache-server" --gemma "$gemma3" \
-            --mode both --device cuda
-    fi
-    if wanted e6-e7-cpu serving; then
-        piece e6-e7-cpu 240 "$OUT/e6-e7-cpu.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
-            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cpu
     fi
     for name in e6-e7-cuda e5s-cuda e6-e7-cpu; do
-        [ -f "$OUT/$name.log" ] || continue
-        { echo "== $name"; grep -E '^(E[0-9]|trace|  )' "$OUT/$name.log"; echo; } >> "$OUT/results.txt"
+        [ -f "$LOGS/$name.log" ] || continue
+        { echo "== $name"; grep -E '^(E[0-9]|trace|  )' "$LOGS/$name.log"; echo; } >> "$OUT/results.txt"
     done
+    pack_logs
 
     echo
     echo "summary ($SUMMARY), $(seconds $(( $(now_ms) - start_ms )))s in all:"
