@@ -264,6 +264,18 @@ main() {
     local models="${TMPDIR:-/tmp}/kvcache-stand-ins"
     local smollm2="$models/smollm2.gguf" gemma3="$models/gemma3.gguf"
     mkdir -p "$models"
+    # e6_e7 DEVICE LIMIT: E6 then E7 against kvcache-server --device DEVICE, SmolLM2 stand-in.
+    e6_e7() {
+        piece "e6-e7-$1" "$2" "$LOGS/e6-e7-$1.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
+            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device "$1"
+    }
+    # causal_bench NAME LIMIT [VAR=VALUE...]: the causal bench (W1-W6, W1b, W2c), 3 runs.
+    causal_bench() {
+        local name="$1" limit="$2"
+        shift 2
+        piece "$name" "$limit" "$LOGS/$name.log" kvcache-causal KVCACHE_BENCH_RUNS=3 "$@" -- \
+            "$BIN/bench/causal" --bench
+    }
     if wanted engine-kernel cache; then
         NEED_PASSED=1 piece engine-kernel 60 "$LOGS/engine-kernel.log" kvcache-models KVCACHE_DEVICE=cuda -- \
             "$BIN/models/paged_attention" the_cuda_kernel_on_the_gpu --nocapture
@@ -274,13 +286,10 @@ main() {
              '$BIN/tools/stand_in' fill '$unpack/models/gemma3.skeleton.gguf' '$gemma3' 1"
     fi
     if wanted e6-e7-cuda serving; then
-        piece e6-e7-cuda 180 "$LOGS/e6-e7-cuda.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
-            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cuda
+        e6_e7 cuda 180
     fi
     if wanted causal-bench-cuda cache; then
-        piece causal-bench-cuda 90 "$LOGS/causal-bench-cuda.log" kvcache-causal \
-            KVCACHE_DEVICE=cuda KVCACHE_BENCH_RUNS=3 -- \
-            "$BIN/bench/causal" --bench
+        causal_bench causal-bench-cuda 90 KVCACHE_DEVICE=cuda
     fi
     if wanted e8-cuda cache; then
         piece e8-cuda 120 "$LOGS/e8-cuda.log" kvcache-bench \
@@ -306,18 +315,13 @@ main() {
         wait
     fi
     if wanted e6-e7-cpu serving; then
-        piece e6-e7-cpu 180 "$LOGS/e6-e7-cpu.log" kvcache-server RUST_LOG=warn KVCACHE_MODEL="$smollm2" -- \
-            "$BIN/server/e6_e7_serving" --server-bin "$BIN/server/kvcache-server" --mode both --device cpu
+        e6_e7 cpu 180
     fi
     if wanted causal-bench-cpu cache; then
-        piece causal-bench-cpu 60 "$LOGS/causal-bench-cpu.log" kvcache-causal \
-            KVCACHE_DEVICE=cpu KVCACHE_BENCH_RUNS=3 -- \
-            "$BIN/bench/causal" --bench
+        causal_bench causal-bench-cpu 60 KVCACHE_DEVICE=cpu
     fi
     if wanted causal-bench-cuda-paged cache; then
-        piece causal-bench-cuda-paged 90 "$LOGS/causal-bench-cuda-paged.log" kvcache-causal \
-            KVCACHE_DEVICE=cuda KVCACHE_BENCH_VIEW=paged KVCACHE_BENCH_RUNS=3 -- \
-            "$BIN/bench/causal" --bench
+        causal_bench causal-bench-cuda-paged 90 KVCACHE_DEVICE=cuda KVCACHE_BENCH_VIEW=paged
     fi
     for name in e6-e7-cuda e5s-cuda e6-e7-cpu; do
         [ -f "$LOGS/$name.log" ] || continue

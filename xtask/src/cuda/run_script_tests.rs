@@ -47,7 +47,10 @@ fn program(path: &Path, body: &str) {
 /// (or the one failing exits), the rest print the lines the drivers print, the
 /// stand-in tool copies the skeleton to the model path.
 fn body(dest: &str) -> String {
-    let say = format!("echo \"{dest} in $PWD device=$KVCACHE_DEVICE args: $*\"");
+    let say = format!(
+        "echo \"{dest} in $PWD device=$KVCACHE_DEVICE args: $*\"\n\
+         echo \"view=$KVCACHE_BENCH_VIEW runs=$KVCACHE_BENCH_RUNS\""
+    );
     match dest {
         "tools/stand_in" => format!("{say}\n[ \"$1\" = fill ] && cp \"$2\" \"$3\""),
         "server/e6_e7_serving" | "server/e5s_serving" => {
@@ -252,9 +255,11 @@ fn every_piece_runs_in_order_and_four_files_come_back() {
         "{kernel}"
     );
     let cpu = read_log("causal-bench-cpu.log");
+    assert!(cpu.contains("device=cpu args: --bench\nview= runs=3"), "{cpu}");
+    let paged = read_log("causal-bench-cuda-paged.log");
     assert!(
-        cpu.contains("bench/causal in") && cpu.contains("device=cpu args: --bench"),
-        "{cpu}"
+        paged.contains("device=cuda args: --bench\nview=paged runs=3"),
+        "{paged}"
     );
 
     // Each piece got its device, its model and its crate folder.
