@@ -252,6 +252,7 @@ main() {
     else
         echo "nvidia-smi: not on PATH"
     fi
+    pack_logs
     if [ "$missing" = 1 ]; then
         echo "error: files are missing (above); running nothing"
         return 1
@@ -327,7 +328,6 @@ main() {
         [ -f "$LOGS/$name.log" ] || continue
         { echo "== $name"; grep -E '^(E[0-9]|trace|  )' "$LOGS/$name.log"; echo; } >> "$OUT/results.txt"
     done
-    pack_logs
 
     echo
     echo "summary ($SUMMARY), $(seconds $(( $(now_ms) - start_ms )))s in all:"

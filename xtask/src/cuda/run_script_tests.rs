@@ -54,7 +54,7 @@ fn body(dest: &str) -> String {
     match dest {
         "tools/stand_in" => format!("{say}\n[ \"$1\" = fill ] && cp \"$2\" \"$3\""),
         "server/e6_e7_serving" | "server/e5s_serving" => {
-            format!("{say}\necho \"E6 evaluated 10 / 10 (1.0000x) $*\"")
+            format!("{say}\necho \"E6 evaluated 10 / 10 (1.0000x) $* model=$KVCACHE_MODEL\"")
         }
         d if d.starts_with("causal-tests/") && d.ends_with(FAILING.0) => {
             format!(
@@ -267,13 +267,13 @@ fn every_piece_runs_in_order_and_four_files_come_back() {
     let stand_ins = tmp.join("kvcache-stand-ins");
     let smollm2 = stand_ins.join("smollm2.gguf");
     for (driver, device, model) in [
-        ("e6-e7-cuda", "cuda", format!("{}", smollm2.display())),
+        ("e6-e7-cuda", "cuda", format!("model={}", smollm2.display())),
         (
             "e5s-cuda",
             "cuda",
             format!("--gemma {}", stand_ins.join("gemma3.gguf").display()),
         ),
-        ("e6-e7-cpu", "cpu", format!("{}", smollm2.display())),
+        ("e6-e7-cpu", "cpu", format!("model={}", smollm2.display())),
     ] {
         let section = results
             .split("== ")
@@ -284,9 +284,7 @@ fn every_piece_runs_in_order_and_four_files_come_back() {
             "{section}"
         );
         assert!(section.contains("E6 evaluated 10 / 10"), "{section}");
-        if driver == "e5s-cuda" {
-            assert!(section.contains(&model), "{section}");
-        }
+        assert!(section.contains(&model), "{section}");
     }
     let run_log = std::fs::read_to_string(out.join("run.log")).unwrap();
     assert!(
