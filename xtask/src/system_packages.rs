@@ -78,7 +78,8 @@ fn missing_packages() -> Vec<&'static str> {
         .into_iter()
         .filter(|name| !dpkg_installed(name))
         .collect();
-    // The mlx-c build needs a C++ compiler; prepare needs pip for the wheels.
+    // The mlx-c and libzmq (kvcache-events) builds need a C++ compiler;
+    // prepare needs pip for the wheels.
     if !shell::on_path("c++") && !dpkg_installed("g++") {
         missing.push("g++");
     }

@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 use kvcache_api::events::{KvEvent, KvEventSink, Medium};
 use kvcache_api::Namespace;
 use kvcache_events::{ZmqPublisher, ZmqPublisherConfig};
-use zeromq::{Socket, SocketRecv, SubSocket};
 
 fn batch(i: u64) -> Vec<KvEvent> {
     vec![KvEvent::BlockStored {
@@ -39,20 +38,15 @@ fn fast_subscriber(endpoint: String, stop: Arc<AtomicBool>) -> (Arc<AtomicU64>, 
     let received = Arc::new(AtomicU64::new(0));
     let count = received.clone();
     let thread = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let mut sub = SubSocket::new();
-            sub.subscribe("").await.unwrap();
-            sub.connect(&endpoint).await.unwrap();
-            while !stop.load(Ordering::Relaxed) {
-                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(100), sub.recv()).await {
-                    count.fetch_add(1, Ordering::Relaxed);
-                }
+        let sub = zmq::Context::new().socket(zmq::SUB).unwrap();
+        sub.set_rcvtimeo(100).unwrap();
+        sub.set_subscribe(b"").unwrap();
+        sub.connect(&endpoint).unwrap();
+        while !stop.load(Ordering::Relaxed) {
+            if sub.recv_multipart(0).is_ok() {
+                count.fetch_add(1, Ordering::Relaxed);
             }
-        });
+        }
     });
     (received, thread)
 }

@@ -1,15 +1,13 @@
-//! [`ZmqPublisher`]: a [`KvEventSink`] that binds a ZMQ PUB socket and sends
+//! [`ZmqPublisher`]: a [`KvEventSink`] that binds a ZMQ XPUB socket and sends
 //! each batch as vLLM's `ZmqEventPublisher` does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, SyncSender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures_util::{Stream, StreamExt};
 use kvcache_api::events::{KvEvent, KvEventSink};
-use zeromq::{PubSocket, Socket, SocketEvent, SocketSend, ZmqMessage};
 
 use crate::wire::encode_batch;
 
@@ -24,7 +22,7 @@ pub enum EventsError {
         /// What ZMQ said.
         reason: String,
     },
-    /// The sending thread or its runtime could not start.
+    /// The sending thread could not start.
     #[error("cannot start the KV events thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -52,14 +50,14 @@ pub struct ZmqPublisherConfig {
     /// first) until the numbers passed the old ones. Set 0 for vLLM's.
     pub first_sequence: u64,
     /// How long the sending thread holds the first batch (and what is queued
-    /// behind it) for a subscriber to connect, after `bind`. What a PUB
-    /// socket sends before a subscriber has connected and subscribed is lost,
-    /// and a router's subscriber reconnects to a restarted engine only after
-    /// the socket is bound again (Dynamo's within a second or two): sending
+    /// behind it) for a subscriber to subscribe, after `bind`. What a PUB
+    /// socket sends before a subscription has arrived is lost, and a
+    /// router's subscriber reconnects to a restarted engine only after the
+    /// socket is bound again (Dynamo's within a second or two): sending
     /// `AllBlocksCleared` at once would reach nobody. The batches go out as
-    /// soon as one subscriber has connected (and 100 ms for its subscription
-    /// to arrive), or when this has passed without one. `publish` never
-    /// waits for it; the queue takes what comes meanwhile.
+    /// soon as the first subscription arrives, or when this has passed
+    /// without one. `publish` never waits for it; the queue takes what comes
+    /// meanwhile.
     pub startup_wait: Duration,
 }
 
@@ -97,15 +95,22 @@ struct Counters {
     sent: AtomicU64,
 }
 
-/// Publishes KV events on a ZMQ PUB socket in vLLM's wire format.
+/// Publishes KV events on a ZMQ socket in vLLM's wire format.
 ///
 /// Each [`publish`](KvEventSink::publish) call is one batch: `[topic,
 /// sequence number (8 bytes, big-endian), msgpack KVEventBatch]`, three
 /// frames, as vLLM's `ZmqEventPublisher` sends them, one sequence number per
 /// batch. The first batch is `AllBlocksCleared`, sent once a subscriber has
-/// connected (see [`ZmqPublisherConfig::startup_wait`]): a restarted engine
+/// subscribed (see [`ZmqPublisherConfig::startup_wait`]): a restarted engine
 /// holds nothing, and a router that remembers its old blocks forgets them
 /// without any replay.
+///
+/// The socket is libzmq's (the library vLLM publishes with, through pyzmq),
+/// an XPUB: a PUB that also reports subscriptions, so the first batch waits
+/// for a real one. libzmq keeps each subscriber's connection alive the ZMTP
+/// 3.1 way: it answers the heartbeats a subscriber sends (Dynamo's send one
+/// every 5 s), so a router never loses the batches sent while it would
+/// otherwise be reconnecting.
 ///
 /// Nothing here waits for a subscriber. `publish` timestamps the batch,
 /// numbers it and puts it on a bounded queue (`try_send`, under a lock held
@@ -114,16 +119,11 @@ struct Counters {
 /// ([`dropped`](Self::dropped)), and its sequence number stays unused, so a
 /// subscriber sees the gap (Dynamo logs it) instead of silently missing
 /// blocks. A thread of the publisher's own polls the queue every
-/// millisecond, encodes and sends; the socket (the pure-Rust `zeromq` crate)
-/// hands each message to every subscriber's queue without waiting and drops
-/// it for a subscriber whose queue is full (ZMTP's rule for PUB; that queue
-/// holds about 128 KiB beyond the kernel's socket buffers), so a stalled or
-/// vanished subscriber costs neither the engine nor the other subscribers
-/// anything.
-///
-/// One caveat of that socket: a message that a subscriber's socket buffer
-/// could take only in part is finished by the next message sent to it. A
-/// subscriber that keeps up never meets it.
+/// millisecond, encodes and hands each batch to the socket, which queues it
+/// for every subscriber without waiting and drops it for one whose queue
+/// holds 1,000 batches already (ZMTP's rule for PUB), so a
+/// stalled or vanished subscriber costs neither the engine nor the other
+/// subscribers anything.
 #[derive(Debug)]
 pub struct ZmqPublisher {
     queue: Option<SyncSender<Queued>>,
@@ -135,22 +135,31 @@ pub struct ZmqPublisher {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Batches the socket queues for one subscriber before it drops for that
+/// subscriber (libzmq's send high-water mark, its default).
+const SUBSCRIBER_QUEUE: i32 = 1000;
+
+/// How long dropping the publisher lets batches already handed to the
+/// socket go out (libzmq's linger); a subscriber that does not take them
+/// costs the drop this much at most.
+const LINGER: Duration = Duration::from_millis(500);
+
 impl ZmqPublisher {
     /// Binds `config.endpoint` and starts the sending thread; the first batch,
     /// `AllBlocksCleared`, is queued before this returns.
     pub fn bind(config: ZmqPublisherConfig) -> Result<Self, EventsError> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let mut socket = PubSocket::new();
-        let monitor = socket.monitor();
-        let endpoint = runtime
-            .block_on(socket.bind(&config.endpoint))
-            .map_err(|e| EventsError::Bind {
-                endpoint: config.endpoint.clone(),
-                reason: e.to_string(),
-            })?
-            .to_string();
+        let bind_error = |e: zmq::Error| EventsError::Bind {
+            endpoint: config.endpoint.clone(),
+            reason: e.to_string(),
+        };
+        let socket = zmq::Context::new().socket(zmq::XPUB).map_err(bind_error)?;
+        socket.set_sndhwm(SUBSCRIBER_QUEUE).map_err(bind_error)?;
+        socket.set_linger(LINGER.as_millis() as i32).map_err(bind_error)?;
+        socket.bind(&config.endpoint).map_err(bind_error)?;
+        let endpoint = match socket.get_last_endpoint().map_err(bind_error)? {
+            Ok(bound) => bound,
+            Err(_) => config.endpoint.clone(),
+        };
         let (queue, receiver) = mpsc::sync_channel(config.queue_batches.max(1));
         let counters = Arc::new(Counters::default());
         let sender = Sender {
@@ -159,13 +168,12 @@ impl ZmqPublisher {
             rank: config.data_parallel_rank,
             counters: counters.clone(),
         };
+        let startup_wait = config.startup_wait;
         let thread = std::thread::Builder::new()
             .name("kv-events".into())
             .spawn(move || {
-                runtime.block_on(async move {
-                    first_subscriber(monitor, config.startup_wait).await;
-                    sender.run(receiver).await
-                })
+                sender.await_subscription(startup_wait);
+                sender.run(receiver);
             })?;
         let publisher = ZmqPublisher {
             queue: Some(queue),
@@ -211,7 +219,8 @@ impl KvEventSink for ZmqPublisher {
 }
 
 impl Drop for ZmqPublisher {
-    /// Sends what is queued (never waiting for subscribers), then stops.
+    /// Sends what is queued (giving it half a second to leave, never waiting
+    /// longer for subscribers), then stops.
     fn drop(&mut self) {
         drop(self.queue.take());
         if let Some(thread) = self.thread.take() {
@@ -220,63 +229,82 @@ impl Drop for ZmqPublisher {
     }
 }
 
-/// Waits until a subscriber has connected (and its subscription had time
-/// to arrive) or `wait` has passed.
-async fn first_subscriber(mut monitor: impl Stream<Item = SocketEvent> + Unpin, wait: Duration) {
-    let accepted = async {
-        while let Some(event) = monitor.next().await {
-            if let SocketEvent::Accepted(..) = event {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                return;
-            }
-        }
-    };
-    let _ = tokio::time::timeout(wait, accepted).await;
-}
-
 /// How often the sending thread looks for batches when it found none: a
 /// batch waits at most this long (plus the timer's slack) to be sent.
 const POLL: Duration = Duration::from_millis(1);
 
-/// The sending thread's state.
+/// The sending thread's state: it alone touches the socket.
 struct Sender {
-    socket: PubSocket,
+    socket: zmq::Socket,
     topic: Vec<u8>,
     rank: i32,
     counters: Arc<Counters>,
 }
 
 impl Sender {
+    /// Waits until a subscription arrives or `wait` has passed. An XPUB
+    /// hands each new subscription up as a message (`0x01`, then the
+    /// topic) once it is in effect, so what is sent after it reaches that
+    /// subscriber.
+    fn await_subscription(&self, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let millis = left.as_millis().clamp(1, i64::MAX as u128) as i64;
+            match self.socket.poll(zmq::POLLIN, millis) {
+                Ok(0) => {}
+                Ok(_) => {
+                    if self.read_subscriptions() > 0 {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "KV events: polling for subscribers failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads the subscription changes the socket has queued (they would
+    /// otherwise pile up); returns how many were subscriptions.
+    fn read_subscriptions(&self) -> usize {
+        let mut subscribed = 0;
+        while let Ok(message) = self.socket.recv_bytes(zmq::DONTWAIT) {
+            if message.first() == Some(&1) {
+                subscribed += 1;
+            }
+        }
+        subscribed
+    }
+
     /// Sends what is queued, in order, until the publisher is dropped. The
     /// queue is polled every [`POLL`] rather than waited on: a thread parked on
     /// it would have to be woken by `publish`, a system call (about 6 us where
     /// a `try_send` alone takes 0.1 us).
-    async fn run(mut self, queue: mpsc::Receiver<Queued>) {
-        let mut sent: u64 = 0;
+    fn run(&self, queue: Receiver<Queued>) {
         loop {
-            // Let the socket's own tasks (accepting, subscriptions) run
-            // between batches of a long queue.
-            if sent % 64 == 63 {
-                tokio::task::yield_now().await;
-            }
-            let batch = match queue.try_recv() {
-                Ok(batch) => batch,
+            match queue.try_recv() {
+                Ok(batch) => self.send(&batch),
                 Err(TryRecvError::Empty) => {
-                    tokio::time::sleep(POLL).await;
-                    continue;
+                    self.read_subscriptions();
+                    std::thread::sleep(POLL);
                 }
-                Err(TryRecvError::Disconnected) => break,
-            };
-            let payload = encode_batch(batch.ts, &batch.events, Some(self.rank));
-            let mut message = ZmqMessage::from(self.topic.clone());
-            message.push_back(batch.sequence.to_be_bytes().to_vec().into());
-            message.push_back(payload.into());
-            if let Err(error) = self.socket.send(message).await {
-                tracing::warn!(%error, "KV events: send failed; batch lost");
+                Err(TryRecvError::Disconnected) => return,
             }
-            self.counters.sent.fetch_add(1, Ordering::Relaxed);
-            sent += 1;
         }
-        let _ = self.socket.close().await;
+    }
+
+    /// Hands one batch to the socket: three frames, never waiting.
+    fn send(&self, batch: &Queued) {
+        let payload = encode_batch(batch.ts, &batch.events, Some(self.rank));
+        let frames: [&[u8]; 3] = [&self.topic, &batch.sequence.to_be_bytes(), &payload];
+        if let Err(error) = self.socket.send_multipart(frames, zmq::DONTWAIT) {
+            tracing::warn!(%error, "KV events: send failed; batch lost");
+        }
+        self.counters.sent.fetch_add(1, Ordering::Relaxed);
     }
 }

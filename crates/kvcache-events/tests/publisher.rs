@@ -1,6 +1,7 @@
-//! The publisher on real sockets: a Rust SUB receives `[topic, sequence,
-//! batch]` frames in order, and `publish` never waits, with no subscriber or
-//! with one that stopped reading.
+//! The publisher on real sockets: a libzmq SUB receives `[topic, sequence,
+//! batch]` frames in order, one that sends ZMTP heartbeats (as Dynamo's
+//! does) stays connected and misses nothing, and `publish` never waits, with
+//! no subscriber or with one that stopped reading.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -8,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use kvcache_api::events::{KvEvent, KvEventSink, Medium};
 use kvcache_events::{encode_batch, ZmqPublisher, ZmqPublisherConfig};
-use zeromq::{Socket, SocketRecv, SubSocket};
 
 fn removed(hash: u64) -> Vec<KvEvent> {
     vec![KvEvent::BlockRemoved {
@@ -20,6 +20,46 @@ fn removed(hash: u64) -> Vec<KvEvent> {
 /// The payload less its timestamp (`[`, float64): what identifies a batch.
 fn body(payload: &[u8]) -> &[u8] {
     &payload[10..]
+}
+
+/// A libzmq SUB on `endpoint` subscribed to `topic`, waiting at most
+/// `timeout` for each message.
+fn subscriber(endpoint: &str, topic: &[u8], timeout: Duration) -> zmq::Socket {
+    let sub = zmq::Context::new().socket(zmq::SUB).unwrap();
+    sub.set_rcvtimeo(timeout.as_millis() as i32).unwrap();
+    sub.set_linger(0).unwrap();
+    sub.set_subscribe(topic).unwrap();
+    sub.connect(endpoint).unwrap();
+    sub
+}
+
+/// The next message's frames, or `None` when none came within the socket's
+/// timeout.
+fn next(sub: &zmq::Socket) -> Option<Vec<Vec<u8>>> {
+    sub.recv_multipart(0).ok()
+}
+
+/// A message's sequence number.
+fn sequence(message: &[Vec<u8>]) -> u64 {
+    u64::from_be_bytes(message[1][..].try_into().unwrap())
+}
+
+/// Publishes probes until one reaches `sub` (PUB/SUB: what is sent before
+/// the subscription arrives is lost), then drains what is still in flight.
+fn probe_until_subscribed(publisher: &ZmqPublisher, sub: &zmq::Socket) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let probe = encode_batch(0.0, &removed(u64::MAX), Some(0));
+    loop {
+        assert!(Instant::now() < deadline, "no probe arrived");
+        publisher.publish(removed(u64::MAX));
+        if let Some(m) = next(sub) {
+            if body(&m[2]) == body(&probe) {
+                break;
+            }
+        }
+    }
+    sub.set_rcvtimeo(200).unwrap();
+    while next(sub).is_some() {}
 }
 
 fn publisher(first_sequence: u64, queue_batches: usize) -> ZmqPublisher {
@@ -34,55 +74,29 @@ fn publisher(first_sequence: u64, queue_batches: usize) -> ZmqPublisher {
 #[test]
 fn a_subscriber_gets_three_frames_with_consecutive_sequence_numbers() {
     let publisher = publisher(1_000, 1024);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let mut sub = SubSocket::new();
-        sub.subscribe("kv").await.unwrap();
-        sub.connect(publisher.endpoint()).await.unwrap();
-        // PUB/SUB: what is sent before the subscription arrives is lost. Probe
-        // until one gets through (the first batch, AllBlocksCleared, was sent
-        // before anyone connected).
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let probe = encode_batch(0.0, &removed(u64::MAX), Some(0));
-        loop {
-            assert!(Instant::now() < deadline, "no probe arrived");
-            publisher.publish(removed(u64::MAX));
-            if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(100), sub.recv()).await {
-                if body(m.get(2).unwrap()) == body(&probe) {
-                    break;
-                }
-            }
-        }
-        // Drain any probes still in flight.
-        while let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {}
+    let sub = subscriber(publisher.endpoint(), b"kv", Duration::from_millis(100));
+    probe_until_subscribed(&publisher, &sub);
+    sub.set_rcvtimeo(5_000).unwrap();
 
-        let mut sequences = Vec::new();
-        for hash in 0..50 {
-            publisher.publish(removed(hash));
-        }
-        for hash in 0..50 {
-            let message = tokio::time::timeout(Duration::from_secs(5), sub.recv())
-                .await
-                .expect("batch within 5 s")
-                .unwrap();
-            assert_eq!(message.len(), 3);
-            assert_eq!(&message.get(0).unwrap()[..], b"kv");
-            let seq = message.get(1).unwrap();
-            assert_eq!(seq.len(), 8);
-            sequences.push(u64::from_be_bytes(seq[..].try_into().unwrap()));
-            let payload = message.get(2).unwrap();
-            assert_eq!(payload[..2], [0x93, 0xcb]);
-            assert_eq!(body(payload), body(&encode_batch(0.0, &removed(hash), Some(0))));
-        }
-        assert!(sequences[0] > 1_000, "the probes and the first batch came before");
-        assert!(
-            sequences.windows(2).all(|w| w[1] == w[0] + 1),
-            "one number per batch, in order: {sequences:?}"
-        );
-    });
+    let mut sequences = Vec::new();
+    for hash in 0..50 {
+        publisher.publish(removed(hash));
+    }
+    for hash in 0..50 {
+        let message = next(&sub).expect("batch within 5 s");
+        assert_eq!(message.len(), 3);
+        assert_eq!(&message[0][..], b"kv");
+        assert_eq!(message[1].len(), 8);
+        sequences.push(sequence(&message));
+        let payload = &message[2];
+        assert_eq!(payload[..2], [0x93, 0xcb]);
+        assert_eq!(body(payload), body(&encode_batch(0.0, &removed(hash), Some(0))));
+    }
+    assert!(sequences[0] > 1_000, "the probes and the first batch came before");
+    assert!(
+        sequences.windows(2).all(|w| w[1] == w[0] + 1),
+        "one number per batch, in order: {sequences:?}"
+    );
     assert_eq!(publisher.dropped(), 0);
 }
 
@@ -100,27 +114,50 @@ fn the_first_batch_clears_everything_and_waits_for_a_subscriber() {
         0,
         "nothing goes out before a subscriber connects"
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let mut sub = SubSocket::new();
-        sub.subscribe("").await.unwrap();
-        sub.connect(publisher.endpoint()).await.unwrap();
-        let mut got = Vec::new();
-        for _ in 0..2 {
-            let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
-                .await
-                .expect("the held batches arrive")
-                .unwrap();
-            let seq = u64::from_be_bytes(m.get(1).unwrap()[..].try_into().unwrap());
-            got.push((seq, body(m.get(2).unwrap()).to_vec()));
-        }
-        let cleared = encode_batch(0.0, &[KvEvent::AllBlocksCleared], Some(0));
-        let first = encode_batch(0.0, &removed(1), Some(0));
-        assert_eq!(got, [(7, body(&cleared).to_vec()), (8, body(&first).to_vec())]);
-    });
+    let sub = subscriber(publisher.endpoint(), b"", Duration::from_secs(10));
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let m = next(&sub).expect("the held batches arrive");
+        got.push((sequence(&m), body(&m[2]).to_vec()));
+    }
+    let cleared = encode_batch(0.0, &[KvEvent::AllBlocksCleared], Some(0));
+    let first = encode_batch(0.0, &removed(1), Some(0));
+    assert_eq!(got, [(7, body(&cleared).to_vec()), (8, body(&first).to_vec())]);
+}
+
+/// Dynamo's subscriber (libzmq) sends a ZMTP PING every 5 s and expects a
+/// PONG; a publisher that cannot answer loses it, and every batch sent while
+/// it reconnects. Here it pings every 50 ms, for about forty pings, and
+/// must get every batch.
+#[test]
+fn a_subscriber_that_sends_heartbeats_stays_connected_and_misses_nothing() {
+    let publisher = publisher(0, 1024);
+    let sub = zmq::Context::new().socket(zmq::SUB).unwrap();
+    sub.set_heartbeat_ivl(50).unwrap();
+    sub.set_heartbeat_timeout(500).unwrap();
+    sub.set_reconnect_ivl(10).unwrap();
+    sub.set_rcvtimeo(100).unwrap();
+    sub.set_linger(0).unwrap();
+    sub.set_subscribe(b"").unwrap();
+    sub.connect(publisher.endpoint()).unwrap();
+    probe_until_subscribed(&publisher, &sub);
+    sub.set_rcvtimeo(5_000).unwrap();
+
+    let mut sequences = Vec::new();
+    for hash in 0..40 {
+        publisher.publish(removed(hash));
+        let message = next(&sub).expect("every batch arrives");
+        assert_eq!(
+            body(&message[2]),
+            body(&encode_batch(0.0, &removed(hash), Some(0)))
+        );
+        sequences.push(sequence(&message));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        sequences.windows(2).all(|w| w[1] == w[0] + 1),
+        "no batch lost between heartbeats: {sequences:?}"
+    );
 }
 
 /// Publishes `n` batches of about 4 KiB and returns the slowest call.
@@ -252,25 +289,13 @@ fn a_batch_dropped_at_the_queue_leaves_a_gap_in_the_numbers() {
     publisher.publish(removed(1));
     publisher.publish(removed(2));
     assert_eq!(publisher.dropped(), 2);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let mut sub = SubSocket::new();
-        sub.subscribe("").await.unwrap();
-        sub.connect(publisher.endpoint()).await.unwrap();
-        let mut seqs = Vec::new();
-        for i in 0..2 {
-            if i == 1 {
-                publisher.publish(removed(3));
-            }
-            let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
-                .await
-                .expect("a batch")
-                .unwrap();
-            seqs.push(u64::from_be_bytes(m.get(1).unwrap()[..].try_into().unwrap()));
+    let sub = subscriber(publisher.endpoint(), b"", Duration::from_secs(10));
+    let mut seqs = Vec::new();
+    for i in 0..2 {
+        if i == 1 {
+            publisher.publish(removed(3));
         }
-        assert_eq!(seqs, [7, 10], "8 and 9 were dropped");
-    });
+        seqs.push(sequence(&next(&sub).expect("a batch")));
+    }
+    assert_eq!(seqs, [7, 10], "8 and 9 were dropped");
 }
